@@ -1,0 +1,93 @@
+"""The values of one model: every standard value on every host, and every module port.
+
+``build_catalogue`` turns a family's ``VALUES`` into concrete names (``layers.3.self_attn.attention_gate``),
+each with its layout, its shape and where the locator found it (or why it could not).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import re
+
+from .families import Family
+from .families.rules import Derived, ProgramInput, ValueSpec
+from .passes.locate import Found, Locator, Missing
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One concrete value of one model."""
+
+    name: str  # "layers.3.self_attn.attention_gate", "layers.3.mlp.down_proj.input"
+    host: str  # the module that hosts it ("" for the model itself)
+    layout: str  # "HeadOutputs [batch seq num_heads head_dim]"
+    shape: tuple  # the layout's dims with the config's sizes filled in: ("batch", "seq", 4, 32)
+    description: str
+    location: Found | Missing
+    spec: ValueSpec | None = None  # None for a module port
+
+    @property
+    def available(self) -> bool:
+        return isinstance(self.location, Found) or self.derived
+
+    @property
+    def derived(self) -> bool:
+        return self.spec is not None and isinstance(self.spec.rule, Derived)
+
+    @property
+    def read_only(self) -> bool:
+        return self.spec is not None and self.spec.read_only
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.available else self.location.reason
+
+
+def host_path(spec_host: str, block: int | None) -> str:
+    """The module path of a value's host: "" for the model, ``layers.{i}[.mixer|.mlp]`` otherwise."""
+    if spec_host == "model":
+        return ""
+    return f"layers.{block}" if spec_host == "layer" else f"layers.{block}.{spec_host}"
+
+
+def build_catalogue(family: Family, config, locator: Locator, module_names: list[str]) -> dict[str, Entry]:
+    """Every value of the model, standard values first (model, then block by block), then ports."""
+    mixers = family.block_mixers(config)
+    entries: dict[str, Entry] = {}
+
+    def add(spec: ValueSpec, host: str):
+        name = f"{host}.{spec.name}" if host else spec.name
+        shape = tuple(family.dim(config, dim) or dim for dim in spec.dims)
+        location = Missing("derived") if isinstance(spec.rule, Derived) else locator.locate(host, spec.rule)
+        entries[name] = Entry(name, host, spec.layout, shape, spec.description, location, spec)
+
+    for spec in family.values:
+        if spec.host == "model":
+            add(spec, "")
+    for block, mixer in enumerate(mixers):
+        for spec in family.values:
+            if spec.host in ("layer", "mlp") or spec.host == mixer:
+                add(spec, host_path(spec.host, block))
+
+    symbols = _symbol_names(locator)
+    for module in module_names:
+        for side in ("input", "output"):
+            name = f"{module}.{side}"
+            marker = locator.ports.get(name)
+            if marker is None:
+                entries[name] = Entry(name, module, "", (), f"the {side} of {module}", Missing(
+                    f"module '{module}' is never called as a module in the forward (its weights are used "
+                    f"directly), so it has no {side}"))
+                continue
+            shape = tuple(size if isinstance(size, int) else symbols(str(size))
+                          for size in marker.meta["val"].shape)
+            layout = "[" + " ".join(str(size) for size in shape) + "]"
+            entries[name] = Entry(name, module, layout, shape, f"the {side} of {module}", Found(marker))
+    return entries
+
+
+def _symbol_names(locator: Locator):
+    """A function naming the program's symbolic sizes after the call's dims (``4*s43*s53`` -> ``4*batch*seq``)."""
+    batch, seq = locator.locate("", ProgramInput("input_ids")).node.meta["val"].shape
+    names = {str(batch): "batch", str(seq): "seq"}
+    return lambda size: re.sub(r"\bs\d+\b", lambda m: names.get(m.group(0), m.group(0)), size)

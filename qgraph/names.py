@@ -1,0 +1,89 @@
+"""Value names as users write them: globs, the bracket form, and errors that say what to write."""
+from __future__ import annotations
+
+import difflib
+import re
+
+from .catalogue import Entry
+
+
+class UnknownValue(KeyError):
+    """A name that matches no value of this model; the message lists the closest names."""
+
+    def __str__(self):  # KeyError quotes its message; show it as written
+        return self.args[0]
+
+
+class UnavailableValue(ValueError):
+    """A value this model has, but not under this load or on this block; the message says why."""
+
+
+def normalize(name: str) -> str:
+    """``layers[3].self_attn.x`` and ``model.layers.3.self_attn.x`` -> ``layers.3.self_attn.x``."""
+    name = re.sub(r"\[(-?\d+|\*)\]", r".\1", name.strip())
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _positive_block(name: str, blocks: int) -> str:
+    """``layers.-1.x`` -> ``layers.{blocks - 1}.x``, as Python indexes a list."""
+    return re.sub(r"^layers\.(-\d+)(?=\.|$)",
+                  lambda m: f"layers.{blocks + int(m.group(1))}" if -int(m.group(1)) <= blocks else m.group(0), name)
+
+
+def _glob(pattern: str) -> re.Pattern:
+    # ``*`` stays inside one dotted part (so ``layers.*.linear_attn.*`` means standard values, not
+    # every submodule's ports); ``**`` crosses parts.
+    parts = re.split(r"(\*\*|\*|\?)", pattern)
+    wild = {"**": ".*", "*": "[^.]*", "?": "[^.]"}
+    return re.compile("".join(wild.get(part) or re.escape(part) for part in parts) + r"\Z")
+
+
+def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str]) -> list[str]:
+    """The concrete, available value names that ``patterns`` select, in catalogue order.
+
+    An exact name must exist and be available; a glob must select at least one available value
+    (it skips the unavailable ones it also matches).
+    """
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    selected: dict[str, None] = {}
+    for raw in patterns:
+        pattern = _positive_block(normalize(raw), len(block_mixers))
+        if "*" in pattern or "?" in pattern:
+            regex = _glob(pattern)
+            # a module's ports are matched only by a pattern that asks for ports (or crosses parts)
+            ports_too = "**" in pattern or pattern.rsplit(".", 1)[-1] in ("input", "output", "*put")
+            matches = [name for name in catalogue
+                       if regex.match(name) and (ports_too or catalogue[name].spec is not None)]
+            available = [name for name in matches if catalogue[name].available]
+            if not available:
+                if matches:
+                    reasons = sorted({catalogue[name].reason for name in matches})
+                    raise UnavailableValue(f"'{raw}' matches only unavailable values: " + "; ".join(reasons))
+                raise UnknownValue(_unknown_message(raw, pattern, catalogue, block_mixers))
+            selected.update(dict.fromkeys(available))
+            continue
+        entry = catalogue.get(pattern)
+        if entry is None:
+            raise UnknownValue(_unknown_message(raw, pattern, catalogue, block_mixers))
+        if not entry.available:
+            raise UnavailableValue(f"'{raw}' is unavailable: {entry.reason}")
+        selected[pattern] = None
+    return list(selected)
+
+
+def _unknown_message(raw: str, pattern: str, catalogue: dict[str, Entry], block_mixers: list[str]) -> str:
+    wrong_kind = re.match(r"layers\.(-?\d+)\.(\w+)", pattern)
+    if wrong_kind:
+        block, module = int(wrong_kind.group(1)), wrong_kind.group(2)
+        if not -len(block_mixers) <= block < len(block_mixers):
+            return f"'{raw}': there is no block {block}; the model has blocks 0 to {len(block_mixers) - 1}."
+        mixers = set(block_mixers)
+        if module in mixers and block_mixers[block] != module:
+            kind = "linear_attention (a gated DeltaNet)" if block_mixers[block] == "linear_attn" else "full_attention"
+            blocks = [i for i, mixer in enumerate(block_mixers) if mixer == module]
+            return (f"'{raw}': block {block} is a {kind} block: its mixer is layers.{block}.{block_mixers[block]}, "
+                    f"not {module}. Blocks with {module}: {blocks}.")
+    closest = difflib.get_close_matches(pattern, list(catalogue), n=5, cutoff=0.5)
+    hint = ("Closest names: " + ", ".join(closest)) if closest else "See qgraph.support(model) for every name."
+    return f"Unknown value '{raw}'. {hint}"

@@ -1,0 +1,75 @@
+"""Custom ops that keep the exported graph small, dynamic and readable.
+
+* ``qgraph::chunk_gated_delta_rule`` and ``qgraph::recurrent_gated_delta_rule`` wrap the model's
+  gated delta-rule kernels. Exported as plain Python the chunked kernel unrolls into thousands of
+  nodes and fixes the sequence length; as an opaque op it is one node whose arguments and outputs
+  are exactly the DeltaNet values (queries, keys, values, decays, betas, state in and out).
+* ``qgraph::mark`` tags a module's input or output during export (see ``qgraph.export``). Markers
+  exist only between export and the passes: ``passes.markers`` removes every one of them, so the
+  program that runs has none.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# The kernels the ops run. ``qgraph.export`` fills these with the model module's own functions
+# (transformers' pure-torch kernels, or fla's when transformers picked them), so the op computes
+# exactly what the model computes.
+KERNELS: dict[str, Callable] = {}
+
+
+def _run_kernel(name, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel):
+    output, state = KERNELS[name](
+        query, key, value, g=g, beta=beta, initial_state=initial_state,
+        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    # Fresh, contiguous outputs: a custom op may not alias its inputs, and the fake kernel below
+    # promises contiguous strides.
+    return output.contiguous().clone(), state.to(torch.float32).contiguous().clone()
+
+
+def _fake(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel):
+    batch, seq, heads, value_dim = value.shape
+    output = value.new_empty(batch, seq, heads, value_dim)
+    state = value.new_empty(batch, heads, key.shape[-1], value_dim, dtype=torch.float32)
+    return output, state
+
+
+@torch.library.custom_op("qgraph::chunk_gated_delta_rule", mutates_args=())
+def chunk_gated_delta_rule(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked gated delta rule over a prompt: ``(output [b s hv dv], final state [b hv dk dv])``."""
+    return _run_kernel("chunk", query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+
+
+@torch.library.custom_op("qgraph::recurrent_gated_delta_rule", mutates_args=())
+def recurrent_gated_delta_rule(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-by-token gated delta rule (decode steps): same arguments and outputs as the chunked op."""
+    return _run_kernel("recurrent", query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+
+
+chunk_gated_delta_rule.register_fake(_fake)
+recurrent_gated_delta_rule.register_fake(_fake)
+
+
+@torch.library.custom_op("qgraph::mark", mutates_args=())
+def mark(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Identity that carries a port name through export; removed from the graph before any run."""
+    return x.clone()
+
+
+@mark.register_fake
+def _(x, name):
+    return torch.empty_like(x)
+
+
+DELTA_RULE_OPS = (torch.ops.qgraph.chunk_gated_delta_rule.default,
+                  torch.ops.qgraph.recurrent_gated_delta_rule.default)
+MARK_OP = torch.ops.qgraph.mark.default

@@ -1,0 +1,130 @@
+"""What a model supports: the support table and the module tree annotated with standard values."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .catalogue import Entry
+
+
+@dataclass(frozen=True)
+class Row:
+    """One standard value across its hosts: ``blocks`` maps block index (None for the model) to
+    None where the value is available and to the reason where it is not."""
+
+    name: str  # "layers.{i}.self_attn.attention_scores"
+    layout: str
+    shape: tuple
+    description: str
+    blocks: dict
+
+
+class SupportTable:
+    """Every standard value of a model with its layout, shape and per-block availability.
+
+    ``table.rows`` lists them; ``table[name]`` gives one concrete value's ``Entry`` (ports
+    included); ``table.ports`` lists the module ports; ``str(table)`` is a readable table.
+    """
+
+    def __init__(self, catalogue: dict[str, Entry], block_mixers: list[str]):
+        self.catalogue = catalogue
+        rows: dict[str, Row] = {}
+        for entry in catalogue.values():
+            if entry.spec is None:
+                continue
+            generic = re.sub(r"^layers\.\d+", "layers.{i}", entry.name)
+            row = rows.setdefault(generic, Row(generic, entry.layout, entry.shape, entry.description, {}))
+            block = int(entry.name.split(".")[1]) if generic != entry.name else None
+            row.blocks[block] = entry.reason
+        for row in rows.values():  # mixer values on the other kind's blocks
+            mixer = row.name.split(".")[2] if row.name.startswith("layers.{i}.") else None
+            for block, kind in enumerate(block_mixers):
+                if mixer in set(block_mixers) and kind != mixer:
+                    row.blocks[block] = f"block {block} is {_KIND[kind]}: it has {kind}, not {mixer}"
+        self.rows = list(rows.values())
+        self.ports = [entry for entry in catalogue.values() if entry.spec is None]
+
+    def __getitem__(self, name: str) -> Entry:
+        from .names import normalize
+        return self.catalogue[normalize(name)]
+
+    def __str__(self) -> str:
+        lines = [f"{'value':44} {'layout':44} {'shape':28} available"]
+        for row in self.rows:
+            shape = "[" + " ".join(str(size) for size in row.shape) + "]"
+            lines.append(f"{row.name:44} {row.layout:44} {shape:28} {_availability(row)}")
+        called = sum(entry.available for entry in self.ports)
+        lines.append(f"\n{called} module ports (<module>.input / <module>.output) of {len(self.ports)} are "
+                     f"available; table.ports lists them")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+_KIND = {"linear_attn": "a linear_attention (DeltaNet) block", "self_attn": "a full_attention block"}
+
+
+def _availability(row: Row) -> str:
+    if list(row.blocks) == [None]:
+        reason = row.blocks[None]
+        return "yes" if reason is None else f"no: {reason}"
+    yes = [block for block, reason in sorted(row.blocks.items()) if reason is None]
+    no = {}
+    for block, reason in sorted(row.blocks.items()):
+        if reason is not None:
+            no.setdefault(reason.replace(f"block {block} ", "the block "), []).append(block)
+    text = f"blocks {_ranges(yes)}" if yes else "none"
+    for reason, blocks in no.items():
+        text += f"; not {_ranges(blocks)}: {reason}"
+    return text
+
+
+def _ranges(blocks: list[int]) -> str:
+    return ",".join(str(b) for b in blocks)
+
+
+def support(model: torch.nn.Module) -> SupportTable:
+    """The support table of ``model``: every standard value, its layout and shape, and per block
+    whether it is available here, with the reason where it is not."""
+    from .instrument import instrument
+    instrumented = instrument(model)
+    return SupportTable(instrumented.catalogue, instrumented.family.block_mixers(model.config))
+
+
+def annotated_tree(model: torch.nn.Module, catalogue: dict[str, Entry], highlight=frozenset()) -> str:
+    """``print(model)``'s module tree with each module's standard values and their layouts under it.
+
+    Values in ``highlight`` (the instrumented ones) are marked with ``*``.
+    """
+    from .families import family_for
+    family = family_for(model)
+    by_host: dict[str, list[Entry]] = {}
+    for entry in catalogue.values():
+        if entry.spec is not None:
+            by_host.setdefault(entry.host, []).append(entry)
+    printed = set()
+
+    def render(module: torch.nn.Module, path: str, indent: str) -> list[str]:
+        extra = module.extra_repr()
+        children = list(module.named_children())
+        host = family.module_name(path)
+        values = by_host.get(host, []) if host not in printed else []
+        printed.add(host)
+        if not children and not values:
+            return [f"{type(module).__name__}({extra})"]
+        lines = [f"{type(module).__name__}({extra}" if extra else f"{type(module).__name__}("]
+        for name, child in children:
+            child_lines = render(child, f"{path}.{name}" if path else name, indent + "  ")
+            lines.append(f"{indent}  ({name}): {child_lines[0]}")
+            lines.extend(child_lines[1:])
+        for entry in values:
+            mark = "*" if entry.name in highlight else ""
+            status = "" if entry.available else f"  [unavailable: {entry.reason}]"
+            local = entry.name[len(host) + 1:] if host else entry.name
+            lines.append(f"{indent}  ({local}){mark} -> {entry.layout}: {entry.description}{status}")
+        lines.append(f"{indent})")
+        return lines
+
+    return "\n".join(render(model, "", ""))
