@@ -95,7 +95,7 @@ def _write_all_states(out, scratch, state0, key, new_values, cum, pairwise, bloc
     n_full = length // block  # whole blocks; the last partial chunk may end mid-block
     done = n_full * block
     if n_full:
-        target = out if out.dtype == torch.float32 else scratch[:, :done]
+        target = (out if out.dtype == torch.float32 else scratch)[:, :done]
         # State entering each block: the chunk start for block 0, else the previous block's end.
         entering = torch.empty(batch, heads, n_full, k_dim, v_dim, dtype=torch.float32, device=key.device)
         entering[:, :, 0] = state0
@@ -120,7 +120,7 @@ def _write_all_states(out, scratch, state0, key, new_values, cum, pairwise, bloc
         decay = (cum_blocks - before[..., None]).exp().permute(0, 2, 3, 1)[..., None, None]
         target.view(batch, n_full, block, heads, k_dim, v_dim).addcmul_(
             decay, entering.permute(0, 2, 1, 3, 4)[:, :, None])
-        if target is not out:
+        if out.dtype != torch.float32:
             out[:, :done] = target
     if done < length:
         tail = _rows_states(state0, key, new_values, cum, pairwise, list(range(done, length)))

@@ -1,15 +1,25 @@
 """``qgraph.instrument``: one exported program per model, tapped for the values asked for."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch.export.graph_signature import InputKind
 
 from .catalogue import Entry, build_catalogue
+from .edits import EditError, Target
 from .export import ExportedModel, export_model
 from .names import normalize, resolve
 from .passes import Found, Locator, strip_markers, tap
+from .passes.edit import EditSlot, insert_edit_slots, name_of
+
+_READ_ONLY_HINT = {
+    "next_token_probs": "edit 'logits' instead",
+    "input_size": "call with other inputs instead",
+    "input_ids": "pass other tokens instead",
+    "attention_mask": "pass another attention_mask instead",
+}
 
 
 @dataclass
@@ -29,61 +39,107 @@ class Output:
         return normalize(name) in self.values
 
 
-def instrument(model: torch.nn.Module, values=(), *, logits: bool = True) -> "InstrumentedModel":
+def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True) -> "InstrumentedModel":
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
-    ``values`` takes names, globs (``layers.*.layer_output``) and the bracket form
-    (``layers[3].self_attn.attention_scores``). With ``logits=False`` the program returns only the
-    captured values, and everything past the last one (``lm_head``, later blocks) is not computed.
+    ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
+    ``**`` crosses them) and the bracket form (``layers[3].self_attn.attention_scores``).
+    ``edits`` declares edit slots: a list of names (edits given per call, ``ig(..., edits={...})``)
+    or a dict ``{name: edit}`` of edits fixed into the program. With ``logits=False`` the program
+    returns only the captured values, and what only the logits needed (``lm_head``, blocks past the
+    last value) is not computed.
     """
-    return InstrumentedModel(model, export_model(model), values, logits=logits)
+    return InstrumentedModel(model, export_model(model), values, edits=edits, logits=logits)
 
 
 class InstrumentedModel:
     """A model's forward as a graph whose outputs include the values asked for.
 
-    Call it like the model (``ig(input_ids=..., attention_mask=...)`` or ``ig(**tokenizer(...))``);
-    it returns an ``Output``. The model's parameters are read at call time, never copied.
+    Call it like the model (``ig(input_ids=..., attention_mask=...)`` or ``ig(**tokenizer(...))``),
+    with ``edits={name: edit}`` for the declared slots; it returns an ``Output``. The model's
+    parameters are read at call time, never copied.
     """
 
-    def __init__(self, model: torch.nn.Module, exported: ExportedModel, values=(), *, logits: bool = True):
+    def __init__(self, model: torch.nn.Module, exported: ExportedModel, values=(), *, edits=(), logits=True):
         self.model, self.exported, self.family = model, exported, exported.family
         self.config = model.config
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(exported.graph, {}))
         self.catalogue: dict[str, Entry] = build_catalogue(
             self.family, self.config, Locator(graph, self.family, self.config), _module_names(model, self.family))
-        self.values = resolve(values, self.catalogue, self.family.block_mixers(self.config)) if values else []
+        self.values = self._resolve(values)
         self._derived = {name: self.catalogue[name].spec.rule for name in self.values if self.catalogue[name].derived}
+
+        fixed = {name: edit for pattern, edit in edits.items() for name in self._resolve(pattern)} \
+            if isinstance(edits, Mapping) else {}
+        self.slots: dict[str, EditSlot] = {}
+        for name in self._resolve(list(edits)):
+            entry = self.catalogue[name]
+            if entry.read_only:
+                raise EditError(f"'{name}' is read-only ({entry.description}); " + _READ_ONLY_HINT.get(
+                    name, "edit the value it is derived from"))
+            target = Target(name, entry.layout, tuple(map(str, entry.spec.dims if entry.spec else entry.shape)))
+            self.slots[name] = EditSlot(target, entry.location.split_heads, fixed=fixed.get(name))
+        slot_nodes = insert_edit_slots(graph, {name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
+                                               for name, slot in self.slots.items()})
 
         wanted = [name for name in self.values if name not in self._derived]
         wanted += [rule.source for rule in self._derived.values() if rule.source not in wanted]
-        self._tapped = tap(graph, {name: self.catalogue[name].location for name in wanted})
+        found = {}
+        for name in wanted:
+            location = self.catalogue[name].location
+            found[name] = Found(slot_nodes[name], location.split_heads) if name in slot_nodes else location
+        self._tapped = tap(graph, found)
         output = graph.output_node()
         if not logits:  # drop the model's own outputs, and with them what only they needed
             output.args = (tuple(output.args[0])[len(exported.program.graph_signature.output_specs):],)
         self._logits = logits
         strip_markers(graph)
-        graph.eliminate_dead_code()
+        attributes = {node.target: getattr(exported.program.graph_module, node.target)
+                      for node in graph.find_nodes(op="get_attr")}
+        self.program = torch.fx.GraphModule({**attributes, **{name_of(n): s for n, s in self.slots.items()}}, graph)
+        graph.eliminate_dead_code()  # needs the owning module to judge the slots' purity
         graph.lint()
-        self.program = torch.fx.GraphModule(exported.program.graph_module, graph)
+        self.program.recompile()
         self._sources = _input_sources(model, exported)
+
+    def _resolve(self, patterns) -> list[str]:
+        return resolve(patterns, self.catalogue, self.family.block_mixers(self.config)) if patterns else []
 
     # -- running ---------------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 **unexpected) -> Output:
+                 *, edits: Mapping | None = None, **unexpected) -> Output:
         if unexpected:
             raise TypeError(f"unexpected inputs {sorted(unexpected)}: an instrumented text model takes "
-                            f"input_ids and attention_mask")
+                            f"input_ids, attention_mask and edits")
         input_ids, attention_mask = _check_inputs(input_ids, attention_mask)
         user = {"input_ids": input_ids, "attention_mask": attention_mask}
         flat = [source(user) for source in self._sources]
-        results = list(self.program(*flat))
+        active = self._activate(edits or {})
+        try:
+            results = list(self.program(*flat))
+        finally:
+            for slot in active:  # an edit lasts one call
+                slot.edit = None
         logits = results.pop(0) if self._logits else None
         captured = dict(zip(self._tapped, results))
         for name, rule in self._derived.items():
             captured[name] = _derive(rule.how, captured[rule.source])
         return Output(logits, {name: captured[name] for name in self.values})
+
+    def _activate(self, edits: Mapping) -> list[EditSlot]:
+        active = []
+        for pattern, edit in edits.items():
+            names = self._resolve(pattern)
+            undeclared = [name for name in names if name not in self.slots]
+            if undeclared:
+                declared = ", ".join(self.slots) or "none"
+                raise EditError(f"no edit slot for {undeclared}: declare it with qgraph.instrument(model, "
+                                f"edits=[...]) (declared slots: {declared})")
+            for name in names:
+                self.slots[name].edit = edit
+                active.append(self.slots[name])
+        return active
 
     # -- looking -----------------------------------------------------------------------------------
     @property

@@ -151,9 +151,8 @@ def attention_core(nodes) -> AttentionCore | None:
     keys_transposed = scores_product.args[1]
     # forward from the softmax through casts and dropout to pattern @ v
     probabilities = softmax
-    mix = next(iter(probabilities.users))
-    while mix.target is not aten.matmul.default:
-        probabilities, mix = mix, next(iter(mix.users))
+    while (mix := next((u for u in probabilities.users if u.target is aten.matmul.default), None)) is None:
+        probabilities = next(u for u in probabilities.users if u.target in _PASS_THROUGH)
     return AttentionCore(
         queries=scores_product.args[0], keys=_unrepeat(keys_transposed.args[0]), values=_unrepeat(mix.args[1]),
         output=mix, scores=softmax.args[0], probabilities=probabilities)
