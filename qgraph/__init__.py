@@ -4,10 +4,13 @@
     out = ig(**tokenizer(texts, return_tensors="pt", padding=True))
     out.logits, out["layers.3.layer_output"]
 """
+from .edits import Add, Edit, EditError, Replace, Scale, Zero
 from .families import UnsupportedModel
 from .instrument import InstrumentedModel, Output, instrument
 from .names import UnavailableValue, UnknownValue
+from .recipes import patch, skip_layers, steer
 from .support import SupportTable, support
 
-__all__ = ["InstrumentedModel", "Output", "SupportTable", "UnavailableValue", "UnknownValue",
-           "UnsupportedModel", "instrument", "support"]
+__all__ = ["Add", "Edit", "EditError", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
+           "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "instrument", "patch", "skip_layers",
+           "steer", "support"]

@@ -141,6 +141,27 @@ class InstrumentedModel:
                 active.append(self.slots[name])
         return active
 
+    # -- reading the stream -------------------------------------------------------------------
+    def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of a residual-stream tensor: the model's final norm (its ``1 + weight`` gain), then
+        its lm_head, so ``project_on_vocab(layers[-1].layer_output) == logits``."""
+        modules = {self.family.module_name(path): module for path, module in self.model.named_modules()}
+        norm, head = (modules[path] for path in self.family.data.READOUT)
+        return head(norm(hidden))
+
+    def logit_lens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                   positions=(-1,), top: int = 5) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Every block's top tokens at ``positions``: ``{block: (token ids, probabilities)}``, each
+        ``[batch, len(positions), top]``, from ``project_on_vocab`` of the block's ``layer_output``."""
+        lens = instrument(self.model, values=["layers.*.layer_output"], logits=False)
+        out = lens(input_ids, attention_mask)
+        result = {}
+        for block in range(len(self.family.block_mixers(self.config))):
+            hidden = out[f"layers.{block}.layer_output"][:, list(positions)]
+            probs = self.project_on_vocab(hidden).float().softmax(-1).topk(top, dim=-1)
+            result[block] = (probs.indices, probs.values)
+        return result
+
     # -- looking -----------------------------------------------------------------------------------
     @property
     def graph(self) -> torch.fx.Graph:

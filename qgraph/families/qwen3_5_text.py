@@ -23,7 +23,8 @@ MODULE_PREFIXES = (
 )
 NO_PORTS = ("", "model", "model.language_model", "model.visual")
 
-BLOCKS = "layers"
+# The final norm and the unembedding, by their spec names (project_on_vocab)
+READOUT = ("norm", "lm_head")
 # config.layer_types entry -> the mixer module a block of that kind carries
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
 

@@ -1,0 +1,201 @@
+"""Edits rewired into the graph: kinds, selections, helpers, and their errors (issue 3)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qgraph
+from qgraph import Add, EditError, Replace, Scale, Zero
+
+ATTN = "layers.3.self_attn"
+
+
+def ids_of(batch, seq, seed):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def edited(eager_model):
+    """One program with slots at every kind of value the tests edit."""
+    return qgraph.instrument(
+        eager_model,
+        values=["layers.*.layer_output", "layers.*.layer_input", f"{ATTN}.*", "layers.0.linear_attn.*"],
+        edits=["layers.*.layer_output", f"{ATTN}.attention_gate", f"{ATTN}.attention_head_outputs",
+               f"{ATTN}.attention_probabilities", "layers.0.linear_attn.decays", "layers.0.linear_attn.betas",
+               "layers.0.linear_attn.state_input", "layers.2.mlp.mlp_neurons", "layers.*.*.attention_output",
+               "layers.*.mlp.mlp_output", "layers.1.mlp.down_proj.input"])
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return ids_of(2, 12, seed=7)
+
+
+@pytest.fixture(scope="module")
+def baseline(edited, ids):
+    with torch.no_grad():
+        return edited(ids)
+
+
+def test_closed_gate_silences_the_attention(edited, ids, baseline):
+    out = edited(ids, edits={f"{ATTN}.attention_gate": lambda gate: torch.full_like(gate, -1e4)})
+    assert baseline[f"{ATTN}.attention_output"].abs().max() > 1e-3
+    assert out[f"{ATTN}.attention_output"].abs().max() < 1e-12
+    # what the gate edit leaves alone stays bitwise the same
+    assert torch.equal(out[f"{ATTN}.attention_head_outputs"], baseline[f"{ATTN}.attention_head_outputs"])
+
+
+def test_zeroing_one_head_changes_only_its_premix_slice(edited, ids, baseline):
+    out = edited(ids, edits={f"{ATTN}.attention_head_outputs": Zero(heads=[2])})
+    changed = (out[f"{ATTN}.attention_premix"] - baseline[f"{ATTN}.attention_premix"]).abs().amax(dim=(0, 1, 3))
+    assert changed[2] > 0 and changed[[0, 1, 3]].eq(0).all()
+    assert out[f"{ATTN}.attention_head_outputs"][:, :, 2].eq(0).all()  # captured as edited
+
+
+def test_steer_equals_adding_by_hand_and_moves_downstream(edited, eager_model, ids, baseline):
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    out = edited(ids, edits=qgraph.steer(1, vector, factor=2.0, positions=[3, -1]))
+    expected = baseline["layers.1.layer_output"].clone()
+    expected[:, [3, -1]] += 2.0 * vector
+    assert torch.equal(out["layers.1.layer_output"], expected)
+    assert not torch.allclose(out["layers.2.layer_output"], baseline["layers.2.layer_output"])
+
+    def hook(module, args, output):
+        output = output.clone()
+        output[:, [3, -1]] += 2.0 * vector
+        return output
+    handle = eager_model.model.layers[1].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            by_hook = eager_model(input_ids=ids).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(out.logits, by_hook, atol=1e-6, rtol=0)
+
+
+def test_skip_layers_passes_the_stream_through(edited, eager_model, ids, baseline):
+    out = edited(ids, edits=qgraph.skip_layers(1, 2))
+    assert torch.equal(out["layers.2.layer_output"], out["layers.1.layer_input"])
+    assert torch.equal(out["layers.1.layer_input"], baseline["layers.1.layer_input"])
+    # the logits follow: the last blocks read the skipped stream
+    assert torch.equal(edited.project_on_vocab(out["layers.3.layer_output"]), out.logits)
+    assert not torch.allclose(out.logits, baseline.logits)
+    handles = [eager_model.model.layers[i].register_forward_hook(lambda m, a, k, o: a[0] if a else k["hidden_states"],
+                                                                    with_kwargs=True) for i in (1, 2)]
+    try:
+        with torch.no_grad():
+            by_hook = eager_model(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(out.logits, by_hook, atol=1e-6, rtol=0)
+
+
+def test_patching_the_last_block_reproduces_the_clean_logits(edited, ids):
+    clean, corrupt = ids, ids_of(2, 12, seed=99)
+    patched = qgraph.patch(edited, clean, corrupt, at=["layers.3.layer_output"], metric=lambda logits: logits)
+    assert torch.equal(patched["layers.3.layer_output"], edited(clean).logits)
+    assert qgraph.patch(edited, clean, corrupt, at=[], metric=lambda logits: logits) == {}
+    assert torch.equal(edited(corrupt, edits={}).logits, edited(corrupt).logits)
+    # every block's layer_output, one at a time: the earlier the splice, the more the corrupt tail moves it
+    metric = lambda logits: logits[:, -1].sub(edited(clean).logits[:, -1]).abs().max().item()  # noqa: E731
+    per_block = qgraph.patch(edited, clean, corrupt, at=["layers.*.layer_output"], metric=metric)
+    assert list(per_block) == [f"layers.{i}.layer_output" for i in range(4)] and per_block["layers.3.layer_output"] == 0
+
+
+def test_project_on_vocab_of_the_last_block_is_the_logits(edited, baseline):
+    assert torch.equal(edited.project_on_vocab(baseline["layers.3.layer_output"]), baseline.logits)
+
+
+def test_logit_lens_top_tokens_match_the_projection(edited, ids, baseline):
+    lens = edited.logit_lens(ids, positions=[-1], top=3)
+    probs = edited.project_on_vocab(baseline["layers.3.layer_output"][:, [-1]]).softmax(-1)
+    assert torch.equal(lens[3][0], probs.topk(3, dim=-1).indices)
+
+
+def test_edits_do_not_leak_and_the_model_is_unchanged(edited, eager_model, ids, baseline):
+    before = {name: tensor.clone() for name, tensor in eager_model.state_dict().items()}
+    edited(ids, edits={"layers.0.layer_output": Scale(3.0), f"{ATTN}.attention_gate": Zero()})
+    again = edited(ids)
+    assert torch.equal(again.logits, baseline.logits)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in eager_model.state_dict().items())
+
+
+def test_probabilities_decays_betas_and_state_input_are_editable(edited, ids, baseline):
+    uniform = edited(ids, edits={f"{ATTN}.attention_probabilities": lambda p: torch.tril(torch.ones_like(p)) /
+                                 torch.tril(torch.ones_like(p)).sum(-1, keepdim=True)})
+    values = uniform[f"{ATTN}.attention_values"].repeat_interleave(2, dim=1)
+    mean_of_past = values.cumsum(2) / torch.arange(1, 13).view(1, 1, -1, 1)
+    torch.testing.assert_close(uniform[f"{ATTN}.attention_head_outputs"], mean_of_past.transpose(1, 2))
+
+    delta = "layers.0.linear_attn"
+    forget = edited(ids, edits={f"{delta}.decays": lambda g: torch.full_like(g, -1e4),
+                                f"{delta}.betas": lambda b: torch.ones_like(b)})
+    # forgetting everything and writing fully: the state after t holds only token t's key -> value
+    keys = forget[f"{delta}.attention_keys"][:, -1].repeat_interleave(2, dim=1)
+    k = keys * torch.rsqrt(keys.pow(2).sum(-1, keepdim=True) + 1e-6)  # the kernel's l2 norm
+    v = forget[f"{delta}.attention_values"][:, -1]
+    torch.testing.assert_close(forget[f"{delta}.state_output"], k.unsqueeze(-1) * v.unsqueeze(-2))
+
+    state = torch.randn_like(baseline[f"{delta}.state_input"])
+    carried = edited(ids, edits={f"{delta}.state_input": Replace(state)})
+    assert torch.equal(carried[f"{delta}.state_input"], state)
+    assert not torch.allclose(carried[f"{delta}.attention_head_outputs"], baseline[f"{delta}.attention_head_outputs"])
+    same = edited(ids, edits={f"{delta}.state_input": Replace(torch.zeros_like(state))})
+    assert torch.equal(same.logits, baseline.logits)
+
+
+def test_selections_and_kinds(edited, ids, baseline):
+    name = "layers.2.mlp.mlp_neurons"
+    probe = qgraph.instrument(edited.model, values=[name], edits=[name])
+    base = probe(ids)[name]
+    out = probe(ids, edits={name: Zero(neurons=[0, 5], batch=[1], positions=[2])})[name]
+    mask = torch.zeros_like(base, dtype=torch.bool)
+    mask[1, 2, [0, 5]] = True
+    assert out[mask].eq(0).all() and torch.equal(out[~mask], base[~mask])
+    scaled = probe(ids, edits={name: Scale(0.5, positions=[-1])})[name]
+    assert torch.equal(scaled[:, -1], base[:, -1] * 0.5) and torch.equal(scaled[:, :-1], base[:, :-1])
+    replaced = probe(ids, edits={name: Replace(torch.ones(2, 1, 128), positions=[4])})[name]
+    assert replaced[:, 4].eq(1).all()
+
+
+def test_a_port_edit_reaches_only_its_module(edited, ids, baseline):
+    out = edited(ids, edits={"layers.1.mlp.down_proj.input": Zero()})
+    # down_proj sees zeros, so the MLP adds nothing; the stream before it is untouched
+    assert out["layers.1.layer_output"].sub(out["layers.1.layer_input"]).abs().max() > 0
+    assert torch.equal(out["layers.1.layer_input"], baseline["layers.1.layer_input"])
+
+
+def test_baked_edits_equal_per_call_edits(eager_model, edited, ids):
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    baked = qgraph.instrument(eager_model, values=["layers.2.layer_output"], edits=qgraph.steer(1, vector))
+    per_call = edited(ids, edits=qgraph.steer(1, vector))
+    assert torch.equal(baked(ids)["layers.2.layer_output"], per_call["layers.2.layer_output"])
+    assert torch.equal(baked(ids).logits, per_call.logits)
+
+
+def test_unused_slots_change_nothing(eager_model, edited, ids, baseline):
+    plain = qgraph.instrument(eager_model, values=["layers.*.layer_output"])
+    assert torch.equal(plain(ids).logits, baseline.logits)
+    assert torch.equal(plain(ids)["layers.2.layer_output"], baseline["layers.2.layer_output"])
+
+
+def test_bad_edits_say_what_is_wrong(edited, ids):
+    with pytest.raises(EditError, match=r"layers\.1\.layer_output.*Residual \[batch seq hidden_size\].*\(2, 12, 64\)"):
+        edited(ids, edits={"layers.1.layer_output": Add(torch.ones(5))})
+    with pytest.raises(EditError, match="read-only"):
+        qgraph.instrument(edited.model, edits=["next_token_probs"])
+    with pytest.raises(EditError, match="read-only"):
+        qgraph.instrument(edited.model, edits=["input_ids"])
+    with pytest.raises(EditError, match=r"\[7\] out of range for its num_heads axis of size 4"):
+        edited(ids, edits={f"{ATTN}.attention_head_outputs": Zero(heads=[7])})
+    with pytest.raises(EditError, match="no num_heads"):
+        edited(ids, edits={"layers.1.layer_output": Zero(heads=[0])})
+    with pytest.raises(qgraph.UnknownValue, match="linear_attention"):
+        qgraph.instrument(edited.model, edits=["layers.0.self_attn.attention_gate"])
+    with pytest.raises(EditError, match="no edit slot"):
+        edited(ids, edits={"layers.2.mlp.mlp_activation": Zero()})
+    with pytest.raises(EditError, match="must return a tensor of the value's shape"):
+        edited(ids, edits={"layers.1.layer_output": lambda x: x[:, :1]})
+    # a failed call leaves no edit behind
+    assert all(slot.edit is None for slot in edited.slots.values())
