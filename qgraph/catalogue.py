@@ -11,7 +11,7 @@ import re
 
 from .families import Family
 from .families.rules import Derived, ProgramInput, ValueSpec
-from .passes.locate import Found, Locator, Missing
+from .passes.locate import Found, Locator, Missing, OnRequest
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,12 @@ class Entry:
     layout: str  # "HeadOutputs [batch seq num_heads head_dim]"
     shape: tuple  # the layout's dims with the config's sizes filled in: ("batch", "seq", 4, 32)
     description: str
-    location: Found | Missing
+    location: Found | OnRequest | Missing
     spec: ValueSpec | None = None  # None for a module port
 
     @property
     def available(self) -> bool:
-        return isinstance(self.location, Found) or self.derived
+        return isinstance(self.location, (Found, OnRequest)) or self.derived
 
     @property
     def derived(self) -> bool:

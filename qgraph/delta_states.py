@@ -24,6 +24,9 @@ wraps it as an opaque custom op so it exports as one graph node with dynamic bat
 from __future__ import annotations
 
 import math
+import mmap
+import os
+import sys
 from typing import Optional
 
 import torch
@@ -40,6 +43,38 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # Same formula as transformers' / fla's l2norm (rsqrt of sum of squares plus eps), so the
     # output matches the model's kernel to rounding.
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+#: State buffers of at least this many bytes on CPU are backed by transparent huge pages (Linux
+#: only; ``None`` disables). All-token states are large (256 MiB per 0.8B DeltaNet
+#: block at 256 tokens) and on CPU first-touching fresh 4 KiB pages costs several times the
+#: arithmetic that fills them; 2 MiB pages cut that ~4x. PyTorch does the same for every
+#: allocation when ``THP_MEM_ALLOC_ENABLE=1`` is set, in which case this is skipped.
+HUGE_PAGE_MIN_BYTES: Optional[int] = 32 << 20
+_HUGE_PAGE = 2 << 20
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """``torch.empty`` for big CPU buffers, on a huge-page-advised anonymous mapping if possible.
+
+    The tensor owns the mapping (it keeps the ``mmap`` object alive through its buffer export)
+    and has ordinary contiguous strides and storage offset 0.
+    """
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if (HUGE_PAGE_MIN_BYTES is None or nbytes < HUGE_PAGE_MIN_BYTES or torch.device(device).type != "cpu"
+            or not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE")
+            or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"):
+        return torch.empty(shape, dtype=dtype, device=device)
+    try:
+        # Over-allocate by one huge page and start at a 2 MiB boundary so whole huge pages fit.
+        region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+        address = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+        offset = -address % _HUGE_PAGE
+        return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
+    except (OSError, ValueError, TypeError, RuntimeError):
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _block_size(chunk_size: int) -> int:
@@ -115,8 +150,14 @@ def _write_all_states(out, scratch, state0, key, new_values, cum, pairwise, bloc
         lhs = lhs.reshape(batch, done * heads, k_dim, block)
         rhs = values_b.permute(0, 2, 3, 1, 4, 5).expand(batch, n_full, block, heads, block, v_dim)
         rhs = rhs.reshape(batch, done * heads, block, v_dim)
+        # Autograd cannot record ``out=`` calls: when a gradient is wanted, copy instead.
+        differentiable = torch.is_grad_enabled() and (lhs.requires_grad or rhs.requires_grad)
         for b in range(batch):  # bmm is 3-D; target[b] is one contiguous block of memory
-            torch.bmm(lhs[b], rhs[b], out=target[b].view(done * heads, k_dim, v_dim))
+            dest = target[b].view(done * heads, k_dim, v_dim)
+            if differentiable:
+                dest.copy_(torch.bmm(lhs[b], rhs[b]))
+            else:
+                torch.bmm(lhs[b], rhs[b], out=dest)
         decay = (cum_blocks - before[..., None]).exp().permute(0, 2, 3, 1)[..., None, None]
         target.view(batch, n_full, block, heads, k_dim, v_dim).addcmul_(
             decay, entering.permute(0, 2, 1, 3, 4)[:, :, None])
@@ -240,7 +281,7 @@ def chunk_gated_delta_rule_with_states(
     num_sel = num_v_heads if head_index is None else head_index.numel()
     select = (lambda x: x) if head_index is None else (lambda x: x.index_select(1, head_index))  # noqa: E731
     if positions is None:
-        states = torch.empty(batch, seq, num_sel, k_dim, v_dim, dtype=states_dtype, device=device)
+        states = _empty((batch, seq, num_sel, k_dim, v_dim), states_dtype, device)
         wanted: dict[int, list[tuple[int, int]]] = {}
     else:
         states = torch.empty(batch, positions.numel(), num_sel, k_dim, v_dim, dtype=states_dtype, device=device)
@@ -253,8 +294,7 @@ def chunk_gated_delta_rule_with_states(
     # once and reused so its pages are touched once.
     scratch = None
     if positions is None and states_dtype != torch.float32:
-        scratch = torch.empty(batch, min(chunk_size, seq), num_sel, k_dim, v_dim,
-                              dtype=torch.float32, device=device)
+        scratch = _empty((batch, min(chunk_size, seq), num_sel, k_dim, v_dim), torch.float32, device)
 
     if initial_state is None:
         state = torch.zeros(batch, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device)

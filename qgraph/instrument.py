@@ -11,7 +11,7 @@ from .catalogue import Entry, build_catalogue
 from .edits import EditError, Target
 from .export import ExportedModel, export_model
 from .names import normalize, resolve
-from .passes import Found, Locator, strip_markers, tap
+from .passes import Found, Locator, OnRequest, decompose_sdpa, strip_markers, tap
 from .passes.edit import EditSlot, insert_edit_slots, name_of
 
 _READ_ONLY_HINT = {
@@ -65,9 +65,19 @@ class InstrumentedModel:
         self.config = model.config
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(exported.graph, {}))
+        module_names = _module_names(model, self.family)
         self.catalogue: dict[str, Entry] = build_catalogue(
-            self.family, self.config, Locator(graph, self.family, self.config), _module_names(model, self.family))
+            self.family, self.config, Locator(graph, self.family, self.config), module_names)
         self.values = self._resolve(values)
+        # values a pass must first make (a block's pattern under sdpa): make them, then look again
+        requested = self.values + self._resolve(list(edits))
+        to_decompose = {self.catalogue[name].location.node for name in requested
+                        if isinstance(self.catalogue[name].location, OnRequest)}
+        if to_decompose:
+            for sdpa in to_decompose:
+                decompose_sdpa(graph, sdpa)
+            self.catalogue = build_catalogue(
+                self.family, self.config, Locator(graph, self.family, self.config), module_names)
         self._derived = {name: self.catalogue[name].spec.rule for name in self.values if self.catalogue[name].derived}
 
         fixed = {name: edit for pattern, edit in edits.items() for name in self._resolve(pattern)} \

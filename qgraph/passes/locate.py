@@ -37,6 +37,14 @@ class Found:
 
 
 @dataclass(frozen=True)
+class OnRequest:
+    """A value a pass can make: the sdpa node whose decomposition gives a block's pattern."""
+
+    node: Node
+    part: str
+
+
+@dataclass(frozen=True)
 class Missing:
     """Why a value cannot be read from this program."""
 
@@ -68,7 +76,7 @@ class Locator:
             for path, _ in (node.meta.get("nn_module_stack") or {}).values():
                 self.scopes[family.module_name(path)].append(node)
 
-    def locate(self, host: str, rule) -> Found | Missing:
+    def locate(self, host: str, rule) -> Found | OnRequest | Missing:
         """Where ``rule`` finds its value on the module ``host`` (a spec name, "" for the model)."""
         if isinstance(rule, Port):
             return self._port(host, rule)
@@ -107,17 +115,14 @@ class Locator:
             return Found(kernel.args[DeltaRule.ARGUMENTS.index(part)])
         return Found(_output_item(self.graph, kernel, DeltaRule.OUTPUTS.index(part)))
 
-    def _attention(self, host: str, part: str) -> Found | Missing:
+    def _attention(self, host: str, part: str) -> Found | OnRequest | Missing:
         core = attention_core(self.scopes.get(host, ()))
         if core is None:
             return Missing(f"no attention computation found under '{host}'")
         if part == "head_outputs":
             return Found(_heads_last(core.output))
         node = getattr(core, part)
-        if node is None:
-            return Missing(f"the sdpa load computes '{host}' in one fused op with no softmax node; load the "
-                           f"model with attn_implementation='eager' to read attention_{part}")
-        return Found(node)
+        return OnRequest(core.output, part) if node is None else Found(node)  # None: a fused sdpa
 
     def _projection_half(self, host: str, rule: ProjectionHalf) -> Found | Missing:
         projection = ".".join(part for part in (host, rule.projection) if part)
