@@ -10,7 +10,7 @@ from torch.export.graph_signature import InputKind
 from .catalogue import Entry, build_catalogue
 from .edits import EditError, Target
 from .export import ExportedModel, export_model
-from .names import normalize, resolve
+from .names import canonical, resolve
 from .passes import Found, Locator, OnRequest, decompose_sdpa, strip_markers, tap
 from .passes.edit import EditSlot, insert_edit_slots, name_of
 
@@ -24,19 +24,23 @@ _READ_ONLY_HINT = {
 
 @dataclass
 class Output:
-    """What an instrumented call returns: the model's logits and the captured values by name."""
+    """What an instrumented call returns: the model's logits and the captured values by name.
+
+    ``out[name]`` takes the spellings ``values=`` takes (``layers[-1].layer_output``).
+    """
 
     logits: torch.Tensor | None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
+    blocks: int = 0  # the model's block count, to read negative block indices
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        key = normalize(name)
+        key = canonical(name, self.blocks)
         if key not in self.values:
             raise KeyError(f"'{name}' was not captured; captured: {', '.join(self.values) or 'nothing'}")
         return self.values[key]
 
     def __contains__(self, name: str) -> bool:
-        return normalize(name) in self.values
+        return canonical(name, self.blocks) in self.values
 
 
 def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True) -> "InstrumentedModel":
@@ -135,7 +139,7 @@ class InstrumentedModel:
         captured = dict(zip(self._tapped, results))
         for name, rule in self._derived.items():
             captured[name] = _derive(rule.how, captured[rule.source])
-        return Output(logits, {name: captured[name] for name in self.values})
+        return Output(logits, {name: captured[name] for name in self.values}, len(self.family.block_mixers(self.config)))
 
     def _activate(self, edits: Mapping) -> list[EditSlot]:
         active = []

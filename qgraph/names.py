@@ -24,6 +24,11 @@ def normalize(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
+def canonical(name: str, blocks: int) -> str:
+    """The catalogue spelling of a name: dotted, no ``model.`` prefix, non-negative block index."""
+    return _positive_block(normalize(name), blocks)
+
+
 def _positive_block(name: str, blocks: int) -> str:
     """``layers.-1.x`` -> ``layers.{blocks - 1}.x``, as Python indexes a list."""
     return re.sub(r"^layers\.(-\d+)(?=\.|$)",
@@ -48,7 +53,7 @@ def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str]) -> l
         patterns = [patterns]
     selected: dict[str, None] = {}
     for raw in patterns:
-        pattern = _positive_block(normalize(raw), len(block_mixers))
+        pattern = canonical(raw, len(block_mixers))
         if "*" in pattern or "?" in pattern:
             regex = _glob(pattern)
             # a module's ports are matched only by a pattern that asks for ports (or crosses parts)

@@ -154,10 +154,10 @@ def attention_core(nodes) -> AttentionCore | None:
     while scores_product.target is not aten.matmul.default:
         scores_product = scores_product.args[0]
     keys_transposed = scores_product.args[1]
-    # forward from the softmax through casts and dropout to pattern @ v
+    # forward from the softmax through casts, dropout and a padding-row mask to pattern @ v
     probabilities = softmax
     while (mix := next((u for u in probabilities.users if u.target is aten.matmul.default), None)) is None:
-        probabilities = next(u for u in probabilities.users if u.target in _PASS_THROUGH)
+        probabilities = next(u for u in probabilities.users if u.target in _PASS_THROUGH | {aten.mul.Tensor})
     return AttentionCore(
         queries=scores_product.args[0], keys=_unrepeat(keys_transposed.args[0]), values=_unrepeat(mix.args[1]),
         output=mix, scores=softmax.args[0], probabilities=probabilities)

@@ -1,0 +1,131 @@
+"""Session fixtures: one tiny checkpoint, its sdpa and eager loads, and one instrumented program each.
+
+Export is the slow part (seconds per model), so every model and every program here is built once
+per session. The programs tap every value the catalogue has (``"**"``: standard values and module
+ports); tests read what they need from one call.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import qgraph
+from qgraph.testing import tiny_qwen3_5
+
+ALL = ["**"]  # every available value: standard values and module ports
+
+
+def random_ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    """Byte-token ids (no specials), reproducible."""
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(model, input_ids, attention_mask=None):
+    """The plain Hugging Face forward (not instrumented)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def _kernel_module_functions():
+    module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    return module, {name: value for name, value in vars(module).items() if callable(value)}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    return tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(checkpoint):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def _sdpa_load(checkpoint):
+    """The sdpa load, and what it looks like before anything instruments it (see before_instrument)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    assert model.config._attn_implementation == "sdpa"
+    return model, _snapshot(model)
+
+
+@pytest.fixture(scope="session")
+def sdpa_model(_sdpa_load):
+    return _sdpa_load[0]
+
+
+@pytest.fixture(scope="session")
+def eager_model(checkpoint):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    assert model.config._attn_implementation == "eager"
+    return model
+
+
+def _snapshot(model):
+    module, functions = _kernel_module_functions()
+    ids = random_ids(2, 11, seed=123)
+    return {
+        "state_dict": {name: tensor.detach().clone() for name, tensor in model.state_dict().items()},
+        "data_ptrs": {name: tensor.data_ptr() for name, tensor in model.state_dict().items()},
+        "hooks": {path: (len(m._forward_hooks), len(m._forward_pre_hooks)) for path, m in model.named_modules()},
+        "forwards": {path: m.forward for path, m in model.named_modules()},
+        "kernel_module": module,
+        "functions": functions,
+        "probe_ids": ids,
+        "logits": hf_logits(model, ids),
+    }
+
+
+@pytest.fixture(scope="session")
+def before_instrument(_sdpa_load):
+    """The sdpa model before anything instrumented it: a state_dict copy (and the tensors'
+    addresses), its hooks and forwards, the kernel module's functions and a plain forward's logits."""
+    return _sdpa_load[1]
+
+
+@pytest.fixture(scope="session")
+def ig(sdpa_model):
+    """The sdpa load instrumented once for every value it has."""
+    return qgraph.instrument(sdpa_model, values=ALL)
+
+
+@pytest.fixture(scope="session")
+def ig_eager(eager_model):
+    """The eager load instrumented once for every value it has."""
+    return qgraph.instrument(eager_model, values=ALL)
+
+
+@pytest.fixture(scope="session")
+def ids():
+    """The standard prompt batch: 2 prompts of 70 tokens (past the delta rule's 64-token chunk)."""
+    return random_ids(2, 70, seed=1)
+
+
+@pytest.fixture(scope="session")
+def out(ig, ids):
+    return ig(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+@pytest.fixture(scope="session")
+def out_eager(ig_eager, ids):
+    return ig_eager(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+@pytest.fixture(scope="session")
+def ig_fused(sdpa_model, ig):
+    """The sdpa load with every value but the attention pattern, so its attention stays one fused
+    sdpa node (asking for the pattern makes qgraph decompose it)."""
+    pattern = {"layers.3.self_attn.attention_scores", "layers.3.self_attn.attention_probabilities"}
+    return qgraph.instrument(sdpa_model, values=[name for name in ig.values if name not in pattern])
+
+
+@pytest.fixture(scope="session")
+def out_fused(ig_fused, ids):
+    return ig_fused(input_ids=ids, attention_mask=torch.ones_like(ids))

@@ -1,0 +1,385 @@
+"""The captured values, checked against the model's own arithmetic and against plain HF forwards."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import qgraph
+
+from conftest import hf_logits, random_ids
+
+BLOCKS = range(4)
+MIXER = {0: "linear_attn", 1: "linear_attn", 2: "linear_attn", 3: "self_attn"}
+HEADS, KV_HEADS, HEAD_DIM, ROTARY = 4, 2, 32, 8  # the tiny model: partial rotary 0.25 of 32
+K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 16, 16  # its DeltaNet
+
+
+# -- the residual stream ---------------------------------------------------------------------------
+@pytest.mark.parametrize("block", BLOCKS)
+def test_block_identities(out, block):
+    layer, mixer = f"layers.{block}", f"layers.{block}.{MIXER[block]}"
+    layer_input, attention_output = out[f"{layer}.layer_input"], out[f"{mixer}.attention_output"]
+    mlp_output = out[f"{layer}.mlp.mlp_output"]
+    assert torch.equal(layer_input + attention_output + mlp_output, out[f"{layer}.layer_output"])
+    assert torch.equal(out[f"{layer}.layer_mid"], layer_input + attention_output)
+    assert torch.equal(out[f"{layer}.mlp_input"], out[f"{layer}.mlp_norm_output"])
+    # the mixer reads the normed stream, and every term is non-trivial
+    assert torch.equal(out[f"{mixer}.input"], out[f"{layer}.attention_norm_output"])
+    assert not torch.allclose(out[f"{layer}.attention_norm_output"], layer_input)
+    assert attention_output.abs().amax() > 0 and mlp_output.abs().amax() > 0
+
+
+def test_stream_is_chained(out, sdpa_model):
+    assert torch.equal(out["token_embeddings"], out["layers.0.layer_input"])
+    assert torch.equal(out["token_embeddings"], sdpa_model.model.embed_tokens.weight[out["input_ids"]])
+    for block in range(3):
+        assert torch.equal(out[f"layers.{block}.layer_output"], out[f"layers.{block + 1}.layer_input"])
+    assert torch.equal(out["layers.3.layer_output"], out["norm.input"])
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_mlp_values(out, block):
+    mlp = f"layers.{block}.mlp"
+    gate, up = out[f"{mlp}.gate_proj.output"], out[f"{mlp}.up_proj.output"]
+    torch.testing.assert_close(out[f"{mlp}.mlp_activation"], torch.nn.functional.silu(gate), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[f"{mlp}.mlp_neurons"], out[f"{mlp}.mlp_activation"] * up, rtol=0, atol=1e-6)
+    assert torch.equal(out[f"{mlp}.mlp_output"], out[f"{mlp}.down_proj.output"])
+
+
+# -- the gated attention -------------------------------------------------------------------------------
+def test_attention_gate(out):
+    attn = "layers.3.self_attn"
+    gate, heads = out[f"{attn}.attention_gate"], out[f"{attn}.attention_head_outputs"]
+    torch.testing.assert_close(out[f"{attn}.o_proj.input"], (heads * torch.sigmoid(gate)).flatten(2),
+                               rtol=0, atol=1e-6)
+    # without the gate it is not what o_proj reads
+    assert not torch.allclose(out[f"{attn}.o_proj.input"], heads.flatten(2), atol=1e-3)
+    # the gate is each head's second half of q_proj's output
+    halves = out[f"{attn}.q_proj.output"].unflatten(-1, (HEADS, 2 * HEAD_DIM)).chunk(2, dim=-1)
+    assert torch.equal(gate, halves[1])
+    assert not torch.equal(gate, halves[0])
+    # attention_premix is o_proj's input split into heads
+    assert torch.equal(out[f"{attn}.attention_premix"], out[f"{attn}.o_proj.input"].unflatten(-1, (HEADS, HEAD_DIM)))
+
+
+def test_partial_rotary(out):
+    attn = "layers.3.self_attn"
+    queries = out[f"{attn}.attention_queries"].transpose(1, 2)  # [b h s d] -> [b s h d]
+    keys = out[f"{attn}.attention_keys"].transpose(1, 2)
+    q_norm, k_norm = out[f"{attn}.q_norm.output"], out[f"{attn}.k_norm.output"]
+    # the dims past the rotary pass through untouched
+    assert torch.equal(queries[..., ROTARY:], q_norm[..., ROTARY:])
+    assert torch.equal(keys[..., ROTARY:], k_norm[..., ROTARY:])
+    # the rotated dims differ at every position past 0 (position 0 rotates by angle 0)
+    assert torch.equal(queries[:, 0], q_norm[:, 0])
+    diff = (queries[:, 1:, :, :ROTARY] - q_norm[:, 1:, :, :ROTARY]).abs().amax(dim=(0, 2, 3))
+    assert (diff > 1e-4).all(), diff
+    assert not torch.allclose(keys[:, 1:, ..., :ROTARY], k_norm[:, 1:, ..., :ROTARY], atol=1e-4)
+
+
+def test_attention_values_are_v_proj(out):
+    attn = "layers.3.self_attn"
+    v = out[f"{attn}.v_proj.output"].unflatten(-1, (KV_HEADS, HEAD_DIM)).transpose(1, 2)
+    assert torch.equal(out[f"{attn}.attention_values"], v)
+
+
+def test_eager_softmax_and_mix(out_eager):
+    attn = "layers.3.self_attn"
+    scores, probs = out_eager[f"{attn}.attention_scores"], out_eager[f"{attn}.attention_probabilities"]
+    torch.testing.assert_close(torch.softmax(scores.float(), dim=-1), probs, rtol=0, atol=1e-7)
+    # causal: the scores are masked above the diagonal and the pattern is zero there
+    seq = scores.shape[-1]
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    assert (scores[..., future] < -1e30).all()
+    assert torch.equal(probs[..., future], torch.zeros_like(probs[..., future]))
+    # below it, the scores are q . k / sqrt(head_dim) with the key heads repeated to the query heads
+    queries = out_eager[f"{attn}.attention_queries"]
+    keys = out_eager[f"{attn}.attention_keys"].repeat_interleave(HEADS // KV_HEADS, dim=1)
+    expected = queries @ keys.transpose(-1, -2) / HEAD_DIM ** 0.5
+    torch.testing.assert_close(scores[..., ~future], expected[..., ~future], rtol=0, atol=1e-5)
+    # the pattern times the repeated values gives the heads' outputs
+    values = out_eager[f"{attn}.attention_values"].repeat_interleave(HEADS // KV_HEADS, dim=1)
+    mixed = (probs @ values).transpose(1, 2)  # [b h s d] -> [b s h d]
+    torch.testing.assert_close(out_eager[f"{attn}.attention_head_outputs"], mixed, rtol=0, atol=1e-6)
+    # repeating the kv heads the wrong way (tiled, not interleaved) does not
+    tiled = out_eager[f"{attn}.attention_values"].repeat(1, HEADS // KV_HEADS, 1, 1)
+    assert not torch.allclose(out_eager[f"{attn}.attention_head_outputs"], (probs @ tiled).transpose(1, 2),
+                              atol=1e-3)
+
+
+SCORES = {"layers.3.self_attn.attention_scores", "layers.3.self_attn.attention_probabilities"}
+
+
+def test_sdpa_and_eager_agree(ig, ig_eager, out, out_eager):
+    both = [name for name in ig.values if name in ig_eager.values]
+    assert "layers.3.self_attn.attention_head_outputs" in both and "logits" in both
+    assert len(both) > 150
+    for name in both:
+        a, b = out.values[name], out_eager.values[name]
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        else:
+            assert a == b, name
+    # the sdpa load has everything the eager one has, but (until sdpa is decomposed) the pattern
+    assert not set(ig.values) - set(ig_eager.values)
+    assert set(ig_eager.values) - set(ig.values) <= SCORES
+
+
+def test_fused_sdpa_equals_decomposed(ig, ig_fused, out, out_fused):
+    """Asking for the pattern must not change any other value (beyond float noise)."""
+    def has_sdpa(program):
+        return any(node.target is torch.ops.aten.scaled_dot_product_attention.default for node in program.graph.nodes)
+
+    assert has_sdpa(ig_fused)
+    if SCORES <= set(ig.values):  # the pattern is read from explicit nodes
+        assert not has_sdpa(ig)
+    assert set(ig.values) - set(ig_fused.values) <= SCORES
+    for name in ig_fused.values:
+        a, b = out_fused.values[name], out.values[name]
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_scores_under_sdpa(sdpa_model, eager_model, out_eager, ids):
+    """attention_scores/probabilities under an sdpa load: either the eager numbers, or unavailable
+    with a reason that says to load eager (and an error saying so on request)."""
+    sdpa_table, eager_table = qgraph.support(sdpa_model), qgraph.support(eager_model)
+    for name in sorted(SCORES):
+        assert eager_table[name].available and eager_table[name].reason is None
+        entry = sdpa_table[name]
+        if entry.available:
+            got = qgraph.instrument(sdpa_model, values=[name])(input_ids=ids)
+            torch.testing.assert_close(got[name], out_eager[name], rtol=0, atol=1e-5)
+        else:
+            assert "eager" in entry.reason
+            with pytest.raises(qgraph.UnavailableValue, match="eager"):
+                qgraph.instrument(sdpa_model, values=[name])
+
+
+# -- the gated DeltaNet ------------------------------------------------------------------------------------
+def l2norm(x, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule(queries, keys, values, decays, betas, state, normalize=True):
+    """The gated delta rule token by token: (head outputs [b s h v], last state [b h k v])."""
+    repeat = values.shape[2] // keys.shape[2]
+    q = queries.double().repeat_interleave(repeat, dim=2)
+    k = keys.double().repeat_interleave(repeat, dim=2)
+    if normalize:
+        q, k = l2norm(q), l2norm(k)
+    q = q / q.shape[-1] ** 0.5
+    v, g, beta, s = values.double(), decays.double(), betas.double(), state.double()
+    outputs = []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        remembered = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+        delta = (v[:, t] - remembered) * beta[:, t, :, None]
+        s = s + torch.einsum("bhk,bhv->bhkv", k[:, t], delta)
+        outputs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+    return torch.stack(outputs, dim=1).float(), s.float()
+
+
+def relative_error(got, expected):
+    return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@pytest.mark.parametrize("block", range(3))
+def test_delta_rule_from_taps(out, block):
+    dn = f"layers.{block}.linear_attn"
+    queries, keys, values, decays, betas = [out[f"{dn}.{name}"] for name in (
+        "attention_queries", "attention_keys", "attention_values", "decays", "betas")]
+    state_input = out[f"{dn}.state_input"]
+    assert torch.equal(state_input, torch.zeros_like(state_input))  # a prompt starts from zeros
+    expected_heads, expected_state = out[f"{dn}.attention_head_outputs"], out[f"{dn}.state_output"]
+    heads, state = delta_rule(queries, keys, values, decays, betas, state_input)
+    # the tiny model's head outputs are ~1e-3, so check the relative error too
+    torch.testing.assert_close(heads, expected_heads, rtol=0, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=0, atol=1e-5)
+    assert relative_error(heads, expected_heads) < 1e-4
+    assert relative_error(state, expected_state) < 1e-4
+    # without the l2 norm the recurrence is far from what the model computed
+    wrong_heads, wrong_state = delta_rule(queries, keys, values, decays, betas, state_input, normalize=False)
+    assert relative_error(wrong_heads, expected_heads) > 0.5
+    assert relative_error(wrong_state, expected_state) > 0.5
+    # the state carries over tokens: forgetting everything between tokens is also far off
+    forgetful, _ = delta_rule(queries, keys, values, torch.full_like(decays, -80.0), betas, state_input)
+    assert relative_error(forgetful, expected_heads) > 0.05
+
+
+@pytest.mark.parametrize("block", range(3))
+def test_delta_rule_inputs(out, sdpa_model, block):
+    """decays and betas are the model's gates computed from in_proj_a / in_proj_b."""
+    dn, module = f"layers.{block}.linear_attn", sdpa_model.model.layers[block].linear_attn
+    a, b = out[f"{dn}.in_proj_a.output"], out[f"{dn}.in_proj_b.output"]
+    with torch.no_grad():
+        decays = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
+    torch.testing.assert_close(out[f"{dn}.decays"], decays, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[f"{dn}.betas"], b.sigmoid(), rtol=0, atol=1e-6)
+    # queries / keys / values are the causal conv's (silu'd) output split three ways, num_k_heads wide
+    mixed = out[f"{dn}.in_proj_qkv.output"].transpose(1, 2)
+    with torch.no_grad():
+        conv = torch.nn.functional.conv1d(mixed, module.conv1d.weight, padding=module.conv1d.padding[0],
+                                          groups=mixed.shape[1])[..., :mixed.shape[-1]]
+    q, k, v = torch.nn.functional.silu(conv).transpose(1, 2).split([K_HEADS * K_DIM] * 2 + [V_HEADS * V_DIM], -1)
+    torch.testing.assert_close(out[f"{dn}.attention_queries"], q.unflatten(-1, (K_HEADS, K_DIM)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[f"{dn}.attention_keys"], k.unflatten(-1, (K_HEADS, K_DIM)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[f"{dn}.attention_values"], v.unflatten(-1, (V_HEADS, V_DIM)), rtol=0, atol=1e-6)
+
+
+# -- the model's outputs -------------------------------------------------------------------------------
+def test_logits_values(out, sdpa_model):
+    assert torch.equal(out.logits, out["logits"])
+    assert torch.equal(out["logits"], out["lm_head_output"])
+    with torch.no_grad():
+        projected = out["final_norm_output"] @ sdpa_model.lm_head.weight.T
+    torch.testing.assert_close(projected, out["logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out["next_token_probs"], torch.softmax(out["logits"][:, -1], dim=-1))
+    assert not torch.allclose(out["next_token_probs"], torch.softmax(out["logits"][:, -2], dim=-1))
+
+
+def test_call_inputs_are_values(out, ids):
+    assert torch.equal(out["input_ids"], ids)
+    assert torch.equal(out["attention_mask"], torch.ones_like(ids))
+    assert tuple(out["input_size"]) == tuple(ids.shape)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("program", ["ig", "ig_fused"])
+def test_logits_match_hf_at_every_length(request, sdpa_model, batch, program):
+    ig = request.getfixturevalue(program)
+    for seq in (1, 7, 64, 65, 130):
+        ids = random_ids(batch, seq, seed=seq)
+        mask = torch.ones_like(ids)
+        expected = hf_logits(sdpa_model, ids, mask)
+        got = ig(input_ids=ids, attention_mask=mask)
+        torch.testing.assert_close(got.logits, expected, rtol=0, atol=1e-6, msg=lambda m: f"seq {seq}: {m}")
+        # the program is the same one for every length
+        assert got["layers.3.layer_output"].shape[:2] == (batch, seq)
+
+
+@pytest.mark.parametrize("values", ["ig", "ig_fused"])
+def test_logits_match_hf_left_padded(request, sdpa_model, tokenizer, values):
+    """All positions, padding included: with no edits the program is the model's forward."""
+    program = request.getfixturevalue(values)
+    texts = ["hi", "hello there, world", "a longer prompt than the other two, by a margin"]
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    assert (batch["attention_mask"] == 0).any(dim=1).tolist() == [True, True, False]
+    got = program(**batch)
+    expected = hf_logits(sdpa_model, batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(got.logits, expected, rtol=0, atol=1e-6)
+    # and each prompt's real tokens get what it gets alone
+    for row, text in enumerate(texts):
+        alone = tokenizer([text], return_tensors="pt")
+        length = alone["input_ids"].shape[1]
+        torch.testing.assert_close(got.logits[row, -length:], hf_logits(sdpa_model, alone["input_ids"])[0],
+                                   rtol=0, atol=1e-4)
+
+
+def test_logits_match_hf_eager(ig_eager, eager_model):
+    ids = random_ids(2, 33, seed=5)
+    torch.testing.assert_close(ig_eager(input_ids=ids).logits, hf_logits(eager_model, ids), rtol=0, atol=1e-6)
+
+
+# -- module ports -------------------------------------------------------------------------------------------
+def _hooked_forward(model, family, input_ids):
+    """Every module's first input and output as plain forward hooks read them."""
+    seen, handles = {}, []
+    for path, module in model.named_modules():
+        name = family.module_name(path)
+        if not name:
+            continue
+        first = next(iter(inspect.signature(module.forward).parameters), None)
+
+        def pre(module, args, kwargs, name=name, first=first):
+            x = args[0] if args else kwargs.get(first)
+            if isinstance(x, torch.Tensor):
+                seen[f"{name}.input"] = x.detach().clone()
+
+        def post(module, args, output, name=name):
+            x = output[0] if isinstance(output, tuple) and output else output
+            if isinstance(x, torch.Tensor):
+                seen[f"{name}.output"] = x.detach().clone()
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("load", ["sdpa", "eager"])
+def test_ports_equal_forward_hooks(request, ids, load):
+    ig = request.getfixturevalue("ig" if load == "sdpa" else "ig_eager")
+    out = request.getfixturevalue("out" if load == "sdpa" else "out_eager")
+    seen = _hooked_forward(ig.model, ig.family, ids)
+    ports = {name for name, entry in ig.catalogue.items() if entry.spec is None and entry.available}
+    assert ports == {name for name in ig.values if ig.catalogue[name].spec is None}
+    assert len(ports) > 100
+    # every port the catalogue lists as available is one a hook sees, and the other way round
+    assert ports == set(seen)
+    for name in sorted(ports):
+        torch.testing.assert_close(out[name], seen[name], rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_unavailable_ports_are_never_called(ig):
+    missing = {name: entry.reason for name, entry in ig.catalogue.items() if entry.spec is None and not entry.available}
+    # conv1d's weight is passed to the conv kernel directly; the ModuleList is never called
+    assert set(missing) == {f"layers.{b}.linear_attn.conv1d.{side}" for b in range(3) for side in ("input", "output")} \
+        | {"layers.input", "layers.output"}
+    assert all("never called" in reason for reason in missing.values())
+
+
+# -- the model is left alone -------------------------------------------------------------------------------
+def test_state_dict_unchanged(ig, sdpa_model, before_instrument):
+    ig(input_ids=random_ids(2, 9, seed=9))
+    qgraph.instrument(sdpa_model, values=["layers.*.layer_output"])(input_ids=random_ids(1, 3))
+    after = sdpa_model.state_dict()
+    assert list(after) == list(before_instrument["state_dict"])
+    for name, tensor in after.items():
+        assert torch.equal(tensor, before_instrument["state_dict"][name]), name
+        assert tensor.data_ptr() == before_instrument["data_ptrs"][name], name  # not replaced either
+
+
+def test_model_is_restored(ig, sdpa_model, before_instrument):
+    for path, module in sdpa_model.named_modules():
+        assert (len(module._forward_hooks), len(module._forward_pre_hooks)) == before_instrument["hooks"][path], path
+        assert module.forward == before_instrument["forwards"][path], path
+    module = before_instrument["kernel_module"]
+    for name, function in before_instrument["functions"].items():
+        assert getattr(module, name) is function, name
+    ids = before_instrument["probe_ids"]
+    assert torch.equal(hf_logits(sdpa_model, ids), before_instrument["logits"])
+
+
+def test_parameters_are_shared_not_copied(ig, sdpa_model):
+    ids = random_ids(1, 12, seed=7)
+    before = ig(input_ids=ids)
+    weight = sdpa_model.model.layers[3].self_attn.o_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(2.0)
+        changed = ig(input_ids=ids)
+        torch.testing.assert_close(changed.logits, hf_logits(sdpa_model, ids), rtol=0, atol=1e-6)
+        assert not torch.allclose(changed.logits, before.logits, atol=1e-4)
+        torch.testing.assert_close(changed["layers.3.self_attn.attention_output"],
+                                   2 * before["layers.3.self_attn.attention_output"], rtol=1e-5, atol=1e-6)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert torch.equal(ig(input_ids=ids).logits, before.logits)
+    # the program holds no tensors of its own that copy a parameter
+    model_ptrs = {t.data_ptr() for t in list(sdpa_model.parameters()) + list(sdpa_model.buffers())}
+    for name, tensor in list(ig.program.named_parameters()) + list(ig.program.named_buffers()):
+        assert tensor.data_ptr() in model_ptrs, name
