@@ -43,31 +43,19 @@ class Entry:
         return None if self.available else self.location.reason
 
 
-def host_path(spec_host: str, block: int | None) -> str:
-    """The module path of a value's host: "" for the model, ``layers.{i}[.mixer|.mlp]`` otherwise."""
-    if spec_host == "model":
-        return ""
-    return f"layers.{block}" if spec_host == "layer" else f"layers.{block}.{spec_host}"
-
-
 def build_catalogue(family: Family, config, locator: Locator, module_names: list[str]) -> dict[str, Entry]:
-    """Every value of the model, standard values first (model, then block by block), then ports."""
-    mixers = family.block_mixers(config)
-    entries: dict[str, Entry] = {}
-
-    def add(spec: ValueSpec, host: str):
-        name = f"{host}.{spec.name}" if host else spec.name
-        shape = tuple(family.dim(config, dim) or dim for dim in spec.dims)
-        location = Missing("derived") if isinstance(spec.rule, Derived) else locator.locate(host, spec.rule)
-        entries[name] = Entry(name, host, spec.layout, shape, spec.description, location, spec)
-
-    for spec in family.values:
-        if spec.host == "model":
-            add(spec, "")
-    for block, mixer in enumerate(mixers):
-        for spec in family.values:
-            if spec.host in ("layer", "mlp") or spec.host == mixer:
-                add(spec, host_path(spec.host, block))
+    """Every value of the model: the model's, then block by block, then the vision tower's, then ports."""
+    placed = []
+    for order, spec in enumerate(family.values):
+        for host in family.hosts(spec.host, config):
+            name = f"{host}.{spec.name}" if host else spec.name
+            shape = tuple(family.dim(config, dim) or dim for dim in spec.dims)
+            location = Missing("derived") if isinstance(spec.rule, Derived) else locator.locate(host, spec.rule)
+            block = re.search(r"layers\.(\d+)", host)
+            section = 2 if host.startswith("vision") else (1 if block else 0)
+            placed.append(((section, int(block.group(1)) if block else -1, order),
+                           Entry(name, host, spec.layout, shape, spec.description, location, spec)))
+    entries = {entry.name: entry for _, entry in sorted(placed, key=lambda item: item[0])}
 
     symbols = _symbol_names(locator)
     for module in module_names:

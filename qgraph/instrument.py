@@ -5,14 +5,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from torch.export.graph_signature import InputKind
 
-from .catalogue import Entry, build_catalogue
+from . import derive
+from .catalogue import Entry
 from .edits import EditError, Target
 from .export import ExportedModel, export_model
+from .inputs import IMAGE_KEYS, prepare
 from .names import canonical, resolve
-from .passes import Found, Locator, OnRequest, decompose_sdpa, strip_markers, tap
-from .passes.edit import EditSlot, insert_edit_slots, name_of
+from .passes.edit import EditSlot
+from .program import Program
 
 _READ_ONLY_HINT = {
     "next_token_probs": "edit 'logits' instead",
@@ -59,31 +60,18 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
 class InstrumentedModel:
     """A model's forward as a graph whose outputs include the values asked for.
 
-    Call it like the model (``ig(input_ids=..., attention_mask=...)`` or ``ig(**tokenizer(...))``),
-    with ``edits={name: edit}`` for the declared slots; it returns an ``Output``. The model's
-    parameters are read at call time, never copied.
+    Call it like the model (``ig(input_ids=..., attention_mask=...)``, ``ig(**tokenizer(...))`` or,
+    on the image-text model, ``ig(**processor(text=..., images=..., return_tensors="pt"))``), with
+    ``edits={name: edit}`` for the declared slots; it returns an ``Output``. The model's parameters
+    are read at call time, never copied.
     """
 
     def __init__(self, model: torch.nn.Module, exported: ExportedModel, values=(), *, edits=(), logits=True):
         self.model, self.exported, self.family = model, exported, exported.family
         self.config = model.config
-        graph = torch.fx.Graph()
-        graph.output(graph.graph_copy(exported.graph, {}))
-        module_names = _module_names(model, self.family)
-        self.catalogue: dict[str, Entry] = build_catalogue(
-            self.family, self.config, Locator(graph, self.family, self.config), module_names)
+        main = Program(model, exported)
+        self.catalogue: dict[str, Entry] = main.catalogue
         self.values = self._resolve(values)
-        # values a pass must first make (a block's pattern under sdpa): make them, then look again
-        requested = self.values + self._resolve(list(edits))
-        to_decompose = {self.catalogue[name].location.node for name in requested
-                        if isinstance(self.catalogue[name].location, OnRequest)}
-        if to_decompose:
-            for sdpa in to_decompose:
-                decompose_sdpa(graph, sdpa)
-            self.catalogue = build_catalogue(
-                self.family, self.config, Locator(graph, self.family, self.config), module_names)
-        self._derived = {name: self.catalogue[name].spec.rule for name in self.values if self.catalogue[name].derived}
-
         fixed = {name: edit for pattern, edit in edits.items() for name in self._resolve(pattern)} \
             if isinstance(edits, Mapping) else {}
         self.slots: dict[str, EditSlot] = {}
@@ -93,53 +81,57 @@ class InstrumentedModel:
                 raise EditError(f"'{name}' is read-only ({entry.description}); " + _READ_ONLY_HINT.get(
                     name, "edit the value it is derived from"))
             target = Target(name, entry.layout, tuple(map(str, entry.spec.dims if entry.spec else entry.shape)))
-            self.slots[name] = EditSlot(target, entry.location.split_heads, fixed=fixed.get(name))
-        slot_nodes = insert_edit_slots(graph, {name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
-                                               for name, slot in self.slots.items()})
-
-        wanted = [name for name in self.values if name not in self._derived]
-        wanted += [rule.source for rule in self._derived.values() if rule.source not in wanted]
-        found = {}
-        for name in wanted:
-            location = self.catalogue[name].location
-            found[name] = Found(slot_nodes[name], location.split_heads) if name in slot_nodes else location
-        self._tapped = tap(graph, found)
-        output = graph.output_node()
-        if not logits:  # drop the model's own outputs, and with them what only they needed
-            output.args = (tuple(output.args[0])[len(exported.program.graph_signature.output_specs):],)
+            self.slots[name] = EditSlot(target, entry.location.view, fixed=fixed.get(name))
         self._logits = logits
-        strip_markers(graph)
-        attributes = {node.target: getattr(exported.program.graph_module, node.target)
-                      for node in graph.find_nodes(op="get_attr")}
-        self.program = torch.fx.GraphModule({**attributes, **{name_of(n): s for n, s in self.slots.items()}}, graph)
-        graph.eliminate_dead_code()  # needs the owning module to judge the slots' purity
-        graph.lint()
-        self.program.recompile()
-        self._sources = _input_sources(model, exported)
+        self._programs = {exported.images: main.build(self.values, self.slots, logits)}
+        self.catalogue = main.catalogue  # as built: a decomposed block's pattern is now found
 
     def _resolve(self, patterns) -> list[str]:
-        return resolve(patterns, self.catalogue, self.family.block_mixers(self.config)) if patterns else []
+        return resolve(patterns, self.catalogue, self.family.block_mixers(self.config),
+                       self.family.vision_blocks(self.config)) if patterns else []
+
+    @property
+    def program(self) -> torch.fx.GraphModule:
+        """The runnable program (of the image-text program on the image-text model)."""
+        return self._programs[self.exported.images].module
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """The program's graph, taps and slots included (markers already removed)."""
+        return self.program.graph
+
+    def _program_for(self, images: bool) -> Program:
+        """The program a call runs: a text-only call to the image-text model runs its text program."""
+        if images not in self._programs:
+            text = Program(self.model, export_model(self.model, images=False))
+            self._programs[images] = text.build([n for n in self.values if n in text.catalogue],
+                                                {n: s for n, s in self.slots.items() if n in text.catalogue},
+                                                self._logits)
+        return self._programs[images]
 
     # -- running ---------------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 *, edits: Mapping | None = None, **unexpected) -> Output:
-        if unexpected:
-            raise TypeError(f"unexpected inputs {sorted(unexpected)}: an instrumented text model takes "
-                            f"input_ids, attention_mask and edits")
-        input_ids, attention_mask = _check_inputs(input_ids, attention_mask)
-        user = {"input_ids": input_ids, "attention_mask": attention_mask}
-        flat = [source(user) for source in self._sources]
+                 *, edits: Mapping | None = None, **inputs) -> Output:
+        images = self.exported.images and inputs.get("pixel_values") is not None
+        if not self.exported.images and any(inputs.get(key) is not None for key in IMAGE_KEYS):
+            raise TypeError(f"{type(self.model).__name__} is text-only and takes no images "
+                            f"({', '.join(k for k in IMAGE_KEYS if inputs.get(k) is not None)}): load the image-text "
+                            f"model, Qwen3_5ForConditionalGeneration")
+        if not images and inputs.get("image_grid_thw") is not None:
+            raise ValueError("image_grid_thw came without pixel_values: pass both, as the processor returns them")
+        prepared = prepare(self.model, images, input_ids, attention_mask, **inputs)
+        program = self._program_for(images)
         active = self._activate(edits or {})
         try:
-            results = list(self.program(*flat))
+            logits, captured = program.run(prepared)
         finally:
             for slot in active:  # an edit lasts one call
                 slot.edit = None
-        logits = results.pop(0) if self._logits else None
-        captured = dict(zip(self._tapped, results))
-        for name, rule in self._derived.items():
-            captured[name] = _derive(rule.how, captured[rule.source])
-        return Output(logits, {name: captured[name] for name in self.values}, len(self.family.block_mixers(self.config)))
+        for name, entry in program.derived.items():
+            how = getattr(derive, entry.spec.rule.how)
+            captured[name] = how(*(captured[s] for s in program.sources_of(entry)), inputs=prepared, config=self.config)
+        values = {name: captured[name] for name in self.values if name in captured}
+        return Output(logits, values, len(self.family.block_mixers(self.config)))
 
     def _activate(self, edits: Mapping) -> list[EditSlot]:
         active = []
@@ -185,51 +177,3 @@ class InstrumentedModel:
     def __repr__(self) -> str:
         from .support import annotated_tree
         return annotated_tree(self.model, self.catalogue, highlight=set(self.values))
-
-
-def _module_names(model, family) -> list[str]:
-    return [name for name in (family.module_name(path) for path, _ in model.named_modules()) if name]
-
-
-def _check_inputs(input_ids, attention_mask):
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError("input_ids is required: a LongTensor [batch, seq] (e.g. ig(**tokenizer(text, return_tensors='pt')))")
-    if input_ids.dim() == 1:
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; it must be [batch, seq]: "
-                         f"add the batch dim with input_ids[None]")
-    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
-                         f"{tuple(input_ids.shape)}")
-    input_ids = input_ids.long()
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
-                         f"{tuple(input_ids.shape)}; they must match")
-    return input_ids, attention_mask.long()
-
-
-def _input_sources(model, exported: ExportedModel):
-    """For each program input, a function of the user inputs giving its tensor (parameters are the model's)."""
-    sources = []
-    for spec in exported.program.graph_signature.input_specs:
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            module_path, _, attribute = spec.target.rpartition(".")
-            module = model.get_submodule(module_path)
-            sources.append(lambda user, m=module, a=attribute: getattr(m, a))
-        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            constant = exported.program.constants[spec.target]
-            sources.append(lambda user, c=constant: c)
-        elif hasattr(spec.arg, "value"):  # a constant argument such as use_cache=False
-            sources.append(lambda user, v=spec.arg.value: v)
-        else:
-            sources.append(lambda user, n=spec.arg.name: user[n])
-    return sources
-
-
-def _derive(how: str, source: torch.Tensor):
-    if how == "last_position_softmax":
-        return torch.softmax(source[:, -1].float(), dim=-1)
-    if how == "size":
-        return torch.Size(source.shape)
-    raise ValueError(how)

@@ -43,7 +43,7 @@ def _glob(pattern: str) -> re.Pattern:
     return re.compile("".join(wild.get(part) or re.escape(part) for part in parts) + r"\Z")
 
 
-def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str]) -> list[str]:
+def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str], vision_blocks: int = 0) -> list[str]:
     """The concrete, available value names that ``patterns`` select, in catalogue order.
 
     An exact name must exist and be available; a glob must select at least one available value
@@ -65,19 +65,23 @@ def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str]) -> l
                 if matches:
                     reasons = sorted({catalogue[name].reason for name in matches})
                     raise UnavailableValue(f"'{raw}' matches only unavailable values: " + "; ".join(reasons))
-                raise UnknownValue(_unknown_message(raw, pattern, catalogue, block_mixers))
+                raise UnknownValue(_unknown_message(raw, pattern, catalogue, block_mixers, vision_blocks))
             selected.update(dict.fromkeys(available))
             continue
         entry = catalogue.get(pattern)
         if entry is None:
-            raise UnknownValue(_unknown_message(raw, pattern, catalogue, block_mixers))
+            raise UnknownValue(_unknown_message(raw, pattern, catalogue, block_mixers, vision_blocks))
         if not entry.available:
             raise UnavailableValue(f"'{raw}' is unavailable: {entry.reason}")
         selected[pattern] = None
     return list(selected)
 
 
-def _unknown_message(raw: str, pattern: str, catalogue: dict[str, Entry], block_mixers: list[str]) -> str:
+def _unknown_message(raw: str, pattern: str, catalogue: dict[str, Entry], block_mixers: list[str],
+                     vision_blocks: int) -> str:
+    if not vision_blocks and pattern.split(".")[0] in ("vision", "projector"):
+        return (f"'{raw}': this model has no vision encoder (it is text-only); vision values need the image-text "
+                f"model, Qwen3_5ForConditionalGeneration")
     wrong_kind = re.match(r"layers\.(-?\d+)\.(\w+)", pattern)
     if wrong_kind:
         block, module = int(wrong_kind.group(1)), wrong_kind.group(2)

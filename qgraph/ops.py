@@ -4,6 +4,9 @@
   gated delta-rule kernels. Exported as plain Python the chunked kernel unrolls into thousands of
   nodes and fixes the sequence length; as an opaque op it is one node whose arguments and outputs
   are exactly the DeltaNet values (queries, keys, values, decays, betas, state in and out).
+* ``qgraph::varlen_attention`` is the vision tower's attention over packed images: one node over
+  all patches that attends within each image (``cu_seqlens`` bounds), where transformers splits
+  per image with ``cu_seqlens.tolist()``, which export cannot follow.
 * ``qgraph::mark`` tags a module's input or output during export (see ``qgraph.export``). Markers
   exist only between export and the passes: ``passes.markers`` removes every one of them, so the
   program that runs has none.
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 # The kernels the ops run. ``qgraph.export`` fills these with the model module's own functions
 # (transformers' pure-torch kernels, or fla's when transformers picked them), so the op computes
@@ -59,6 +63,23 @@ chunk_gated_delta_rule.register_fake(_fake)
 recurrent_gated_delta_rule.register_fake(_fake)
 
 
+@torch.library.custom_op("qgraph::varlen_attention", mutates_args=())
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention within each packed image: q, k, v ``[1, heads, patches, d]`` -> ``[1, patches, heads, d]``."""
+    bounds = cu_seqlens.tolist()
+    outputs = [
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale=scale).transpose(1, 2)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outputs, dim=1).contiguous()
+
+
+@varlen_attention.register_fake
+def _(query, key, value, cu_seqlens, scale):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+
+
 @torch.library.custom_op("qgraph::mark", mutates_args=())
 def mark(x: torch.Tensor, name: str) -> torch.Tensor:
     """Identity that carries a port name through export; removed from the graph before any run."""
@@ -73,3 +94,4 @@ def _(x, name):
 DELTA_RULE_OPS = (torch.ops.qgraph.chunk_gated_delta_rule.default,
                   torch.ops.qgraph.recurrent_gated_delta_rule.default)
 MARK_OP = torch.ops.qgraph.mark.default
+VARLEN_ATTENTION_OP = torch.ops.qgraph.varlen_attention.default

@@ -34,10 +34,10 @@ class SupportTable:
         for entry in catalogue.values():
             if entry.spec is None:
                 continue
-            generic = re.sub(r"^layers\.\d+", "layers.{i}", entry.name)
+            generic = re.sub(r"^layers\.\d+", "layers.{i}", re.sub(r"^vision\.layers\.\d+", "vision.layers.{j}", entry.name))
             row = rows.setdefault(generic, Row(generic, entry.layout, entry.shape, entry.description, {}))
-            block = int(entry.name.split(".")[1]) if generic != entry.name else None
-            row.blocks[block] = entry.reason
+            block = re.match(r"^(?:vision\.)?layers\.(\d+)", entry.name)
+            row.blocks[int(block.group(1)) if block else None] = entry.reason
         for row in rows.values():  # mixer values on the other kind's blocks
             mixer = row.name.split(".")[2] if row.name.startswith("layers.{i}.") else None
             for block, kind in enumerate(block_mixers):

@@ -5,6 +5,7 @@ its ``VALUES``; ``Family`` wraps such a module with the few lookups the rest of 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -42,9 +43,10 @@ class Family:
         """The spec's name of a module path (``model.layers.3.mlp`` -> ``layers.3.mlp``); "" for none."""
         if path in self.data.NO_PORTS:
             return ""
-        for prefix, replacement in self.data.MODULE_PREFIXES:
-            if path.startswith(prefix):
-                return replacement + path[len(prefix):]
+        for pattern, replacement in self.data.MODULE_RENAMES:
+            renamed, count = re.subn(pattern, replacement, path)
+            if count:
+                return renamed
         return path
 
     def block_mixers(self, config) -> list[str]:
@@ -52,9 +54,30 @@ class Family:
         text = config.get_text_config()
         return [self.data.MIXERS[kind] for kind in text.layer_types[: text.num_hidden_layers]]
 
+    def vision_blocks(self, config) -> int:
+        """How many blocks the vision tower has (0 for a text-only model)."""
+        vision = getattr(config, "vision_config", None)
+        return vision.depth if vision is not None else 0
+
+    def hosts(self, spec_host: str, config) -> list[str]:
+        """Every module path hosting values of kind ``spec_host`` on this model."""
+        template = self.data.HOSTS[spec_host]
+        if spec_host.startswith("vision") and not self.vision_blocks(config):
+            return []
+        if "{i}" in template:
+            mixers = self.block_mixers(config)
+            is_mixer = spec_host in self.data.MIXERS.values()
+            return [template.format(i=i) for i, mixer in enumerate(mixers) if not is_mixer or mixer == spec_host]
+        if "{j}" in template:
+            return [template.format(j=j) for j in range(self.vision_blocks(config))]
+        return [template]
+
     def dim(self, config, name: str) -> int | None:
-        attribute = self.data.DIMS.get(name)
-        return None if attribute is None else getattr(config.get_text_config(), attribute)
+        """The size of a layout dim on this model (None for the call's own sizes, like ``seq``)."""
+        source = self.data.DIMS.get(name)
+        if source is None:
+            return None
+        return source(config) if callable(source) else getattr(config.get_text_config(), source)
 
 
 FAMILIES = (Family(qwen3_5_text),)

@@ -4,7 +4,8 @@ Llama's pre-norm block with a hybrid mixer: three blocks in four carry a gated D
 (``linear_attn``), the fourth gated attention (``self_attn``), as ``config.layer_types`` says.
 Every RMSNorm but the DeltaNet's own multiplies by ``1 + weight``.
 """
-from .rules import Attention, DeltaRule, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf, ValueSpec
+from .rules import (BATCH1, HEADS, Attention, DeltaRule, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
+                    ScatterSource, ValueSpec, VarlenAttention)
 
 NAME = "qwen3_5_text"
 MODEL_TYPES = ("qwen3_5_text",)
@@ -13,22 +14,45 @@ MODEL_TYPES = ("qwen3_5_text",)
 KERNEL_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 DELTA_RULE_KERNELS = {"chunk": "torch_chunk_gated_delta_rule", "recurrent": "torch_recurrent_gated_delta_rule"}
 
-# Module paths as the spec names them: the text stack's prefix drops, the vision tower is "vision".
-# Applied in order, first match wins; a path that becomes "" has no ports (the wrappers).
-MODULE_PREFIXES = (
-    ("model.language_model.", ""),
-    ("model.visual.merger", "projector"),
-    ("model.visual.", "vision."),
-    ("model.", ""),
+# Module paths as the spec names them: the text stack's prefix drops, the vision tower is "vision"
+# with its blocks' modules named like the text blocks', its merger is "projector". The first
+# matching pattern renames; a path in NO_PORTS (the wrappers) has no ports.
+MODULE_RENAMES = (
+    (r"^model\.language_model\.", ""),
+    (r"^model\.visual\.merger", "projector"),
+    (r"^model\.visual\.blocks\.(\d+)\.norm1", r"vision.layers.\1.input_layernorm"),
+    (r"^model\.visual\.blocks\.(\d+)\.norm2", r"vision.layers.\1.post_attention_layernorm"),
+    (r"^model\.visual\.blocks\.(\d+)\.attn", r"vision.layers.\1.self_attn"),
+    (r"^model\.visual\.blocks", "vision.layers"),
+    (r"^model\.visual\.", "vision."),
+    (r"^model\.", ""),
 )
 NO_PORTS = ("", "model", "model.language_model", "model.visual")
 
-# The final norm and the unembedding, by their spec names (project_on_vocab)
-READOUT = ("norm", "lm_head")
 # config.layer_types entry -> the mixer module a block of that kind carries
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
+# Where each kind of host lives: {i} runs over the text blocks (a mixer only on blocks that have it),
+# {j} over the vision blocks; hosts named vision* exist only on the image-text model.
+HOSTS = {
+    "model": "",
+    "layer": "layers.{i}",
+    "linear_attn": "layers.{i}.linear_attn",
+    "self_attn": "layers.{i}.self_attn",
+    "mlp": "layers.{i}.mlp",
+    "vision": "vision",
+    "vision_layer": "vision.layers.{j}",
+    "vision_self_attn": "vision.layers.{j}.self_attn",
+    "vision_mlp": "vision.layers.{j}.mlp",
+}
+# The final norm and the unembedding, by their spec names (project_on_vocab)
+READOUT = ("norm", "lm_head")
 
-# Layout dim -> config attribute (batch, seq, query and key are the call's own sizes)
+# The image-text model: the class whose get_image_features splits per image (replaced during
+# export by one that keeps the packed features), and the processor-side tensors the program takes.
+IMAGE_MODEL_CLASS = "Qwen3_5Model"
+
+# Layout dim -> config attribute of the text config, or a function of the model's config
+# (batch, seq, query, key, patches and image_tokens are the call's own sizes)
 DIMS = {
     "hidden_size": "hidden_size",
     "vocab_size": "vocab_size",
@@ -41,6 +65,10 @@ DIMS = {
     "value_heads": "linear_num_value_heads",
     "key_dim": "linear_key_head_dim",
     "value_dim": "linear_value_head_dim",
+    "vision_hidden_size": lambda config: config.vision_config.hidden_size,
+    "vision_num_heads": lambda config: config.vision_config.num_heads,
+    "vision_head_dim": lambda config: config.vision_config.hidden_size // config.vision_config.num_heads,
+    "vision_intermediate_size": lambda config: config.vision_config.intermediate_size,
 }
 
 RESIDUAL = "Residual [batch seq hidden_size]"
@@ -58,13 +86,13 @@ VALUES = (
               "The head's logits before anything the model does past lm_head", Port("lm_head", "output")),
     ValueSpec("next_token_probs", "model", "NextTokenProbs [batch vocab_size]",
               "The next-token distribution at the last position; derived, read-only",
-              Derived("logits", "last_position_softmax")),
+              Derived(("logits",), "last_position_softmax")),
     ValueSpec("input_ids", "model", "Tokens [batch seq]",
               "The token ids the model was called with", ProgramInput("input_ids")),
     ValueSpec("attention_mask", "model", "Tokens [batch seq]",
               "The attention mask the model was called with; zeros are padding", ProgramInput("attention_mask")),
     ValueSpec("input_size", "model", "Size [2]",
-              "(batch, seq) of the current call; read-only", Derived("input_ids", "size")),
+              "(batch, seq) of the current call; read-only", Derived(("input_ids",), "size")),
     # every block
     ValueSpec("layer_input", "layer", RESIDUAL, "The residual stream entering the block", Port("", "input")),
     ValueSpec("attention_norm_output", "layer", RESIDUAL, "The normed stream entering the mixer",
@@ -112,7 +140,7 @@ VALUES = (
               "Each head's gate half of q_proj's output, before the sigmoid", ProjectionHalf("q_proj", 1)),
     ValueSpec("attention_premix", "self_attn", "HeadOutputs [batch seq num_heads head_dim]",
               "Every head's gated output side by side, as the output projection takes it",
-              Port("o_proj", "input", split_heads=("num_heads", "head_dim"))),
+              Port("o_proj", "input", view=HEADS)),
     ValueSpec("attention_output", "self_attn", RESIDUAL,
               "What the attention adds to the residual stream", Port("", "output")),
     # the MLP
@@ -121,4 +149,52 @@ VALUES = (
     ValueSpec("mlp_neurons", "mlp", "Neurons [batch seq intermediate_size]",
               "What the down projection receives: act(gate) * up", Port("down_proj", "input")),
     ValueSpec("mlp_output", "mlp", RESIDUAL, "What the MLP adds to the residual stream", Port("", "output")),
+    # the vision tower (image-text model): stream values are served [1, patches, width]
+    ValueSpec("image_token_mask", "vision", "ImageTokenMask [batch seq]",
+              "Which positions hold image tokens: input_ids == the config's image_token_id; read-only",
+              Derived(("input_ids",), "image_token_mask")),
+    ValueSpec("patch_embeddings", "vision", "Patches [1 patches vision_hidden_size]",
+              "The patch embedding's output, one row per patch (before the learned pos_embed)",
+              Port("patch_embed", "output", view=BATCH1)),
+    ValueSpec("tower_output", "vision", "Patches [1 patches vision_hidden_size]",
+              "The last block's stream, what the projector reads", Port("projector", "input", BATCH1, absolute=True)),
+    ValueSpec("image_features", "vision", "ImageFeatures [image_tokens hidden_size]",
+              "The image features the text model receives at the image tokens, flat over them", ScatterSource()),
+    ValueSpec("layer_input", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The tower's stream entering the block", Port("", "input", BATCH1)),
+    ValueSpec("attention_norm_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The normed stream entering the attention", Port("input_layernorm", "output", BATCH1)),
+    ValueSpec("layer_mid", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The tower's stream after the attention add", Port("post_attention_layernorm", "input", BATCH1)),
+    ValueSpec("mlp_norm_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The normed stream entering the MLP", Port("post_attention_layernorm", "output", BATCH1)),
+    ValueSpec("mlp_input", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "What the MLP is called with", Port("mlp", "input", BATCH1)),
+    ValueSpec("layer_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The tower's stream leaving the block", Port("", "output", BATCH1)),
+    ValueSpec("attention_queries", "vision_self_attn", "Queries [1 vision_num_heads patches vision_head_dim]",
+              "The queries of every image, after the 2D rotary", VarlenAttention("queries")),
+    ValueSpec("attention_keys", "vision_self_attn", "Keys [1 vision_num_heads patches vision_head_dim]",
+              "The keys of every image, after the 2D rotary", VarlenAttention("keys")),
+    ValueSpec("attention_values", "vision_self_attn", "Values [1 vision_num_heads patches vision_head_dim]",
+              "The values of every image", VarlenAttention("values")),
+    ValueSpec("attention_scores", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
+              "Each image's scaled scores entering the softmax: a list, one tensor per image; read-only",
+              Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_scores")),
+    ValueSpec("attention_probabilities", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
+              "Each image's attention pattern: a list, one tensor per image; read-only",
+              Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_probabilities")),
+    ValueSpec("attention_head_outputs", "vision_self_attn", "HeadOutputs [1 patches vision_num_heads vision_head_dim]",
+              "The per-head outputs before the output projection", VarlenAttention("head_outputs")),
+    ValueSpec("attention_premix", "vision_self_attn", "HeadOutputs [1 patches vision_num_heads vision_head_dim]",
+              "Every head's output side by side, as the output projection takes it",
+              Port("proj", "input", view=BATCH1 + (("heads", "vision_num_heads", "vision_head_dim"),))),
+    ValueSpec("attention_output", "vision_self_attn", "Patches [1 patches vision_hidden_size]",
+              "What the attention adds to the tower's stream", Port("", "output", BATCH1)),
+    ValueSpec("mlp_activation", "vision_mlp", "Neurons [1 patches vision_intermediate_size]",
+              "The activation function's output", Port("act_fn", "output", BATCH1)),
+    ValueSpec("mlp_neurons", "vision_mlp", "Neurons [1 patches vision_intermediate_size]",
+              "What the second projection receives", Port("linear_fc2", "input", BATCH1)),
+    ValueSpec("mlp_output", "vision_mlp", "Patches [1 patches vision_hidden_size]",
+              "What the MLP adds to the tower's stream", Port("", "output", BATCH1)),
 )

@@ -12,13 +12,20 @@ from dataclasses import dataclass
 class Port:
     """A module's first input or its output (what a forward pre-hook or hook would read).
 
-    ``module`` is relative to the host ("" is the host itself). ``split_heads`` names the config
-    dims that unflatten the last axis into ``[heads, head_dim]`` (a view, for head layouts).
+    ``module`` is relative to the host ("" is the host itself), or a full module name with
+    ``absolute``. ``view`` is how the value is served from the module's tensor, as steps:
+    ``("heads", "num_heads", "head_dim")`` unflattens the last axis into heads, ``("batch1",)`` adds
+    a leading axis of 1 (the vision tower's packed ``[patches, width]`` as ``[1, patches, width]``).
     """
 
     module: str
     side: str  # "input" or "output"
-    split_heads: tuple[str, str] | None = None
+    view: tuple = ()
+    absolute: bool = False
+
+
+HEADS = (("heads", "num_heads", "head_dim"),)
+BATCH1 = (("batch1",),)
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,25 @@ class ProgramOutput:
 
 
 @dataclass(frozen=True)
-class Derived:
-    """A read-only value computed from another value after the run."""
+class VarlenAttention:
+    """An argument or the output of the host's packed per-image attention op (the vision tower)."""
 
-    source: str
-    how: str  # "last_position_softmax" | "size"
+    part: str  # queries keys values | head_outputs
+
+    ARGUMENTS = ("queries", "keys", "values")
+
+
+@dataclass(frozen=True)
+class ScatterSource:
+    """What ``masked_scatter`` writes into the text embeddings (the image features)."""
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A read-only value computed after the run from other values (``{host}`` is the host's name)."""
+
+    sources: tuple[str, ...]
+    how: str  # a function name in ``qgraph.derive``
 
 
 @dataclass(frozen=True)
@@ -73,7 +94,7 @@ class ValueSpec:
     """One standard value: its name on its host, layout, description and the rule that finds it."""
 
     name: str
-    host: str  # "model", "layer", "mlp", or a mixer name ("linear_attn", "self_attn")
+    host: str  # a key of the family's HOSTS: "model", "layer", "mlp", a mixer, "vision", "vision_layer", ...
     layout: str  # "Residual [batch seq hidden_size]": a kind, then dims named after family dims
     description: str
     rule: object

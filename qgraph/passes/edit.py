@@ -6,6 +6,7 @@ from torch.fx import Graph, Node
 
 from ..edits import Target, apply_edit
 from ..ops import MARK_OP
+from . import views
 from .locate import Found
 
 
@@ -13,18 +14,18 @@ class EditSlot(torch.nn.Module):
     """Passes its input through, or applies ``fixed`` (given at instrument time) and then ``edit``
     (set for one call). With neither it is one Python call that returns its input."""
 
-    def __init__(self, target: Target, split_heads: tuple[int, int] | None = None, fixed=None):
+    def __init__(self, target: Target, view: tuple = (), fixed=None):
         super().__init__()
-        self.target, self.split_heads, self.fixed, self.edit = target, split_heads, fixed, None
+        self.target, self.view, self.fixed, self.edit = target, view, fixed, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fixed is None and self.edit is None:
             return x
-        value = x.unflatten(-1, self.split_heads) if self.split_heads else x
+        value = views.apply(x, self.view)  # edits see the value as it is served
         for edit in (self.fixed, self.edit):
             if edit is not None:
                 value = apply_edit(edit, value, self.target)
-        return value.flatten(-2) if self.split_heads else value
+        return views.undo(value, self.view)
 
 
 def insert_edit_slots(graph: Graph, slots: dict[str, tuple[Found, EditSlot, bool]]) -> dict[str, Node]:

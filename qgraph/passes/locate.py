@@ -14,8 +14,10 @@ import torch
 from torch.fx import Graph, Node
 
 from ..families import Family
-from ..families.rules import Attention, DeltaRule, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf
-from ..ops import DELTA_RULE_OPS, MARK_OP
+from ..families.rules import (Attention, DeltaRule, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
+                              ScatterSource, VarlenAttention)
+from ..ops import DELTA_RULE_OPS, MARK_OP, VARLEN_ATTENTION_OP
+from . import views
 
 aten = torch.ops.aten
 
@@ -30,10 +32,10 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 
 @dataclass(frozen=True)
 class Found:
-    """The node holding a value; ``split_heads`` unflattens its last axis into (heads, head_dim)."""
+    """The node holding a value, and the view it is served through (see ``passes.views``)."""
 
     node: Node
-    split_heads: tuple[int, int] | None = None
+    view: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -86,25 +88,27 @@ class Locator:
             return self._attention(host, rule.part)
         if isinstance(rule, ProjectionHalf):
             return self._projection_half(host, rule)
+        if isinstance(rule, VarlenAttention):
+            return self._varlen_attention(host, rule.part)
+        if isinstance(rule, ScatterSource):
+            scatters = self.graph.find_nodes(op="call_function", target=aten.masked_scatter.default)
+            return Found(scatters[0].args[2]) if scatters else Missing("no masked_scatter of image features")
         if isinstance(rule, ProgramInput):
             return self._program_input(rule.name)
         if isinstance(rule, ProgramOutput):
             return Found(self.graph.output_node().args[0][0])
         if isinstance(rule, Derived):
-            return Missing("derived after the run")  # instrument computes it from its source
+            return Missing("derived after the run")  # instrument computes it from its sources
         raise TypeError(f"unknown rule {rule!r}")
 
     # -- rules ---------------------------------------------------------------------------------
     def _port(self, host: str, rule: Port) -> Found | Missing:
-        module = ".".join(part for part in (host, rule.module) if part)
+        module = rule.module if rule.absolute else ".".join(part for part in (host, rule.module) if part)
         marker = self.ports.get(f"{module}.{rule.side}")
         if marker is None:
             return Missing(f"module '{module}' is never called as a module in the forward, so it has "
                            f"no {rule.side} (its parameters are used directly, or it does not exist)")
-        split = None
-        if rule.split_heads:
-            split = tuple(self.family.dim(self.config, dim) for dim in rule.split_heads)
-        return Found(marker, split)
+        return Found(marker, views.resolve(rule.view, lambda dim: self.family.dim(self.config, dim)))
 
     def _delta_rule(self, host: str, part: str) -> Found | Missing:
         kernels = [n for n in self.scopes.get(host, ()) if n.target in DELTA_RULE_OPS]
@@ -123,6 +127,14 @@ class Locator:
             return Found(_heads_last(core.output))
         node = getattr(core, part)
         return OnRequest(core.output, part) if node is None else Found(node)  # None: a fused sdpa
+
+    def _varlen_attention(self, host: str, part: str) -> Found | Missing:
+        calls = [n for n in self.scopes.get(host, ()) if n.target is VARLEN_ATTENTION_OP]
+        if not calls:
+            return Missing(f"no packed attention call under '{host}'")
+        if part in VarlenAttention.ARGUMENTS:
+            return Found(calls[0].args[VarlenAttention.ARGUMENTS.index(part)])
+        return Found(calls[0])
 
     def _projection_half(self, host: str, rule: ProjectionHalf) -> Found | Missing:
         projection = ".".join(part for part in (host, rule.projection) if part)

@@ -1,0 +1,91 @@
+"""One exported program, tapped for values and fitted with edit slots, ready to run."""
+from __future__ import annotations
+
+import torch
+from torch.export.graph_signature import InputKind
+
+from .catalogue import Entry, build_catalogue
+from .export import ExportedModel
+from .passes import Found, Locator, OnRequest, decompose_sdpa, strip_markers, tap
+from .passes.edit import EditSlot, insert_edit_slots, name_of
+
+
+class Program:
+    """A copy of an exported graph with its catalogue; ``build`` runs the passes for a request."""
+
+    def __init__(self, model: torch.nn.Module, exported: ExportedModel):
+        self.model, self.exported, self.family = model, exported, exported.family
+        self.graph = torch.fx.Graph()
+        self.graph.output(self.graph.graph_copy(exported.graph, {}))
+        self.module_names = [name for name in (self.family.module_name(path) for path, _ in model.named_modules())
+                             if name]
+        self.catalogue: dict[str, Entry] = self._catalogue()
+        self.module: torch.fx.GraphModule | None = None
+
+    def _catalogue(self) -> dict[str, Entry]:
+        return build_catalogue(self.family, self.model.config, Locator(self.graph, self.family, self.model.config),
+                               self.module_names)
+
+    def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool) -> "Program":
+        """Decompose what the request needs, insert the slots, tap the values (and the sources of
+        derived ones), strip the markers and drop what no output needs."""
+        to_decompose = {self.catalogue[name].location.node for name in [*values, *slots]
+                        if isinstance(self.catalogue[name].location, OnRequest)}
+        for sdpa in to_decompose:
+            decompose_sdpa(self.graph, sdpa)
+        if to_decompose:
+            self.catalogue = self._catalogue()
+        slot_nodes = insert_edit_slots(self.graph, {
+            name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
+            for name, slot in slots.items()})
+
+        self.derived = {name: self.catalogue[name] for name in values if self.catalogue[name].derived}
+        wanted = [name for name in values if name not in self.derived]
+        for entry in self.derived.values():
+            wanted += [source for source in self.sources_of(entry) if source not in wanted]
+        found = {}
+        for name in wanted:
+            location = self.catalogue[name].location
+            found[name] = Found(slot_nodes[name], location.view) if name in slot_nodes else location
+        self.tapped = tap(self.graph, found)
+        output = self.graph.output_node()
+        self.returns_logits = logits
+        if not logits:  # drop the model's own outputs, and with them what only they needed
+            output.args = (tuple(output.args[0])[len(self.exported.program.graph_signature.output_specs):],)
+        strip_markers(self.graph)
+        attributes = {node.target: getattr(self.exported.program.graph_module, node.target)
+                      for node in self.graph.find_nodes(op="get_attr")}
+        self.module = torch.fx.GraphModule({**attributes, **{name_of(n): s for n, s in slots.items()}}, self.graph)
+        self.graph.eliminate_dead_code()  # needs the owning module to judge the slots' purity
+        self.graph.lint()
+        self.module.recompile()
+        self.inputs = _input_sources(self.model, self.exported)
+        return self
+
+    @staticmethod
+    def sources_of(entry: Entry) -> list[str]:
+        return [source.format(host=entry.host) for source in entry.spec.rule.sources]
+
+    def run(self, inputs: dict) -> tuple[torch.Tensor | None, dict]:
+        """Run on prepared program inputs: (logits or None, {tapped name: tensor})."""
+        results = list(self.module(*[source(inputs) for source in self.inputs]))
+        logits = results.pop(0) if self.returns_logits else None
+        return logits, dict(zip(self.tapped, results))
+
+
+def _input_sources(model, exported: ExportedModel):
+    """For each program input, a function of the call's inputs giving its tensor (parameters are the model's)."""
+    sources = []
+    for spec in exported.program.graph_signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            module_path, _, attribute = spec.target.rpartition(".")
+            module = model.get_submodule(module_path)
+            sources.append(lambda inputs, m=module, a=attribute: getattr(m, a))
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constant = exported.program.constants[spec.target]
+            sources.append(lambda inputs, c=constant: c)
+        elif hasattr(spec.arg, "value"):  # a constant argument
+            sources.append(lambda inputs, v=spec.arg.value: v)
+        else:
+            sources.append(lambda inputs, n=spec.arg.name: inputs[n])
+    return sources
