@@ -49,7 +49,7 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
     for order, spec in enumerate(family.values):
         for host in family.hosts(spec.host, config):
             name = f"{host}.{spec.name}" if host else spec.name
-            shape = tuple(family.dim(config, dim) or dim for dim in spec.dims)
+            shape = tuple(int(dim) if dim.isdigit() else family.dim(config, dim) or dim for dim in spec.dims)
             location = Missing("derived") if isinstance(spec.rule, Derived) else locator.locate(host, spec.rule)
             block = re.search(r"layers\.(\d+)", host)
             section = 2 if host.startswith("vision") else (1 if block else 0)

@@ -2,7 +2,7 @@
 value read downstream of it sees the edited tensor (and the value itself is captured as edited).
 
 Each tensor edit can select a region by the value's layout axes: ``batch=``, ``positions=`` (the
-``seq`` axis, or the ``query`` axis of a pattern), ``heads=`` (any heads axis) and ``neurons=``
+``seq`` axis, the ``query`` axis of a pattern, the rows of a vision value), ``heads=`` (any heads axis) and ``neurons=``
 (an ``intermediate_size`` axis). A selection is a list of indices (negative ones count from the
 end). Any callable ``f(tensor) -> tensor`` is an edit too; it sees and returns the whole value.
 """
@@ -16,7 +16,7 @@ import torch
 # Which layout dims each selector addresses, in order of preference.
 _AXES = {
     "batch": ("batch",),
-    "positions": ("seq", "query"),
+    "positions": ("seq", "query", "image_tokens", "patches"),
     "heads": ("num_heads", "num_kv_heads", "key_heads", "value_heads", "heads"),
     "neurons": ("intermediate_size",),
 }

@@ -12,6 +12,7 @@ from .edits import EditError, Target
 from .export import ExportedModel, export_model
 from .inputs import IMAGE_KEYS, prepare
 from .names import canonical, resolve
+from .passes import Found, OnRequest
 from .passes.edit import EditSlot
 from .program import Program
 
@@ -104,9 +105,11 @@ class InstrumentedModel:
         """The program a call runs: a text-only call to the image-text model runs its text program."""
         if images not in self._programs:
             text = Program(self.model, export_model(self.model, images=False))
-            self._programs[images] = text.build([n for n in self.values if n in text.catalogue],
-                                                {n: s for n, s in self.slots.items() if n in text.catalogue},
-                                                self._logits)
+            present = {name for name, entry in text.catalogue.items() if isinstance(entry.location, (Found, OnRequest))}
+            present |= {name for name, entry in text.catalogue.items()
+                        if entry.derived and set(Program.sources_of(entry)) <= present}
+            self._programs[images] = text.build([n for n in self.values if n in present],
+                                                {n: s for n, s in self.slots.items() if n in present}, self._logits)
         return self._programs[images]
 
     # -- running ---------------------------------------------------------------------------------

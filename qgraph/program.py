@@ -47,11 +47,14 @@ class Program:
         for name in wanted:
             location = self.catalogue[name].location
             found[name] = Found(slot_nodes[name], location.view) if name in slot_nodes else location
-        self.tapped = tap(self.graph, found)
         output = self.graph.output_node()
+        model_outputs = len(output.args[0])
+        self.tapped = tap(self.graph, found)
         self.returns_logits = logits
-        if not logits:  # drop the model's own outputs, and with them what only they needed
-            output.args = (tuple(output.args[0])[len(self.exported.program.graph_signature.output_specs):],)
+        # keep the logits (the model's first output) or none of the model's outputs, and with them
+        # drop what only the others needed
+        kept = (output.args[0][0],) if logits else ()
+        output.args = (kept + tuple(output.args[0])[model_outputs:],)
         strip_markers(self.graph)
         attributes = {node.target: getattr(self.exported.program.graph_module, node.target)
                       for node in self.graph.find_nodes(op="get_attr")}

@@ -15,8 +15,14 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
                   "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]
 VOCAB_SIZE = 272  # 256 bytes + specials, rounded up
 
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# Qwen3.5's template shape: content is a string or a list of {"type": "text"|"image"} items; the
+# generation prompt closes an empty think block unless enable_thinking=True (as on 0.8B and 2B).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}" + IMAGE_PLACEHOLDER +
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking %}<think>\n"
     "{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
@@ -77,6 +83,82 @@ def tiny_qwen3_5(path: str | os.PathLike, seed: int = 0, **config_overrides) -> 
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def tiny_vision_config(**overrides) -> dict:
+    """The tiny vision tower: 2 blocks of width 32, 2 heads, 16-pixel patches, 2x2 merge."""
+    settings = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, temporal_patch_size=2,
+                    spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=64, in_channels=3,
+                    deepstack_visual_indexes=[])
+    settings.update(overrides)
+    return settings
+
+
+def tiny_qwen3_5_vl(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Build the tiny random ``Qwen3_5ForConditionalGeneration`` (the tiny text model plus a 2-block
+    vision tower) and save it with its image processor config and tokenizer at ``path``.
+
+    Load the processor with ``load_processor(path)``.
+    """
+    from transformers import Qwen2VLImageProcessorPil, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    path = Path(path)
+    tokenizer = tiny_tokenizer()
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    text = tiny_text_config(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen3_5Config(text_config=text.to_dict(), vision_config=tiny_vision_config(), tie_word_embeddings=True,
+                           **ids)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "visual" not in name and (name.endswith("norm.weight") or name.endswith("layernorm.weight")):
+                parameter.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
+                             size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}).save_pretrained(path)
+    return path
+
+
+def load_processor(path: str | os.PathLike):
+    """The checkpoint's processor: ``AutoProcessor.from_pretrained``, or where that cannot load (its
+    video processor needs torchvision), ``ImageTextProcessor`` over the checkpoint's own image
+    processor and tokenizer, both loaded with ``from_pretrained``."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except (ImportError, ValueError, AttributeError, OSError):
+        return ImageTextProcessor(AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path))
+
+
+class ImageTextProcessor:
+    """What Qwen3.5's processor does for images: each ``<|image_pad|>`` becomes one token per merged
+    2x2 patch block of its image, and ``mm_token_type_ids`` marks them (1) among text (0)."""
+
+    image_token = "<|image_pad|>"
+
+    def __init__(self, image_processor, tokenizer):
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+
+    def __call__(self, text, images=None, return_tensors="pt", **tokenizer_kwargs):
+        texts = [text] if isinstance(text, str) else list(text)
+        image_inputs = self.image_processor(images=images, return_tensors="pt") if images else {}
+        if images:
+            merge = self.image_processor.merge_size
+            counts = iter((image_inputs["image_grid_thw"].prod(-1) // merge**2).tolist())
+            texts = [self._expand(t, counts) for t in texts]
+        encoded = self.tokenizer(texts, return_tensors=return_tensors, **tokenizer_kwargs)
+        image_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        return {**encoded, **image_inputs, "mm_token_type_ids": (encoded["input_ids"] == image_id).int()}
+
+    def _expand(self, text: str, counts) -> str:
+        parts = text.split(self.image_token)
+        return parts[0] + "".join(self.image_token * next(counts) + part for part in parts[1:])
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
 
 
 def cached_tiny_qwen3_5(cache_dir: str | os.PathLike | None = None) -> Path:
