@@ -284,7 +284,8 @@ def chunk_gated_delta_rule_with_states(
         states = _empty((batch, seq, num_sel, k_dim, v_dim), states_dtype, device)
         wanted: dict[int, list[tuple[int, int]]] = {}
     else:
-        states = torch.empty(batch, positions.numel(), num_sel, k_dim, v_dim, dtype=states_dtype, device=device)
+        states = torch.empty(batch, positions.numel(), num_sel, k_dim, v_dim,
+                             dtype=states_dtype, device=device)
         # chunk -> [(slot in the output, row in the chunk)]; one host sync, then no per-chunk syncs.
         wanted = {}
         for slot, pos in enumerate(positions.tolist()):
@@ -331,10 +332,10 @@ def chunk_gated_delta_rule_states(
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor],
-    positions: Optional[torch.Tensor],
-    heads: Optional[torch.Tensor],
-    use_qk_l2norm_in_kernel: bool,
+    initial_state: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
+    heads: Optional[torch.Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = True,
     chunk_size: int = 64,
     states_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -353,8 +354,9 @@ def chunk_gated_delta_rule_states(
 
 
 @chunk_gated_delta_rule_states.register_fake
-def _(query, key, value, g, beta, initial_state, positions, heads, use_qk_l2norm_in_kernel,
-      chunk_size=64, states_dtype=torch.float32):
+def _(query, key, value, g, beta, initial_state=None, positions=None, heads=None,
+      use_qk_l2norm_in_kernel=True, chunk_size=64, states_dtype=torch.float32):
+    # Shape arithmetic only, so batch and seq stay symbolic under torch.export.
     batch, seq = query.shape[:2]
     k_dim = key.shape[-1]
     num_v_heads, v_dim = value.shape[-2:]

@@ -16,6 +16,9 @@ from .passes import Found, OnRequest
 from .passes.edit import EditSlot
 from .program import Program
 
+# The options a value takes in ``values={name: {...}}``
+_OPTIONS = {"states": ("dtype", "heads"), "state": ("positions", "dtype", "heads")}
+
 _READ_ONLY_HINT = {
     "next_token_probs": "edit 'logits' instead",
     "input_size": "call with other inputs instead",
@@ -49,7 +52,9 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
     ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
-    ``**`` crosses them) and the bracket form (``layers[3].self_attn.attention_scores``).
+    ``**`` crosses them) and the bracket form (``layers[3].self_attn.attention_scores``); a dict
+    ``{name: options}`` also passes options (``{"layers.0.linear_attn.state": {"positions": [0, -1]}}``;
+    ``states`` and ``state`` take ``dtype=`` and ``heads=`` too).
     ``edits`` declares edit slots: a list of names (edits given per call, ``ig(..., edits={...})``)
     or a dict ``{name: edit}`` of edits fixed into the program. With ``logits=False`` the program
     returns only the captured values, and what only the logits needed (``lm_head``, blocks past the
@@ -72,7 +77,8 @@ class InstrumentedModel:
         self.config = model.config
         main = Program(model, exported)
         self.catalogue: dict[str, Entry] = main.catalogue
-        self.values = self._resolve(values)
+        self.values = self._resolve(list(values))
+        self.options = self._options(values)
         fixed = {name: edit for pattern, edit in edits.items() for name in self._resolve(pattern)} \
             if isinstance(edits, Mapping) else {}
         self.slots: dict[str, EditSlot] = {}
@@ -84,8 +90,27 @@ class InstrumentedModel:
             target = Target(name, entry.layout, tuple(map(str, entry.spec.dims if entry.spec else entry.shape)))
             self.slots[name] = EditSlot(target, entry.location.view, fixed=fixed.get(name))
         self._logits = logits
-        self._programs = {exported.images: main.build(self.values, self.slots, logits)}
+        self._programs = {exported.images: main.build(self.values, self.slots, logits, self.options)}
         self.catalogue = main.catalogue  # as built: a decomposed block's pattern is now found
+
+    def _options(self, values) -> dict[str, dict]:
+        """Per-value options from ``values={name: {option: ...}}``, checked against what each value takes."""
+        if not isinstance(values, Mapping):
+            return {}
+        options = {}
+        for pattern, option in values.items():
+            option = dict(option or {})
+            for name in self._resolve(pattern):
+                allowed = _OPTIONS.get(self.catalogue[name].spec.name if self.catalogue[name].spec else "", ())
+                unknown = set(option) - set(allowed)
+                if unknown:
+                    raise ValueError(f"'{name}' takes no option {sorted(unknown)}"
+                                     + (f"; it takes {list(allowed)}" if allowed else ""))
+                if self.catalogue[name].spec.name == "state" and "positions" not in option:
+                    raise ValueError(f"'{name}' needs positions=[...]: the tokens after which to read the state "
+                                     f"(or ask for 'states', every token)")
+                options[name] = option
+        return options
 
     def _resolve(self, patterns) -> list[str]:
         return resolve(patterns, self.catalogue, self.family.block_mixers(self.config),
@@ -109,7 +134,8 @@ class InstrumentedModel:
             present |= {name for name, entry in text.catalogue.items()
                         if entry.derived and set(Program.sources_of(entry)) <= present}
             self._programs[images] = text.build([n for n in self.values if n in present],
-                                                {n: s for n, s in self.slots.items() if n in present}, self._logits)
+                                                {n: s for n, s in self.slots.items() if n in present}, self._logits,
+                                                self.options)
         return self._programs[images]
 
     # -- running ---------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """One exported program, tapped for values and fitted with edit slots, ready to run."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.export.graph_signature import InputKind
+from torch.fx import Node
 
 from .catalogue import Entry, build_catalogue
 from .export import ExportedModel
 from .passes import Found, Locator, OnRequest, decompose_sdpa, strip_markers, tap
 from .passes.edit import EditSlot, insert_edit_slots, name_of
+from .passes.swap import open_conv_context, swap_for_states
 
 
 class Program:
@@ -26,14 +30,38 @@ class Program:
         return build_catalogue(self.family, self.model.config, Locator(self.graph, self.family, self.model.config),
                                self.module_names)
 
-    def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool) -> "Program":
-        """Decompose what the request needs, insert the slots, tap the values (and the sources of
-        derived ones), strip the markers and drop what no output needs."""
-        to_decompose = {self.catalogue[name].location.node for name in [*values, *slots]
-                        if isinstance(self.catalogue[name].location, OnRequest)}
-        for sdpa in to_decompose:
-            decompose_sdpa(self.graph, sdpa)
-        if to_decompose:
+    def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool,
+              options: dict[str, dict] | None = None) -> "Program":
+        """Make the values that need a rewrite (decompose sdpa, swap a kernel for states), insert
+        the slots, tap the values (and the sources of derived ones), strip the markers and drop
+        what no output needs. ``options`` holds per-value options (states' positions, heads, dtype)."""
+        options = options or {}
+        self.extra_inputs = []  # (placeholder name, function of the call's inputs)
+        requests = {name: self.catalogue[name].location for name in [*values, *slots]
+                    if isinstance(self.catalogue[name].location, OnRequest)}
+        done = {}
+        for name, request in requests.items():
+            if request.node in done:  # scores and probabilities (or both conv sides) of one block: one rewrite
+                if request.part in ("states", "state"):
+                    raise ValueError(f"'{done[request.node]}' and '{name}': ask a block for states (every token) or "
+                                     f"state (at positions), not both; states[:, positions] is the same")
+                continue
+            done[request.node] = name
+            if request.part in ("states", "state"):
+                option = options.get(name, {})
+                positions, heads = option.get("positions"), option.get("heads")
+                swap_for_states(
+                    self.graph, request.node,
+                    None if positions is None else self._input(f"{name}.positions", _positions(name, positions),
+                                                               torch.zeros(len(positions), dtype=torch.long)),
+                    None if heads is None else self._input(f"{name}.heads", lambda inputs, h=torch.tensor(heads): h,
+                                                           torch.tensor(heads)),
+                    option.get("dtype", torch.float32))
+            elif request.part == "conv_context":
+                open_conv_context(self.graph, request.node)
+            else:
+                decompose_sdpa(self.graph, request.node)
+        if requests:
             self.catalogue = self._catalogue()
         slot_nodes = insert_edit_slots(self.graph, {
             name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
@@ -62,11 +90,23 @@ class Program:
         self.graph.eliminate_dead_code()  # needs the owning module to judge the slots' purity
         self.graph.lint()
         self.module.recompile()
-        self.inputs = _input_sources(self.model, self.exported)
+        self.inputs = _input_sources(self.model, self.exported) + [source for _, source in self.extra_inputs]
         return self
+
+    def _input(self, name: str, source, example: torch.Tensor) -> Node:
+        """A new program input after the existing ones, fed by ``source(call inputs)`` and shaped like
+        ``example`` (its fake value lets passes infer shapes)."""
+        with self.graph.inserting_after(self.graph.find_nodes(op="placeholder")[-1]):
+            node = self.graph.placeholder(re.sub(r"\W", "_", name))
+        fake_mode = next(n.meta["val"].fake_mode for n in self.graph.find_nodes(op="placeholder")
+                         if isinstance(n.meta.get("val"), torch.Tensor))
+        node.meta["val"] = fake_mode.from_tensor(example)
+        self.extra_inputs.append((node.name, source))
+        return node
 
     @staticmethod
     def sources_of(entry: Entry) -> list[str]:
+        """The names a derived value is computed from."""
         return [source.format(host=entry.host) for source in entry.spec.rule.sources]
 
     def run(self, inputs: dict) -> tuple[torch.Tensor | None, dict]:
@@ -92,3 +132,16 @@ def _input_sources(model, exported: ExportedModel):
         else:
             sources.append(lambda inputs, n=spec.arg.name: inputs[n])
     return sources
+
+
+def _positions(name: str, positions):
+    """A function of the call's inputs giving ``positions`` as indices into its tokens."""
+    positions = [int(p) for p in positions]
+
+    def source(inputs):
+        seq = inputs["input_ids"].shape[1]
+        bad = [p for p in positions if not -seq <= p < seq]
+        if bad:
+            raise IndexError(f"'{name}' positions {bad} are out of range for a call of {seq} tokens")
+        return torch.tensor([p % seq for p in positions])
+    return source

@@ -4,7 +4,7 @@ Llama's pre-norm block with a hybrid mixer: three blocks in four carry a gated D
 (``linear_attn``), the fourth gated attention (``self_attn``), as ``config.layer_types`` says.
 Every RMSNorm but the DeltaNet's own multiplies by ``1 + weight``.
 """
-from .rules import (BATCH1, HEADS, Attention, DeltaRule, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
+from .rules import (BATCH1, HEADS, Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
                     ScatterSource, ValueSpec, VarlenAttention)
 
 NAME = "qwen3_5_text"
@@ -65,11 +65,19 @@ DIMS = {
     "value_heads": "linear_num_value_heads",
     "key_dim": "linear_key_head_dim",
     "value_dim": "linear_value_head_dim",
+    "conv_dim": lambda config: _conv_dim(config.get_text_config()),
+    "conv_context": lambda config: config.get_text_config().linear_conv_kernel_dim - 1,
     "vision_hidden_size": lambda config: config.vision_config.hidden_size,
     "vision_num_heads": lambda config: config.vision_config.num_heads,
     "vision_head_dim": lambda config: config.vision_config.hidden_size // config.vision_config.num_heads,
     "vision_intermediate_size": lambda config: config.vision_config.intermediate_size,
 }
+
+
+
+def _conv_dim(text) -> int:
+    return 2 * text.linear_num_key_heads * text.linear_key_head_dim + text.linear_num_value_heads * text.linear_value_head_dim
+
 
 RESIDUAL = "Residual [batch seq hidden_size]"
 
@@ -121,6 +129,18 @@ VALUES = (
               "The per-head outputs before the gated norm and the output projection", DeltaRule("head_outputs")),
     ValueSpec("state_output", "linear_attn", "State [batch value_heads key_dim value_dim]",
               "The recurrent state leaving the layer", DeltaRule("state_output")),
+    ValueSpec("states", "linear_attn", "States [batch seq value_heads key_dim value_dim]",
+              "The recurrent state after every token; options: dtype=torch.bfloat16, heads=[...]; read-only",
+              DeltaRuleStates(at_positions=False)),
+    ValueSpec("state", "linear_attn", "State [batch positions value_heads key_dim value_dim]",
+              "The recurrent state after the tokens at positions=[...] (required option; also dtype=, heads=); "
+              "read-only", DeltaRuleStates(at_positions=True)),
+    ValueSpec("conv_state_input", "linear_attn", "ConvState [batch conv_dim conv_context]",
+              "The causal conv's left context: zeros at a prompt's start; give a previous call's "
+              "conv_state_output (with its state_output as state_input) to continue it", ConvContext("input")),
+    ValueSpec("conv_state_output", "linear_attn", "ConvState [batch conv_dim conv_context]",
+              "The conv input's last conv_kernel - 1 columns (mixed q, k, v before the conv): the next "
+              "call's conv_state_input", ConvContext("output")),
     ValueSpec("attention_output", "linear_attn", RESIDUAL,
               "What the mixer adds to the residual stream", Port("", "output")),
     # the gated attention

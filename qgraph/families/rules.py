@@ -39,6 +39,23 @@ class DeltaRule:
 
 
 @dataclass(frozen=True)
+class DeltaRuleStates:
+    """The host's recurrent state after every token (``positions=False``) or after chosen tokens:
+    made on request by swapping the kernel node for the state-emitting op (``passes.swap``)."""
+
+    at_positions: bool
+
+
+@dataclass(frozen=True)
+class ConvContext:
+    """The left context of the host's causal conv (``input``: what it starts from, zeros at a
+    prompt's start; ``output``: its last columns, the next call's context): made on request by
+    giving the conv an explicit context (``passes.swap.open_conv_context``)."""
+
+    side: str  # "input" | "output"
+
+
+@dataclass(frozen=True)
 class Attention:
     """A tensor of the host's attention core: the sdpa node, or the eager softmax pattern."""
 
@@ -106,4 +123,4 @@ class ValueSpec:
 
     @property
     def read_only(self) -> bool:
-        return isinstance(self.rule, (ProgramInput, Derived))
+        return isinstance(self.rule, (ProgramInput, Derived, DeltaRuleStates))

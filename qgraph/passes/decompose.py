@@ -31,7 +31,7 @@ def decompose_sdpa(graph: Graph, sdpa: Node) -> None:
     def emit(op, *args):
         node = graph.call_function(op, args)
         node.meta.update(meta)
-        node.meta["val"] = _fake(op, args)
+        node.meta["val"] = fake_result(op, args)
         return node
 
     with graph.inserting_before(sdpa):
@@ -58,9 +58,11 @@ def decompose_sdpa(graph: Graph, sdpa: Node) -> None:
     graph.erase_node(sdpa)
 
 
-def _fake(op, args):
+def fake_result(op, args):
     """The op's output on the arguments' fake tensors (so new nodes carry shapes like exported ones)."""
-    fakes = [arg.meta["val"] if isinstance(arg, Node) else arg for arg in args]
-    mode = next(fake.fake_mode for fake in fakes if isinstance(fake, torch.Tensor))
+    fakes = [[a.meta["val"] for a in arg] if isinstance(arg, list) and arg and isinstance(arg[0], Node)
+             else arg.meta["val"] if isinstance(arg, Node) else arg for arg in args]
+    tensors = [t for fake in fakes for t in (fake if isinstance(fake, list) else [fake])]
+    mode = next(t.fake_mode for t in tensors if isinstance(t, torch.Tensor))
     with mode:
         return op(*fakes)

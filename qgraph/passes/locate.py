@@ -14,7 +14,8 @@ import torch
 from torch.fx import Graph, Node
 
 from ..families import Family
-from ..families.rules import (Attention, DeltaRule, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
+from ..delta_states import STATES_OP
+from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
                               ScatterSource, VarlenAttention)
 from ..ops import DELTA_RULE_OPS, MARK_OP, VARLEN_ATTENTION_OP
 from . import views
@@ -40,10 +41,12 @@ class Found:
 
 @dataclass(frozen=True)
 class OnRequest:
-    """A value a pass can make: the sdpa node whose decomposition gives a block's pattern."""
+    """A value a pass can make (``part``) by rewriting ``node``: a block's pattern by decomposing
+    its sdpa node, its states by swapping its kernel, its conv context by opening its conv."""
 
     node: Node
     part: str
+    view: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class Locator:
             return self._port(host, rule)
         if isinstance(rule, DeltaRule):
             return self._delta_rule(host, rule.part)
+        if isinstance(rule, DeltaRuleStates):
+            return self._states(host, rule.at_positions)
+        if isinstance(rule, ConvContext):
+            return self._conv_context(host, rule.side)
         if isinstance(rule, Attention):
             return self._attention(host, rule.part)
         if isinstance(rule, ProjectionHalf):
@@ -110,14 +117,39 @@ class Locator:
                            f"no {rule.side} (its parameters are used directly, or it does not exist)")
         return Found(marker, views.resolve(rule.view, lambda dim: self.family.dim(self.config, dim)))
 
+    def _kernel(self, host: str) -> Node | None:
+        return next((n for n in self.scopes.get(host, ()) if n.target in DELTA_RULE_OPS or n.target is STATES_OP), None)
+
     def _delta_rule(self, host: str, part: str) -> Found | Missing:
-        kernels = [n for n in self.scopes.get(host, ()) if n.target in DELTA_RULE_OPS]
-        if not kernels:
+        kernel = self._kernel(host)
+        if kernel is None:
             return Missing(f"no gated delta-rule kernel call under '{host}'")
-        kernel = kernels[0]
         if part in DeltaRule.ARGUMENTS:
             return Found(kernel.args[DeltaRule.ARGUMENTS.index(part)])
-        return Found(_output_item(self.graph, kernel, DeltaRule.OUTPUTS.index(part)))
+        # (output, final state), or (output, states, final state) once swapped for states
+        index = {"head_outputs": 0, "state_output": 2 if kernel.target is STATES_OP else 1}[part]
+        return Found(_output_item(self.graph, kernel, index))
+
+    def _states(self, host: str, at_positions: bool) -> Found | OnRequest | Missing:
+        kernel = self._kernel(host)
+        if kernel is None:
+            return Missing(f"no gated delta-rule kernel call under '{host}'")
+        if kernel.target is not STATES_OP:
+            return OnRequest(kernel, "state" if at_positions else "states")
+        if (kernel.args[6] is not None) != at_positions:
+            return Missing(f"this program computes '{host}' states {'at every token' if at_positions else 'at positions'}")
+        return Found(_output_item(self.graph, kernel, 1))
+
+    def _conv_context(self, host: str, side: str) -> Found | OnRequest | Missing:
+        conv = next((n for n in self.scopes.get(host, ()) if n.target is aten.conv1d.default), None)
+        if conv is None:
+            return Missing(f"no causal conv under '{host}'")
+        joined = conv.args[0]
+        if joined.target is not aten.cat.default:  # the conv pads its own context: open it first
+            return OnRequest(conv, "conv_context")
+        if side == "input":
+            return Found(joined.args[0][0])
+        return Found(next(u for u in joined.users if u.target is aten.slice.Tensor))
 
     def _attention(self, host: str, part: str) -> Found | OnRequest | Missing:
         core = attention_core(self.scopes.get(host, ()))
