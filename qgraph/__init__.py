@@ -9,8 +9,9 @@ from .families import UnsupportedModel
 from .instrument import InstrumentedModel, Output, instrument
 from .names import UnavailableValue, UnknownValue
 from .recipes import patch, skip_layers, steer
+from .render import render
 from .support import SupportTable, support
 
 __all__ = ["Add", "Edit", "EditError", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
-           "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "instrument", "patch", "skip_layers",
-           "steer", "support"]
+           "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "instrument", "patch", "render",
+           "skip_layers", "steer", "support"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import re
 
 from .families import Family
-from .families.rules import Derived, ProgramInput, ValueSpec
+from .families.rules import ConvContext, DeltaRuleStates, Derived, ProgramInput, ValueSpec
 from .passes.locate import Found, Locator, Missing, OnRequest
 
 
@@ -33,6 +33,13 @@ class Entry:
     @property
     def derived(self) -> bool:
         return self.spec is not None and isinstance(self.spec.rule, Derived)
+
+    @property
+    def by_name_only(self) -> bool:
+        """Whether only its own name selects the value, never a glob: the DeltaNet values that
+        rewrite their block when asked for (``states``, large, and ``state``, which needs positions,
+        swap its kernel; the conv states open its conv), so a glob never changes the program."""
+        return self.spec is not None and isinstance(self.spec.rule, (DeltaRuleStates, ConvContext))
 
     @property
     def read_only(self) -> bool:

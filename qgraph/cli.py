@@ -1,9 +1,12 @@
-"""The ``qgraph`` command: ``qgraph demo`` instruments a checkpoint and shows what it captured."""
+"""The ``qgraph`` command: ``qgraph demo`` instruments a checkpoint and shows what it captured;
+``qgraph render`` draws a block or the model."""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+
+from .render.cli import add_render_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="names or globs of the values to capture")
     demo.add_argument("--attn-implementation", default="eager",
                       help="how to load attention: eager (has attention_scores) or sdpa")
+    demo.set_defaults(handler=_demo)
+    add_render_command(commands)
     args = parser.parse_args(argv)
-    return _demo(args)
+    return args.handler(args)
 
 
 def _demo(args) -> int:

@@ -15,6 +15,7 @@ ROOT = ["logits", "token_embeddings", "final_norm_output", "lm_head_output", "ne
 LAYER = ["layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output"]
 DELTANET = ["attention_queries", "attention_keys", "attention_values", "decays", "betas", "state_input",
             "attention_head_outputs", "state_output", "attention_output"]
+BY_NAME_ONLY = ["states", "state", "conv_state_input", "conv_state_output"]  # they rewrite the block
 ATTENTION = ["attention_queries", "attention_keys", "attention_values", "attention_scores",
              "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output",
              "attention_gate"]
@@ -158,7 +159,8 @@ def test_support_table_rows(sdpa_model):
     table = qgraph.support(sdpa_model)
     rows = {row.name: row for row in table.rows}
     expected = set(ROOT) | {f"layers.{{i}}.{v}" for v in LAYER} | {f"layers.{{i}}.mlp.{v}" for v in MLP} \
-        | {f"layers.{{i}}.linear_attn.{v}" for v in DELTANET} | {f"layers.{{i}}.self_attn.{v}" for v in ATTENTION}
+        | {f"layers.{{i}}.linear_attn.{v}" for v in [*DELTANET, *BY_NAME_ONLY]} \
+        | {f"layers.{{i}}.self_attn.{v}" for v in ATTENTION}
     assert set(rows) == expected
     for row in table.rows:
         assert row.layout and row.description and row.shape

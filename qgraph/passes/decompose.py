@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
+from .emit import emitter
+
 aten = torch.ops.aten
 
 
@@ -26,14 +28,7 @@ def decompose_sdpa(graph: Graph, sdpa: Node) -> None:
                                   "model with attn_implementation='eager' instead")
     query_val = query.meta["val"]
     scale = sdpa.kwargs.get("scale") or query_val.shape[-1] ** -0.5
-    meta = {key_: sdpa.meta[key_] for key_ in ("nn_module_stack", "stack_trace") if key_ in sdpa.meta}
-
-    def emit(op, *args):
-        node = graph.call_function(op, args)
-        node.meta.update(meta)
-        node.meta["val"] = fake_result(op, args)
-        return node
-
+    emit = emitter(graph, sdpa)
     with graph.inserting_before(sdpa):
         if sdpa.kwargs.get("enable_gqa"):
             groups = query_val.shape[-3] // key.meta["val"].shape[-3]
@@ -56,13 +51,3 @@ def decompose_sdpa(graph: Graph, sdpa: Node) -> None:
         output = emit(aten.matmul.default, probabilities, value)
     sdpa.replace_all_uses_with(output)
     graph.erase_node(sdpa)
-
-
-def fake_result(op, args):
-    """The op's output on the arguments' fake tensors (so new nodes carry shapes like exported ones)."""
-    fakes = [[a.meta["val"] for a in arg] if isinstance(arg, list) and arg and isinstance(arg[0], Node)
-             else arg.meta["val"] if isinstance(arg, Node) else arg for arg in args]
-    tensors = [t for fake in fakes for t in (fake if isinstance(fake, list) else [fake])]
-    mode = next(t.fake_mode for t in tensors if isinstance(t, torch.Tensor))
-    with mode:
-        return op(*fakes)

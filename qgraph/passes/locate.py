@@ -141,15 +141,16 @@ class Locator:
         return Found(_output_item(self.graph, kernel, 1))
 
     def _conv_context(self, host: str, side: str) -> Found | OnRequest | Missing:
-        conv = next((n for n in self.scopes.get(host, ()) if n.target is aten.conv1d.default), None)
-        if conv is None:
+        convs = [n for n in self.scopes.get(host, ()) if n.target is aten.conv1d.default]
+        if not convs:
             return Missing(f"no causal conv under '{host}'")
-        joined = conv.args[0]
-        if joined.target is not aten.cat.default:  # the conv pads its own context: open it first
-            return OnRequest(conv, "conv_context")
+        if len(convs) == 1:  # the conv pads its own context: open it first (passes.swap.open_conv_context)
+            return OnRequest(convs[0], "conv_context")
+        context = convs[1].args[0].args[0][0]  # the second conv reads cat(context, zeros)
         if side == "input":
-            return Found(joined.args[0][0])
-        return Found(next(u for u in joined.users if u.target is aten.slice.Tensor))
+            return Found(context)
+        joined = next(u for u in context.users if u.target is aten.cat.default and u.args[0][1] is convs[0].args[0])
+        return Found(next(iter(joined.users)))  # its last columns
 
     def _attention(self, host: str, part: str) -> Found | OnRequest | Missing:
         core = attention_core(self.scopes.get(host, ()))

@@ -7,7 +7,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..delta_states import STATES_OP
-from .decompose import fake_result
+from .emit import emitter, fake_result
 
 
 def swap_for_states(graph: Graph, kernel: Node, positions: Node | None, heads: Node | None,
@@ -30,24 +30,24 @@ def swap_for_states(graph: Graph, kernel: Node, positions: Node | None, heads: N
 
 
 def open_conv_context(graph: Graph, conv: Node) -> tuple[Node, Node]:
-    """Give a causal ``conv1d`` (padding ``k - 1`` on the left) an explicit left context instead:
-    ``conv(cat(context, x), padding=0)``, the same numbers with a zeros context. Returns the context
-    node (an edit point: a previous call's columns continue that call) and the joined input's last
-    ``k - 1`` columns (the next call's context)."""
-    x, weight, bias, stride, padding, dilation, groups = conv.args
+    """Give a causal ``conv1d`` (left padding ``w = k - 1``, then ``[..., :seq]``) an explicit left
+    context: the conv's output gains the context's contribution, ``conv(cat(context, zeros))``
+    (non-zero in its first ``w`` columns). The context starts as zeros, so the numbers stay those of
+    the plain conv (to float rounding, ~1e-7) until an edit gives a previous call's columns. Returns the context node (the edit point)
+    and the last ``w`` columns of ``cat(context, x)`` (the next call's context)."""
+    x, weight, _, stride, _, dilation, groups = conv.args
     width = weight.meta["val"].shape[-1] - 1
-    meta = {k: conv.meta[k] for k in ("nn_module_stack", "stack_trace") if k in conv.meta}
-
-    def emit(op, *args):
-        node = graph.call_function(op, args)
-        node.meta.update(meta)
-        node.meta["val"] = fake_result(op, args)
-        return node
-
+    trimmed = next(u for u in conv.users if u.target is torch.ops.aten.slice.Tensor)  # conv(...)[..., :seq]
+    emit = emitter(graph, conv)
     aten = torch.ops.aten
-    with graph.inserting_before(conv):
+    with graph.inserting_before(trimmed.next):
         context = emit(aten.constant_pad_nd.default, emit(aten.slice.Tensor, x, 2, 0, 0), [width, 0], 0.0)
-        joined = emit(aten.cat.default, [context, x], 2)
-        tail = emit(aten.slice.Tensor, joined, 2, -width)
-    conv.args = (joined, weight, bias, stride, [0], dilation, groups)
+        tail = emit(aten.slice.Tensor, emit(aten.cat.default, [context, x], 2), 2, -width)
+        # the context's share of each output column (non-zero in the first `width` only)
+        lead = emit(aten.conv1d.default, emit(aten.cat.default, [context, emit(aten.zeros_like.default, x)], 2),
+                    weight, None, stride, [0], dilation, groups)
+        opened = emit(aten.add.Tensor, trimmed, lead)
+    for user in list(trimmed.users):
+        if user is not opened:
+            user.replace_input_with(trimmed, opened)
     return context, tail

@@ -1,0 +1,90 @@
+"""Render the docs gallery: the tiny Qwen3.5's blocks and model, drawn by ``qgraph.render``.
+
+    python docs/gallery.py            # writes docs/gallery/*.svg, *.png and docs/gallery.md
+
+Needs Graphviz's ``dot`` (Debian/Ubuntu: ``apt-get install graphviz``). The tiny checkpoint is built
+on first use (``qgraph.testing.cached_tiny_qwen3_5``); nothing is downloaded.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "gallery"
+
+# (file stem, what, layer, detail, which model (False: the tiny model, True: it instrumented, "vl": the
+# image-text one), caption)
+PICTURES = [
+    ("block3-attention", "block", 3, "modules", False,
+     "Block 3, gated attention: q_proj splits per head into the query and the gate; the query is normed "
+     "and rotated, attention runs as one sdpa node, and its heads' output is multiplied by sigmoid(gate) "
+     "before o_proj. attention_scores and attention_probabilities are made on request (asking for them "
+     "decomposes the sdpa)."),
+    ("block0-deltanet", "block", 0, "modules", False,
+     "Block 0, gated DeltaNet: in_proj_qkv, the causal depthwise conv and silu, the split into query, key "
+     "and value, the decays and betas from in_proj_a and in_proj_b, and the delta-rule kernel node with "
+     "its state in and out; the gated norm (gate: in_proj_z) and out_proj."),
+    ("block3-instrumented", "block", 3, "modules", True,
+     "Block 3 of an InstrumentedModel: the values it captures are orange, the edit slot is crimson."),
+    ("model", "model", None, "modules", False,
+     "The model: the embedding, the four blocks with their kinds, the final norm and lm_head, with the "
+     "masks and the position embeddings that feed the blocks."),
+    ("model-image-text", "model", None, "modules", "vl",
+     "The image-text model (the tiny Qwen3.5 with a 2-block vision tower): the vision encoder, the "
+     "projector, and the masked_scatter that puts the image features into the text's embeddings."),
+    ("vision-block0", "vision_block", 0, "modules", "vl",
+     "Vision block 0: LayerNorm pre-norm, qkv unbound per head, the 2D rotary, attention per image "
+     "(one packed varlen node over every image), proj, and the GELU MLP."),
+    ("block3-ops", "block", 3, "ops", False,
+     "Block 3, every graph node, clustered by module scope."),
+    ("block0-ops", "block", 0, "ops", False,
+     "Block 0, every graph node, clustered by module scope."),
+]
+
+
+def main() -> int:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    import qgraph
+    from qgraph.render import render
+    from qgraph.testing import cached_tiny_qwen3_5
+
+    transformers.logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(cached_tiny_qwen3_5()).eval()
+    instrumented = qgraph.instrument(model, values=["layers.3.self_attn.attention_gate", "layers.3.layer_mid",
+                                                    "layers.3.self_attn.attention_head_outputs"],
+                                     edits=["layers.3.mlp.mlp_neurons"])
+    import tempfile
+
+    from transformers import AutoModelForImageTextToText
+
+    from qgraph.testing import tiny_qwen3_5_vl
+    image_text = AutoModelForImageTextToText.from_pretrained(
+        tiny_qwen3_5_vl(Path(tempfile.mkdtemp()) / "tiny-qwen3_5-vl")).eval()
+    OUT.mkdir(exist_ok=True)
+    lines = ["# Gallery", "",
+             "Diagrams of the tiny Qwen3.5 (`qgraph.testing.cached_tiny_qwen3_5`: 3 gated DeltaNet blocks and "
+             "one gated attention block) and of its image-text version (`qgraph.testing.tiny_qwen3_5_vl`), drawn "
+             "by `qgraph.render` from the exported graph: boxes are module scopes and the ops between them, "
+             "yellow tap points are the standard values, each labelled `name [layout]`. Click a picture for "
+             "its SVG (hover a part for its full name and description). Regenerate with "
+             "`python docs/gallery.py` (needs Graphviz's `dot`).", ""]
+    for stem, what, layer, detail, marked, caption in PICTURES:
+        subject = image_text if marked == "vl" else (instrumented if marked else model)
+        for suffix, dpi in ((".svg", None), (".png", 60 if detail == "ops" else 96)):
+            path = OUT / f"{stem}{suffix}"
+            render(subject, what=what, layer=layer, path=path, detail=detail, **({"dpi": dpi} if dpi else {}))
+            print(f"wrote {path.relative_to(HERE.parent)}")
+        call = f"qgraph.render({'ig' if marked is True else 'model'}, what={what!r}" + (
+            f", layer={layer}" if layer is not None else "") + (f", detail={detail!r}" if detail != "modules" else "") + \
+            f', path="{stem}.svg")'
+        lines += [f"## {stem}", "", caption, "", f"`{call}`", "", f"[![{stem}](gallery/{stem}.png)](gallery/{stem}.svg)", ""]
+    (HERE / "gallery.md").write_text("\n".join(lines))
+    print(f"wrote {(HERE / 'gallery.md').relative_to(HERE.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
