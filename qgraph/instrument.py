@@ -95,20 +95,22 @@ class InstrumentedModel:
 
     def _options(self, values) -> dict[str, dict]:
         """Per-value options from ``values={name: {option: ...}}``, checked against what each value takes."""
-        if not isinstance(values, Mapping):
-            return {}
+        given = {}
+        if isinstance(values, Mapping):
+            for pattern, option in values.items():
+                given.update(dict.fromkeys(self._resolve(pattern), dict(option or {})))
         options = {}
-        for pattern, option in values.items():
-            option = dict(option or {})
-            for name in self._resolve(pattern):
-                allowed = _OPTIONS.get(self.catalogue[name].spec.name if self.catalogue[name].spec else "", ())
-                unknown = set(option) - set(allowed)
-                if unknown:
-                    raise ValueError(f"'{name}' takes no option {sorted(unknown)}"
-                                     + (f"; it takes {list(allowed)}" if allowed else ""))
-                if self.catalogue[name].spec.name == "state" and "positions" not in option:
-                    raise ValueError(f"'{name}' needs positions=[...]: the tokens after which to read the state "
-                                     f"(or ask for 'states', every token)")
+        for name in self.values:
+            kind = self.catalogue[name].spec.name if self.catalogue[name].spec else ""
+            option, allowed = given.get(name, {}), _OPTIONS.get(kind, ())
+            unknown = set(option) - set(allowed)
+            if unknown:
+                raise ValueError(f"'{name}' takes no option {sorted(unknown)}"
+                                 + (f"; it takes {list(allowed)}" if allowed else ""))
+            if kind == "state" and "positions" not in option:
+                raise ValueError(f"'{name}' needs positions: ask values={{'{name}': {{'positions': [...]}}}}, the "
+                                 f"tokens after which to read the state (or ask for 'states', every token)")
+            if option:
                 options[name] = option
         return options
 
