@@ -40,7 +40,8 @@ class Family:
         return self.data.VALUES
 
     def module_name(self, path: str) -> str:
-        """The spec's name of a module path (``model.layers.3.mlp`` -> ``layers.3.mlp``); "" for none."""
+        """The spec's name of a module path (``model.layers.3.mlp`` -> ``layers.3.mlp``); "" for the
+        model itself and its wrappers (``model``, ``model.language_model``)."""
         if path in self.data.NO_PORTS:
             return ""
         for pattern, replacement in self.data.MODULE_RENAMES:
@@ -48,6 +49,11 @@ class Family:
             if count:
                 return renamed
         return path
+
+    def ported_modules(self, model) -> list[tuple[str, str]]:
+        """(path, spec name) of every module that gets ports (``<name>.input``/``.output``): all but
+        the model itself and its wrappers."""
+        return [(path, self.module_name(path)) for path, _ in model.named_modules() if path not in self.data.NO_PORTS]
 
     def block_mixers(self, config) -> list[str]:
         """The mixer module each block carries (``linear_attn`` or ``self_attn``), by block index."""

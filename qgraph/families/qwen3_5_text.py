@@ -16,7 +16,7 @@ DELTA_RULE_KERNELS = {"chunk": "torch_chunk_gated_delta_rule", "recurrent": "tor
 
 # Module paths as the spec names them: the text stack's prefix drops, the vision tower is "vision"
 # with its blocks' modules named like the text blocks', its merger is "projector". The first
-# matching pattern renames; a path in NO_PORTS (the wrappers) has no ports.
+# matching pattern renames.
 MODULE_RENAMES = (
     (r"^model\.language_model\.", ""),
     (r"^model\.visual\.merger", "projector"),
@@ -25,9 +25,10 @@ MODULE_RENAMES = (
     (r"^model\.visual\.blocks\.(\d+)\.attn", r"vision.layers.\1.self_attn"),
     (r"^model\.visual\.blocks", "vision.layers"),
     (r"^model\.visual\.", "vision."),
+    (r"^model\.visual$", "vision"),
     (r"^model\.", ""),
 )
-NO_PORTS = ("", "model", "model.language_model", "model.visual")
+NO_PORTS = ("", "model", "model.language_model")  # the model itself and its wrappers
 
 # config.layer_types entry -> the mixer module a block of that kind carries
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}

@@ -96,8 +96,7 @@ class GraphView:
         self.config = model.config
         self.graph = Graph()
         self.graph.output(self.graph.graph_copy(exported.graph, {}))
-        self.module_names = [name for name in (self.family.module_name(path) for path, _ in model.named_modules())
-                             if name]
+        self.module_names = [name for _, name in self.family.ported_modules(model)]
         self._locate()
         # the values a pass makes when asked for (a block's pattern under sdpa, the DeltaNet's states, its
         # conv context): make them as the program does, so the picture shows the program that runs
