@@ -6,12 +6,13 @@
 """
 from .edits import Add, Edit, EditError, Replace, Scale, Zero
 from .families import UnsupportedModel
+from .generate import GenerateOutput, chat_prompt
 from .instrument import InstrumentedModel, Output, instrument
 from .names import UnavailableValue, UnknownValue
 from .recipes import patch, skip_layers, steer
 from .render import render
 from .support import SupportTable, support
 
-__all__ = ["Add", "Edit", "EditError", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
-           "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "instrument", "patch", "render",
+__all__ = ["Add", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
+           "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "patch", "render",
            "skip_layers", "steer", "support"]

@@ -32,6 +32,7 @@ from torch.export import Dim, ExportedProgram
 from transformers import AttentionInterface
 from transformers.utils.generic import accepts_precomputed_kwargs
 
+from . import cache as disk_cache
 from . import ops
 from .families import Family, family_for
 
@@ -48,9 +49,10 @@ class ExportedModel:
 
     program: ExportedProgram
     family: Family
-    seconds: float  # wall time of the export
+    seconds: float  # wall time of the export (or of loading it from the disk cache)
     key: tuple  # what the program was specialised on (see ``_cache_key``)
     inputs: tuple[str, ...]  # the program's user inputs, in order (TEXT_INPUTS or IMAGE_INPUTS)
+    from_cache: bool = False  # loaded from the disk cache (``qgraph.cache``) instead of exported
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -78,7 +80,9 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
     """Export ``model`` once per model object, load and kind of program; later calls reuse it.
 
     ``images`` picks the image-text program (the default for the image-text model) or the
-    text-only one (``images=False``: what a text-only call to that model runs).
+    text-only one (``images=False``: what a text-only call to that model runs). A model exported
+    in an earlier process (same config, dtype, versions: see ``qgraph.cache``) loads its program
+    from the disk cache instead of exporting again.
     """
     family = family_for(model)
     images = has_vision(model) if images is None else images and has_vision(model)
@@ -88,11 +92,18 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         return cached
     start = time.perf_counter()
     names = IMAGE_INPUTS if images else TEXT_INPUTS
+    program = disk_cache.load(model, images, names)  # an export of the same model in an earlier process
+    if program is not None:
+        _use_kernels(family)
+        exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, True)
+        programs[images] = exported
+        return exported
     example, dynamic = (_image_example if images else _text_example)(model)
     with _delta_rule_ops(family), _port_markers(model, family), _packed_vision(model, family, images):
         program = torch.export.export(_with_signature(model, names), (), example, dynamic_shapes=dynamic,
                                       strict=False)
     exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names)
+    disk_cache.save(model, images, program)
     programs[images] = exported
     return exported
 
@@ -204,6 +215,14 @@ def _delta_rule_ops(family: Family):
             setattr(module, function_name, original)
 
 
+def _use_kernels(family: Family):
+    """Point the delta-rule ops at the family's kernels, as exporting does (for a program loaded
+    from the disk cache)."""
+    module = importlib.import_module(family.kernel_module)
+    for kind, function_name in family.delta_rule_kernels.items():
+        ops.KERNELS[kind] = getattr(module, function_name)
+
+
 def _as_op(kind: str):
     op = {"chunk": torch.ops.qgraph.chunk_gated_delta_rule,
           "recurrent": torch.ops.qgraph.recurrent_gated_delta_rule}[kind]
@@ -222,10 +241,8 @@ def _as_op(kind: str):
 def _port_markers(model: torch.nn.Module, family: Family):
     """Wrap every submodule's first input and its output in a named ``qgraph::mark``."""
     handles = []
-    for path, module in model.named_modules():
-        name = family.module_name(path)
-        if not name:
-            continue
+    for path, name in family.ported_modules(model):
+        module = model.get_submodule(path)
         first_parameter = next(iter(inspect.signature(module.forward).parameters), None)
         handles.append(module.register_forward_pre_hook(
             _mark_input(f"{name}.input", first_parameter), with_kwargs=True))

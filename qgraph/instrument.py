@@ -8,6 +8,7 @@ import torch
 
 from . import derive
 from .catalogue import Entry
+from .compile import compile_options, compile_program
 from .edits import EditError, Target
 from .export import ExportedModel, export_model
 from .inputs import IMAGE_KEYS, prepare
@@ -48,7 +49,8 @@ class Output:
         return canonical(name, self.blocks) in self.values
 
 
-def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True) -> "InstrumentedModel":
+def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True,
+               compile=False) -> "InstrumentedModel":
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
     ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
@@ -58,9 +60,12 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     ``edits`` declares edit slots: a list of names (edits given per call, ``ig(..., edits={...})``)
     or a dict ``{name: edit}`` of edits fixed into the program. With ``logits=False`` the program
     returns only the captured values, and what only the logits needed (``lm_head``, blocks past the
-    last value) is not computed.
+    last value) is not computed. ``compile=True`` (or a dict of ``torch.compile`` options) runs the
+    program under ``torch.compile`` (see ``InstrumentedModel.compile``).
     """
-    return InstrumentedModel(model, export_model(model), values, edits=edits, logits=logits)
+    instrumented = InstrumentedModel(model, export_model(model), values, edits=edits, logits=logits)
+    options = compile_options(compile)
+    return instrumented if options is None else instrumented.compile(**options)
 
 
 class InstrumentedModel:
@@ -138,7 +143,19 @@ class InstrumentedModel:
             self._programs[images] = text.build([n for n in self.values if n in present],
                                                 {n: s for n, s in self.slots.items() if n in present}, self._logits,
                                                 self.options)
+            if getattr(self, "_compile", None) is not None:
+                compile_program(self._programs[images], **self._compile)
         return self._programs[images]
+
+    def compile(self, **options) -> "InstrumentedModel":
+        """Run the program(s) under ``torch.compile`` (``fullgraph=True`` unless ``options`` say
+        otherwise); returns self. The first call compiles; the batch and sequence dims are dynamic,
+        so a new prompt length does not recompile. A call with per-call edits runs the eager program
+        (see ``qgraph.compile``)."""
+        self._compile = options
+        for program in self._programs.values():
+            compile_program(program, **options)
+        return self
 
     # -- running ---------------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -154,7 +171,7 @@ class InstrumentedModel:
         program = self._program_for(images)
         active = self._activate(edits or {})
         try:
-            logits, captured = program.run(prepared)
+            logits, captured = program.run(prepared, eager=bool(active))
         finally:
             for slot in active:  # an edit lasts one call
                 slot.edit = None
@@ -177,6 +194,17 @@ class InstrumentedModel:
                 self.slots[name].edit = edit
                 active.append(self.slots[name])
         return active
+
+    # -- generating --------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 **kwargs):
+        """Generate like HF ``generate`` (greedy, or sampling with ``do_sample=True``, ``temperature``,
+        ``top_k``, ``top_p``, ``generator=``/``seed=``; stops on the config's eos ids), decoding from a
+        cache, and capture the values at every step: ``out.sequences`` and ``out.steps[k][name]``
+        (step 0 the prompt pass, step k the pass over new token k). ``edits={name: edit}`` apply at
+        every step, or at ``steps=[0]`` / ``steps=slice(1, None)`` only. See ``qgraph.generate``."""
+        from .generate import generate
+        return generate(self, input_ids, attention_mask, **kwargs)
 
     # -- reading the stream -------------------------------------------------------------------
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:

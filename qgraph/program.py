@@ -21,20 +21,22 @@ class Program:
         self.model, self.exported, self.family = model, exported, exported.family
         self.graph = torch.fx.Graph()
         self.graph.output(self.graph.graph_copy(exported.graph, {}))
-        self.module_names = [name for name in (self.family.module_name(path) for path, _ in model.named_modules())
-                             if name]
+        self.module_names = [name for _, name in self.family.ported_modules(model)]
         self.catalogue: dict[str, Entry] = self._catalogue()
         self.module: torch.fx.GraphModule | None = None
+        self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
 
     def _catalogue(self) -> dict[str, Entry]:
         return build_catalogue(self.family, self.model.config, Locator(self.graph, self.family, self.model.config),
                                self.module_names)
 
     def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool,
-              options: dict[str, dict] | None = None) -> "Program":
+              options: dict[str, dict] | None = None, rewrite=None) -> "Program":
         """Make the values that need a rewrite (decompose sdpa, swap a kernel for states), insert
         the slots, tap the values (and the sources of derived ones), strip the markers and drop
-        what no output needs. ``options`` holds per-value options (states' positions, heads, dtype)."""
+        what no output needs. ``options`` holds per-value options (states' positions, heads, dtype).
+        ``rewrite(program)``, if given, runs after those rewrites and before the slots (the decode
+        step's cache pass, ``passes.cache``) and returns more nodes to tap, ``{name: Found}``."""
         options = options or {}
         self.extra_inputs = []  # (placeholder name, function of the call's inputs)
         requests = {name: self.catalogue[name].location for name in [*values, *slots]
@@ -63,6 +65,7 @@ class Program:
                 decompose_sdpa(self.graph, request.node)
         if requests:
             self.catalogue = self._catalogue()
+        extra_taps = rewrite(self) if rewrite is not None else {}
         slot_nodes = insert_edit_slots(self.graph, {
             name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
             for name, slot in slots.items()})
@@ -75,6 +78,7 @@ class Program:
         for name in wanted:
             location = self.catalogue[name].location
             found[name] = Found(slot_nodes[name], location.view) if name in slot_nodes else location
+        found.update(extra_taps)
         output = self.graph.output_node()
         model_outputs = len(output.args[0])
         self.tapped = tap(self.graph, found)
@@ -86,10 +90,10 @@ class Program:
         strip_markers(self.graph)
         attributes = {node.target: getattr(self.exported.program.graph_module, node.target)
                       for node in self.graph.find_nodes(op="get_attr")}
+        # edit slots are pure (an unread one goes too); judged here so the GraphModule compiles its code once
+        self.graph.eliminate_dead_code(is_impure_node=lambda node: node.op != "call_module" and node.is_impure())
         self.module = torch.fx.GraphModule({**attributes, **{name_of(n): s for n, s in slots.items()}}, self.graph)
-        self.graph.eliminate_dead_code()  # needs the owning module to judge the slots' purity
         self.graph.lint()
-        self.module.recompile()
         self.inputs = _input_sources(self.model, self.exported) + [source for _, source in self.extra_inputs]
         return self
 
@@ -109,9 +113,11 @@ class Program:
         """The names a derived value is computed from."""
         return [source.format(host=entry.host) for source in entry.spec.rule.sources]
 
-    def run(self, inputs: dict) -> tuple[torch.Tensor | None, dict]:
-        """Run on prepared program inputs: (logits or None, {tapped name: tensor})."""
-        results = list(self.module(*[source(inputs) for source in self.inputs]))
+    def run(self, inputs: dict, eager: bool = False) -> tuple[torch.Tensor | None, dict]:
+        """Run on prepared program inputs: (logits or None, {tapped name: tensor}). A compiled
+        program runs compiled unless ``eager`` (a call with per-call edits)."""
+        module = self.module if eager or self.compiled is None else self.compiled
+        results = list(module(*[source(inputs) for source in self.inputs]))
         logits = results.pop(0) if self.returns_logits else None
         return logits, dict(zip(self.tapped, results))
 

@@ -30,6 +30,16 @@ def hf_logits(model, input_ids, attention_mask=None):
         return model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _program_cache(tmp_path_factory):
+    """Keep qgraph's caches out of the home dir, and the disk cache of exported programs off:
+    each session exports afresh (tests/test_cache.py turns the disk cache on where it tests it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QGRAPH_CACHE", str(tmp_path_factory.mktemp("qgraph-cache")))
+        patch.setenv("QGRAPH_PROGRAM_CACHE", "0")
+        yield
+
+
 def _kernel_module_functions():
     module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
     return module, {name: value for name, value in vars(module).items() if callable(value)}

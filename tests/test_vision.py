@@ -178,3 +178,21 @@ def test_support_table_lists_vision_values(vl_model, vl_ig):
     assert "vision.layers.{j}.self_attn.attention_probabilities" in names and "vision.image_features" in names
     row = next(row for row in table.rows if row.name == "vision.layers.{j}.layer_output")
     assert row.blocks == {0: None, 1: None} and row.shape == (1, "patches", 32)
+
+
+def test_text_only_generation_on_the_image_text_model(processor, vl_model, vl_ig):
+    """generate runs the text program of the image-text model: HF's greedy ids, left padding included;
+    images are refused with a clear message (issue 8)."""
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    out = vl_ig.generate(ids, mask, max_new_tokens=5, values=["layers.3.layer_output"])
+    with torch.no_grad():
+        reference = vl_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out.sequences, reference)
+    fresh = vl_ig(out.sequences[1:, :13])
+    torch.testing.assert_close(out.steps[3]["layers.3.layer_output"][1:, -1], fresh["layers.3.layer_output"][:, -1],
+                               atol=1e-5, rtol=0)
+    inputs = processor(text=prompt(processor, 1), images=[image(64, 64, 0)])
+    with pytest.raises(NotImplementedError, match="images"):
+        vl_ig.generate(**inputs, max_new_tokens=2)

@@ -5,6 +5,7 @@ its ``VALUES``; ``Family`` wraps such a module with the few lookups the rest of 
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from types import ModuleType
@@ -39,6 +40,7 @@ class Family:
     def values(self) -> tuple[ValueSpec, ...]:
         return self.data.VALUES
 
+    @functools.lru_cache(maxsize=None)  # asked for every node's module scopes when locating values
     def module_name(self, path: str) -> str:
         """The spec's name of a module path (``model.layers.3.mlp`` -> ``layers.3.mlp``); "" for the
         model itself and its wrappers (``model``, ``model.language_model``)."""

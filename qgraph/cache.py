@@ -1,0 +1,222 @@
+"""A disk cache of exported programs, shared across processes.
+
+``export_model`` keeps one program per model object in memory; this module keeps them on disk too,
+in ``$QGRAPH_CACHE/programs`` (default ``~/.cache/qgraph/programs``), one ``torch.export.save``
+file per key. The key hashes what the program was specialised on: the model's config (as JSON,
+without its checkpoint path), class, dtype, device type, attention implementations, the images
+flag, the torch, transformers and qgraph versions and the source of the qgraph modules that shape
+the export. Set ``QGRAPH_PROGRAM_CACHE=0`` to turn the disk cache off.
+
+No weight is written. A program reads the model's own parameters at call time (see
+``program._input_sources``), never ``ExportedProgram.state_dict``, so the file holds a program
+whose state_dict entries are placeholders of the right shape and dtype that all read one element
+(``torch.zeros(()).expand(shape)``): the 0.8B program is a few MB, not 3 GB. A loaded program is
+therefore only for qgraph's passes; its ``.module()`` would compute with zeros.
+
+A file that cannot be loaded (corrupt, written by another torch) or does not fit the model is
+ignored with a warning; the caller exports again and overwrites it. Files are written to a
+temporary name and renamed, so a concurrent reader never sees half a file.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import types
+import typing
+import warnings
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+# The qgraph sources whose changes change what export produces (markers, ops, example inputs).
+_EXPORT_SOURCES = ("export.py", "ops.py", "inputs.py", "families")
+
+
+def enabled() -> bool:
+    return os.environ.get("QGRAPH_PROGRAM_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def directory() -> Path:
+    """Where programs are cached: ``$QGRAPH_CACHE/programs`` or ``~/.cache/qgraph/programs``."""
+    root = os.environ.get("QGRAPH_CACHE") or Path.home() / ".cache" / "qgraph"
+    return Path(root) / "programs"
+
+
+def key(model: torch.nn.Module, images: bool) -> str:
+    """The hash naming ``model``'s program (``images``: the image-text one) in the cache."""
+    parameter = next(model.parameters())
+    config = _without_paths(model.config.to_dict())
+    vision = getattr(model.config, "vision_config", None)
+    parts = {
+        "config": config,
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "dtype": str(parameter.dtype),
+        "device": parameter.device.type,
+        "attn_implementation": model.config._attn_implementation,
+        "vision_attn_implementation": getattr(vision, "_attn_implementation", None),
+        "images": bool(images),
+        "training": model.training,
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "qgraph": _version("qgraph"),
+        "qgraph_source": _source_digest(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def path_for(model: torch.nn.Module, images: bool) -> Path:
+    return directory() / f"{key(model, images)}.pt2"
+
+
+def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...]) -> ExportedProgram | None:
+    """The cached program of ``model`` (None when there is none, or it cannot be used)."""
+    if not enabled():
+        return None
+    path = path_for(model, images)
+    if not path.is_file():
+        return None
+    try:
+        with _memoized_deserializer(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.load(path)
+        problem = _mismatch(program, model, inputs)
+    except Exception as error:  # a corrupt or incompatible file: export again
+        problem = f"{type(error).__name__}: {error}"
+    if problem:
+        warnings.warn(f"qgraph: ignoring the cached program {path} ({problem}); exporting again", stacklevel=3)
+        return None
+    return program
+
+
+def save(model: torch.nn.Module, images: bool, program: ExportedProgram) -> Path | None:
+    """Write ``program`` to the cache without its weights; returns the path (None if it could not)."""
+    if not enabled():
+        return None
+    path = path_for(model, images)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            # the placeholders share no storage with a "complete" tensor; torch warns about it
+            warnings.simplefilter("ignore")
+            torch.export.save(without_weights(program), temporary)
+        os.replace(temporary, path)
+    except Exception as error:  # a read-only or full disk costs the cache, not the export
+        temporary.unlink(missing_ok=True)
+        warnings.warn(f"qgraph: could not cache the exported program in {path.parent}: {error}", stacklevel=3)
+        return None
+    return path
+
+
+def without_weights(program: ExportedProgram) -> ExportedProgram:
+    """The same program whose state_dict holds storage-less placeholders of each tensor's shape and
+    dtype (one element, expanded): what ``torch.export.save`` writes of it is the graph."""
+    state_dict = {name: _placeholder(tensor) for name, tensor in program.state_dict.items()}
+    return ExportedProgram(
+        root=program.graph_module, graph=program.graph, graph_signature=program.graph_signature,
+        state_dict=state_dict, range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph, example_inputs=None, constants=program.constants,
+        verifiers=[program.verifier])
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    placeholder = torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(placeholder, requires_grad=False)
+    return placeholder
+
+
+def _mismatch(program: ExportedProgram, model: torch.nn.Module, inputs: tuple[str, ...]) -> str | None:
+    """Why ``program`` cannot serve ``model`` (None when it can): its inputs, parameters and buffers
+    must be the ones the model has, with the same shapes."""
+    signature = program.graph_signature
+    user_inputs = tuple(spec.arg.name for spec in signature.input_specs if spec.kind == InputKind.USER_INPUT)
+    if user_inputs != tuple(inputs):
+        return f"its inputs are {user_inputs}, not {tuple(inputs)}"
+    for spec in signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+            continue
+        module_path, _, attribute = spec.target.rpartition(".")
+        try:
+            tensor = getattr(model.get_submodule(module_path), attribute)
+        except AttributeError:
+            return f"the model has no {spec.target}"
+        saved = program.state_dict.get(spec.target, program.constants.get(spec.target))
+        if saved is not None and (tuple(saved.shape) != tuple(tensor.shape) or saved.dtype != tensor.dtype):
+            return f"{spec.target} is {tuple(saved.shape)} {saved.dtype} there, {tuple(tensor.shape)} {tensor.dtype} here"
+    return None
+
+
+def _without_paths(config: dict) -> dict:
+    """The config dict without where it was loaded from (the same model from two paths is one program)."""
+    return {name: _without_paths(value) if isinstance(value, dict) else value
+            for name, value in config.items() if name not in ("_name_or_path", "_commit_hash", "transformers_version")}
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> str:
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in _EXPORT_SOURCES:
+        location = package / name
+        for file in sorted(location.rglob("*.py")) if location.is_dir() else [location]:
+            digest.update(file.relative_to(package).as_posix().encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _memoized_deserializer():
+    """Make ``torch.export.load`` about 3x faster on a graph of thousands of nodes, changing nothing
+    it returns: while loading, its serde module's ``typing.get_type_hints`` (asked again for the same
+    schema classes ~75k times) answers from a memo, and each deserializer parses each distinct
+    symbolic-shape expression (``s43*s53``, asked again for every tensor) once. Both are pure for
+    their arguments. If torch's internals moved, this does nothing."""
+    try:
+        from torch._export.serde import serialize as serde
+        deserializer = serde.GraphModuleDeserializer
+        parse = deserializer.__dict__["_parse_sym_expr"]
+        original_typing = serde.typing
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+
+    hints: dict = {}
+
+    def get_type_hints(cls, globalns=None, localns=None, include_extras=False):
+        memo_key = (cls, id(globalns), id(localns), include_extras)
+        if memo_key not in hints:
+            hints[memo_key] = typing.get_type_hints(cls, globalns, localns, include_extras)
+        return hints[memo_key]
+
+    shim = types.ModuleType("typing")  # typing, but for get_type_hints
+    shim.__dict__.update({name: value for name, value in vars(typing).items() if not name.startswith("__")})
+    shim.get_type_hints = get_type_hints
+
+    def parse_once(self, expr_str, hint=None):
+        memo = self.__dict__.setdefault("_qgraph_parsed", {})
+        memo_key = (expr_str, hint)
+        if memo_key not in memo:
+            memo[memo_key] = parse(self, expr_str, hint)
+        return memo[memo_key]
+
+    serde.typing = shim
+    deserializer._parse_sym_expr = parse_once
+    try:
+        yield
+    finally:
+        serde.typing = original_typing
+        deserializer._parse_sym_expr = parse

@@ -1,0 +1,97 @@
+"""The disk cache of exported programs: a second process (here: a second model object) loads the
+program instead of exporting, gets identical values, and a broken file falls back to exporting."""
+from __future__ import annotations
+
+import zipfile
+
+import pytest
+import torch
+
+import qgraph
+from qgraph import cache
+from qgraph.ops import MARK_OP
+from conftest import random_ids
+
+VALUES = ["layers.*.layer_output", "layers.0.linear_attn.*", "layers.3.self_attn.attention_probabilities",
+          "layers.2.mlp.down_proj.input"]
+
+
+@pytest.fixture
+def disk_cache(tmp_path, monkeypatch):
+    """The disk cache turned on, in a fresh directory; counts the exports that really run."""
+    monkeypatch.setenv("QGRAPH_CACHE", str(tmp_path))
+    monkeypatch.setenv("QGRAPH_PROGRAM_CACHE", "1")
+    exports = []
+    export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: exports.append(1) or export(*args, **kwargs))
+    return exports
+
+
+def _load(checkpoint):
+    """A fresh model object: export_model's in-memory cache has never seen it."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+
+
+def test_second_model_object_loads_the_program_and_gives_identical_values(checkpoint, disk_cache):
+    ids = random_ids(2, 70, seed=5)
+    first = qgraph.instrument(_load(checkpoint), values=VALUES, edits=["layers.1.layer_output"])
+    assert disk_cache == [1] and not first.exported.from_cache
+    files = list(cache.directory().glob("*.pt2"))
+    assert [f.name for f in files] == [cache.path_for(first.model, False).name]
+
+    second = qgraph.instrument(_load(checkpoint), values=VALUES, edits=["layers.1.layer_output"])
+    assert disk_cache == [1], "the second instrument exported again"
+    assert second.exported.from_cache
+    with torch.no_grad():
+        a, b = first(ids), second(ids)
+        assert torch.equal(a.logits, b.logits)
+        assert a.values.keys() == b.values.keys() and all(torch.equal(a[name], b[name]) for name in a.values)
+        edit = {"layers.1.layer_output": lambda x: x + 1}
+        assert torch.equal(first(ids, edits=edit).logits, second(ids, edits=edit).logits)
+
+    # what the locator reads survived the round trip: the markers' port names and module scopes
+    def marks(program):
+        return [(node.args[1], list(node.meta["nn_module_stack"].values())[-1][0])
+                for node in program.graph.nodes if node.target is MARK_OP]
+    assert marks(second.exported.program) == marks(first.exported.program) != []
+    assert second.catalogue.keys() == first.catalogue.keys()
+    assert [e.available for e in second.catalogue.values()] == [e.available for e in first.catalogue.values()]
+
+    # no weight was written: each state_dict entry is a placeholder of the right shape and dtype
+    # with one element of storage (the program reads the model's own parameters at call time)
+    placeholders = torch.export.load(files[0]).state_dict
+    assert placeholders and placeholders.keys() <= first.model.state_dict().keys()
+    for name, placeholder in placeholders.items():
+        parameter = first.model.get_parameter(name)
+        assert placeholder.shape == parameter.shape and placeholder.dtype == parameter.dtype
+        assert placeholder.untyped_storage().nbytes() <= placeholder.element_size()
+
+
+def test_a_corrupt_file_falls_back_to_exporting_and_is_overwritten(checkpoint, disk_cache):
+    model = _load(checkpoint)
+    path = cache.path_for(model, False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"not a pt2 archive")
+    with pytest.warns(UserWarning, match="ignoring the cached program"):
+        ig = qgraph.instrument(model, values=["layers.0.layer_output"])
+    assert disk_cache == [1] and not ig.exported.from_cache
+    assert zipfile.is_zipfile(path)  # overwritten by a good one (a .pt2 is a zip archive)
+    ids = random_ids(1, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(ig(ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_the_key_follows_what_the_program_is_specialised_on(checkpoint, sdpa_model, eager_model):
+    a, b = _load(checkpoint), _load(checkpoint)
+    assert cache.key(a, False) == cache.key(b, False) == cache.key(sdpa_model, False)  # same checkpoint
+    assert cache.key(a, False) != cache.key(eager_model, False)  # attn implementation
+    assert cache.key(a, False) != cache.key(a, True)  # images flag
+    assert cache.key(a, False) != cache.key(b.to(torch.float64), False)  # dtype
+
+
+def test_the_cache_can_be_turned_off(sdpa_model, disk_cache, monkeypatch):
+    monkeypatch.setenv("QGRAPH_PROGRAM_CACHE", "0")
+    assert cache.save(sdpa_model, False, program=None) is None
+    assert cache.load(sdpa_model, False, ("input_ids", "attention_mask")) is None
+    assert not cache.directory().exists()

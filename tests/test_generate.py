@@ -1,0 +1,191 @@
+"""Generation (issue 8): decoding from the explicit cache, values and edits at every step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qgraph
+
+from conftest import random_ids
+
+NEW = 8
+STREAM = ["layers.0.layer_output", "layers.2.layer_output", "layers.3.layer_output"]
+ATTENTION = ["layers.3.self_attn.attention_keys", "layers.3.self_attn.attention_values",
+             "layers.3.self_attn.attention_head_outputs"]
+DELTA = ["layers.1.linear_attn.attention_head_outputs", "layers.1.linear_attn.state_input",
+         "layers.1.linear_attn.state_output", "layers.0.linear_attn.state_input", "layers.0.linear_attn.state_output"]
+
+
+def hf_generate(model, ids, mask=None, **kwargs):
+    mask = torch.ones_like(ids) if mask is None else mask
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def gen_ig(sdpa_model):
+    return qgraph.instrument(sdpa_model, values=STREAM + ATTENTION + DELTA, edits=["layers.1.layer_output"])
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return random_ids(1, 12, seed=21)
+
+
+@pytest.fixture(scope="module")
+def padded():
+    ids = random_ids(2, 12, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    ids[0, :4] = 256  # the pad id
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def generated(gen_ig, prompt):
+    return gen_ig.generate(prompt, max_new_tokens=NEW)
+
+
+def test_greedy_ids_equal_hf_generate(sdpa_model, gen_ig, prompt, generated):
+    reference = hf_generate(sdpa_model, prompt)
+    assert torch.equal(generated.sequences, reference)
+    bare = qgraph.instrument(sdpa_model).generate(prompt, max_new_tokens=NEW)  # no captures
+    assert torch.equal(bare.sequences, reference)
+    assert len(generated.steps) == NEW + 1  # the prompt pass, then one pass per new token
+    assert generated.steps[0]["layers.3.layer_output"].shape == (1, 12, 64)
+    assert generated.steps[1]["layers[-1].layer_output"].shape == (1, 1, 64)
+
+
+def test_left_padded_batch_equals_hf_generate(sdpa_model, gen_ig, padded):
+    ids, mask = padded
+    out = gen_ig.generate(ids, mask, max_new_tokens=NEW)
+    reference = hf_generate(sdpa_model, ids, mask)
+    assert torch.equal(out.sequences, reference)
+    assert not torch.equal(out.sequences[0, 12:], out.sequences[1, 12:])
+
+
+def test_each_step_equals_a_fresh_prompt_pass(gen_ig, prompt, generated):
+    length = prompt.shape[1]
+    for k, step in enumerate(generated.steps):
+        fresh = gen_ig(generated.sequences[:, :length + k])
+        torch.testing.assert_close(step.logits[:, -1], fresh.logits[:, -1], atol=1e-5, rtol=0)
+        for name in STREAM + DELTA[:1] + ATTENTION[2:]:  # [batch seq ...]
+            torch.testing.assert_close(step[name][:, -1], fresh[name][:, -1], atol=1e-5, rtol=0, msg=f"{name} step {k}")
+        for name in ATTENTION[:2]:  # [batch kv_heads seq head_dim]
+            torch.testing.assert_close(step[name][:, :, -1], fresh[name][:, :, -1], atol=1e-5, rtol=0,
+                                       msg=f"{name} step {k}")
+        for name in DELTA[2:]:
+            if name.endswith("state_output"):
+                torch.testing.assert_close(step[name], fresh[name], atol=1e-5, rtol=1e-4, msg=f"{name} step {k}")
+    assert generated.steps[3]["layers.3.layer_output"].abs().max() > 0.01  # not comparing zeros
+
+
+def test_state_input_is_the_previous_state_output(generated):
+    for k in range(1, len(generated.steps)):
+        for block in (0, 1):
+            previous = generated.steps[k - 1][f"layers.{block}.linear_attn.state_output"]
+            torch.testing.assert_close(generated.steps[k][f"layers.{block}.linear_attn.state_input"], previous,
+                                       atol=0, rtol=0)
+    assert generated.steps[0]["layers.0.linear_attn.state_input"].abs().max() == 0  # a prompt starts from zeros
+    assert generated.steps[2]["layers.0.linear_attn.state_input"].abs().max() > 1e-3
+
+
+def test_attention_pattern_and_states_per_step(eager_model, prompt):
+    ig = qgraph.instrument(eager_model, values={"layers.3.self_attn.attention_probabilities": None,
+                                                "layers.2.linear_attn.states": {}})
+    out = ig.generate(prompt, max_new_tokens=4)
+    assert torch.equal(out.sequences, hf_generate(eager_model, prompt)[:, :prompt.shape[1] + 4])
+    for k, step in enumerate(out.steps):
+        fresh = ig(out.sequences[:, :prompt.shape[1] + k])
+        pattern = step["layers.3.self_attn.attention_probabilities"]
+        assert pattern.shape[-2:] == ((prompt.shape[1], prompt.shape[1]) if k == 0 else (1, prompt.shape[1] + k))
+        torch.testing.assert_close(pattern[:, :, -1], fresh["layers.3.self_attn.attention_probabilities"][:, :, -1],
+                                   atol=1e-5, rtol=0)
+        assert step["layers.2.linear_attn.states"].shape[1] == (prompt.shape[1] if k == 0 else 1)
+        torch.testing.assert_close(step["layers.2.linear_attn.states"][:, -1],
+                                   fresh["layers.2.linear_attn.states"][:, -1], atol=1e-5, rtol=1e-4)
+
+
+def _hooked(model, layer, vector, calls=None):
+    """HF generate with a forward hook adding ``vector`` to a block's output (on the forward calls in
+    ``calls``, every call if None)."""
+    count = [0]
+
+    def hook(module, args, output):
+        call, count[0] = count[0], count[0] + 1
+        if calls is None or call in calls:
+            return output + vector
+        return None
+    return model.model.layers[layer].register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("steps, calls", [(None, None), ([0], {0}), (slice(1, None), set(range(1, 100)))])
+def test_steering_at_steps_matches_a_hook_on_hf_generate(sdpa_model, gen_ig, prompt, generated, steps, calls):
+    vector = 4.0 * torch.randn(64, generator=torch.Generator().manual_seed(7))
+    out = gen_ig.generate(prompt, max_new_tokens=NEW, edits={"layers.1.layer_output": qgraph.Add(vector)}, steps=steps)
+    handle = _hooked(sdpa_model, 1, vector, calls)
+    try:
+        reference = hf_generate(sdpa_model, prompt)
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, reference)
+    assert not torch.equal(out.sequences, generated.sequences)  # the edit changes the reply
+    prompt_changed = not torch.allclose(out.steps[0]["layers.3.layer_output"], generated.steps[0]["layers.3.layer_output"])
+    assert prompt_changed == (steps != slice(1, None))  # steps=slice(1, None) leaves the prompt pass alone
+
+
+def test_edits_at_prompt_only_leave_the_decode_steps_unedited(gen_ig, prompt):
+    """steps=[0] edits the prompt pass only; a decode step then runs unedited on the edited cache."""
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    edit = {"layers.1.layer_output": qgraph.Add(vector)}
+    values = ["layers.1.layer_output", "layers.3.layer_output"]
+    at_prompt = gen_ig.generate(prompt, max_new_tokens=3, values=values, edits=edit, steps=[0])
+    every = gen_ig.generate(prompt, max_new_tokens=3, values=values, edits=edit)
+    replayed = gen_ig(prompt, edits=edit)
+    torch.testing.assert_close(at_prompt.steps[0]["layers.3.layer_output"], replayed["layers.3.layer_output"],
+                               atol=1e-6, rtol=0)
+    # step 1 reads the same token on the same (edited) cache in both runs: only the edit differs
+    assert torch.equal(at_prompt.sequences[:, :prompt.shape[1] + 1], every.sequences[:, :prompt.shape[1] + 1])
+    torch.testing.assert_close(every.steps[1]["layers.1.layer_output"] - at_prompt.steps[1]["layers.1.layer_output"],
+                               vector.expand(1, 1, 64), atol=1e-5, rtol=0)
+
+
+def test_sampling_is_reproducible_and_follows_hf(sdpa_model, gen_ig, prompt):
+    settings = dict(max_new_tokens=NEW, do_sample=True, temperature=1.5, top_k=50, top_p=0.95)
+    first = gen_ig.generate(prompt, seed=1, **settings)
+    again = gen_ig.generate(prompt, seed=1, **settings)
+    other = gen_ig.generate(prompt, seed=2, **settings)
+    assert torch.equal(first.sequences, again.sequences)
+    assert not torch.equal(first.sequences, other.sequences)
+    torch.manual_seed(11)  # the global generator, as HF generate samples
+    ours = gen_ig.generate(prompt, **settings)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        reference = sdpa_model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+    assert torch.equal(ours.sequences, reference)
+
+
+def test_stops_on_eos(sdpa_model, gen_ig, padded):
+    ids, mask = padded
+    first = gen_ig.generate(ids, mask, max_new_tokens=NEW)
+    eos = int(first.sequences[0, 12])  # row 0's first new token: row 0 stops there, row 1 runs on
+    assert eos not in first.sequences[1, 12:].tolist()
+    out = gen_ig.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos)
+    reference = hf_generate(sdpa_model, ids, mask, eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+    assert out.sequences.shape[1] == 12 + NEW
+    assert (out.sequences[0, 13:] == sdpa_model.generation_config.pad_token_id).all()  # a stopped row is padded
+    alone = gen_ig.generate(ids[:1], mask[:1], max_new_tokens=NEW, eos_token_id=eos)
+    assert alone.sequences.shape[1] == 13 and len(alone.steps) == 2  # all rows done: generation stops
+
+
+def test_chat_prompt_passes_enable_thinking(tokenizer):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(TypeError):
+        qgraph.chat_prompt(tokenizer, messages)  # the flag is required
+    closed = qgraph.chat_prompt(tokenizer, messages, enable_thinking=False, tokenize=False)
+    opened = qgraph.chat_prompt(tokenizer, messages, enable_thinking=True, tokenize=False)
+    assert closed.endswith("<think>\n\n</think>\n\n") and opened.endswith("<think>\n")
+    batch = qgraph.chat_prompt(tokenizer, [messages, [{"role": "user", "content": "Hello there"}]],
+                               enable_thinking=False)
+    assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][:, -1].all()  # left padded
