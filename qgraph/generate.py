@@ -1,7 +1,7 @@
 """Generation with captures and edits at every step, decoding from an explicit cache.
 
 ``ig.generate(input_ids, max_new_tokens=N, ...)`` runs two programs built from the text program by
-``passes.cache.open_cache``: the *prompt* program (the prompt in one pass, chunked delta rule) and the
+``passes.decode.open_cache``: the *prompt* program (the prompt in one pass, chunked delta rule) and the
 *decode* program (one token, the token-by-token delta rule). Both take the cache as inputs and
 return its successor as outputs: each attention block's keys and values (``[batch, kv_heads, past,
 head_dim]``, after the rotary), each DeltaNet block's recurrent state and conv context. Positions
@@ -25,7 +25,7 @@ from .export import export_model
 from .inputs import IMAGE_KEYS, prepare
 from .names import canonical
 from .passes import Found, OnRequest
-from .passes.cache import cache_names, open_cache
+from .passes.decode import cache_names, open_cache
 from .program import Program
 
 

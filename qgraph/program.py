@@ -36,7 +36,7 @@ class Program:
         the slots, tap the values (and the sources of derived ones), strip the markers and drop
         what no output needs. ``options`` holds per-value options (states' positions, heads, dtype).
         ``rewrite(program)``, if given, runs after those rewrites and before the slots (the decode
-        step's cache pass, ``passes.cache``) and returns more nodes to tap, ``{name: Found}``."""
+        step's cache pass, ``passes.decode``) and returns more nodes to tap, ``{name: Found}``."""
         options = options or {}
         self.extra_inputs = []  # (placeholder name, function of the call's inputs)
         requests = {name: self.catalogue[name].location for name in [*values, *slots]

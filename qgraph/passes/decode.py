@@ -1,4 +1,4 @@
-"""The cache pass: turn a prompt program into one decoding step whose memory is explicit.
+"""The decode pass: turn a prompt program into one decoding step whose memory (its cache) is explicit.
 
 ``open_cache(program, recurrent=...)`` rewrites a text program (run as the ``rewrite`` of
 ``Program.build``: after the on-request rewrites, before the edit slots) so that every piece of
