@@ -23,6 +23,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import types
 import typing
@@ -82,7 +83,7 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...]) -> Expor
     if not path.is_file():
         return None
     try:
-        with _memoized_deserializer(), warnings.catch_warnings():
+        with _memoized_deserializer(), _quiet_serde(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.export.load(path)
         problem = _mismatch(program, model, inputs)
@@ -176,6 +177,19 @@ def _source_digest() -> str:
             digest.update(file.relative_to(package).as_posix().encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet_serde():
+    """Silence torch's loader notes (``Symbol u0 did not appear in the graph``: an unbacked size of the
+    export's trace that the graph no longer uses)."""
+    logger = logging.getLogger("torch._export.serde.serialize")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -58,8 +58,11 @@ def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str], visi
             regex = _glob(pattern)
             # a module's ports are matched only by a pattern that asks for ports (or crosses parts)
             ports_too = "**" in pattern or pattern.rsplit(".", 1)[-1] in ("input", "output", "*put")
-            # ... and the values that rewrite their block only by their names (Entry.by_name_only)
-            matches = [name for name in catalogue if regex.match(name) and not catalogue[name].by_name_only
+            # ... and a value that rewrites its block (Entry.by_name_only) only by a pattern that
+            # names it in its last part (layers.*.linear_attn.states, not layers.*.linear_attn.*)
+            last = pattern.rsplit(".", 1)[-1]
+            matches = [name for name in catalogue if regex.match(name)
+                       and (not catalogue[name].by_name_only or name.rsplit(".", 1)[-1] == last)
                        and (ports_too or catalogue[name].spec is not None)]
             available = [name for name in matches if catalogue[name].available]
             if not available:
