@@ -25,8 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import types
-import typing
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -83,7 +81,7 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...]) -> Expor
     if not path.is_file():
         return None
     try:
-        with _memoized_deserializer(), _quiet_serde(), warnings.catch_warnings():
+        with _quiet_serde(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.export.load(path)
         problem = _mismatch(program, model, inputs)
@@ -190,47 +188,3 @@ def _quiet_serde():
         yield
     finally:
         logger.setLevel(level)
-
-
-@contextlib.contextmanager
-def _memoized_deserializer():
-    """Make ``torch.export.load`` about 3x faster on a graph of thousands of nodes, changing nothing
-    it returns: while loading, its serde module's ``typing.get_type_hints`` (asked again for the same
-    schema classes ~75k times) answers from a memo, and each deserializer parses each distinct
-    symbolic-shape expression (``s43*s53``, asked again for every tensor) once. Both are pure for
-    their arguments. If torch's internals moved, this does nothing."""
-    try:
-        from torch._export.serde import serialize as serde
-        deserializer = serde.GraphModuleDeserializer
-        parse = deserializer.__dict__["_parse_sym_expr"]
-        original_typing = serde.typing
-    except (ImportError, AttributeError, KeyError):
-        yield
-        return
-
-    hints: dict = {}
-
-    def get_type_hints(cls, globalns=None, localns=None, include_extras=False):
-        memo_key = (cls, id(globalns), id(localns), include_extras)
-        if memo_key not in hints:
-            hints[memo_key] = typing.get_type_hints(cls, globalns, localns, include_extras)
-        return hints[memo_key]
-
-    shim = types.ModuleType("typing")  # typing, but for get_type_hints
-    shim.__dict__.update({name: value for name, value in vars(typing).items() if not name.startswith("__")})
-    shim.get_type_hints = get_type_hints
-
-    def parse_once(self, expr_str, hint=None):
-        memo = self.__dict__.setdefault("_qgraph_parsed", {})
-        memo_key = (expr_str, hint)
-        if memo_key not in memo:
-            memo[memo_key] = parse(self, expr_str, hint)
-        return memo[memo_key]
-
-    serde.typing = shim
-    deserializer._parse_sym_expr = parse_once
-    try:
-        yield
-    finally:
-        serde.typing = original_typing
-        deserializer._parse_sym_expr = parse
