@@ -34,7 +34,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 # The qgraph sources whose changes change what export produces (markers, ops, example inputs).
-_EXPORT_SOURCES = ("export.py", "ops.py", "inputs.py", "families")
+_EXPORT_SOURCES = ("export.py", "repeat.py", "ops.py", "inputs.py", "families")
 
 
 def enabled() -> bool:
@@ -73,8 +73,10 @@ def path_for(model: torch.nn.Module, images: bool) -> Path:
     return directory() / f"{key(model, images)}.pt2"
 
 
-def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...]) -> ExportedProgram | None:
-    """The cached program of ``model`` (None when there is none, or it cannot be used)."""
+def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=None) -> ExportedProgram | None:
+    """The cached program of ``model`` (None when there is none, or it cannot be used); ``finish``
+    turns the file's program into the model's (the export's seed into the full program: see
+    ``qgraph.repeat``), None when it cannot."""
     if not enabled():
         return None
     path = path_for(model, images)
@@ -84,7 +86,9 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...]) -> Expor
         with _quiet_serde(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.export.load(path)
-        problem = _mismatch(program, model, inputs)
+        if finish is not None:
+            program = finish(program)
+        problem = "it does not repeat into this model's blocks" if program is None else _mismatch(program, model, inputs)
     except Exception as error:  # a corrupt or incompatible file: export again
         problem = f"{type(error).__name__}: {error}"
     if problem:

@@ -35,6 +35,7 @@ from transformers.utils.generic import accepts_precomputed_kwargs
 from . import cache as disk_cache
 from . import ops
 from .families import Family, family_for
+from .repeat import Blocks, repeat_blocks, seeded, text_blocks
 
 # Example sizes for the trace: distinct and > 1, so no dim is specialised or unified with another.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 9
@@ -92,20 +93,37 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         return cached
     start = time.perf_counter()
     names = IMAGE_INPUTS if images else TEXT_INPUTS
-    program = disk_cache.load(model, images, names)  # an export of the same model in an earlier process
+    blocks = text_blocks(model, family)
+    blocks = blocks if blocks is not None and blocks.worth_repeating() else None
+
+    def full(seed: ExportedProgram) -> ExportedProgram | None:
+        return seed if blocks is None else repeat_blocks(seed, model, family, blocks)
+
+    # an export of the same model in an earlier process (its seed: see qgraph.repeat)
+    program = disk_cache.load(model, images, names, full)
     if program is not None:
         _use_kernels(family)
         exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, True)
         programs[images] = exported
         return exported
-    example, dynamic = (_image_example if images else _text_example)(model)
-    with _delta_rule_ops(family), _port_markers(model, family), _packed_vision(model, family, images):
-        program = torch.export.export(_with_signature(model, names), (), example, dynamic_shapes=dynamic,
-                                      strict=False)
+    seed = _export(model, family, images, names, blocks)
+    program = full(seed)
+    if program is None:  # the blocks did not repeat cleanly: trace them all
+        seed = program = _export(model, family, images, names, None)
     exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names)
-    disk_cache.save(model, images, program)
+    disk_cache.save(model, images, seed)
     programs[images] = exported
     return exported
+
+
+def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: Blocks | None) -> ExportedProgram:
+    """``torch.export`` of the model's twin (only the seed blocks when ``blocks`` is given)."""
+    example, dynamic = (_image_example if images else _text_example)(model)
+    twin = _with_signature(model, names)
+    if blocks is not None:
+        twin = seeded(twin, blocks)
+    with _delta_rule_ops(family), _port_markers(model, family), _packed_vision(model, family, images):
+        return torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
 
 
 def _with_signature(model: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:

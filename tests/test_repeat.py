@@ -1,0 +1,116 @@
+"""Exporting one block per kind and repeating it gives the graph a full export gives (qgraph.repeat)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qgraph
+from qgraph import export as export_module
+from qgraph.export import TEXT_INPUTS, export_model
+from qgraph.families import family_for
+from qgraph.repeat import repeat_blocks, text_blocks
+from qgraph.testing import tiny_qwen3_5
+from conftest import hf_logits, random_ids
+
+LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 2
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """The tiny model with 8 blocks (two of each seed kind's pattern)."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_qwen3_5(tmp_path_factory.mktemp("tiny-8"), num_hidden_layers=8, layer_types=LAYER_TYPES)
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.fixture(scope="module")
+def seed_and_full(deep_model):
+    family = family_for(deep_model)
+    blocks = text_blocks(deep_model, family)
+    seed = export_module._export(deep_model, family, False, TEXT_INPUTS, blocks)
+    full = export_module._export(deep_model, family, False, TEXT_INPUTS, None)
+    return blocks, seed, full
+
+
+def _structure(program):
+    """Each node as (op, target, args with nodes as their positions, module scopes, port name)."""
+    nodes = list(program.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+
+    def plain(value):
+        if isinstance(value, torch.fx.Node):
+            return position[value]
+        if isinstance(value, (list, tuple)):
+            return type(value)(plain(v) for v in value)
+        return value
+
+    return [(node.op, node.name if node.op == "placeholder" else str(node.target), plain(node.args),
+             plain(tuple(sorted(node.kwargs.items()))),
+             tuple((key, path) for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items()))
+            for node in nodes]
+
+
+def test_the_seed_is_the_first_block_of_each_kind(deep_model):
+    blocks = text_blocks(deep_model, family_for(deep_model))
+    assert blocks.path == "model.layers" and blocks.kinds == tuple(LAYER_TYPES) and blocks.seed == (0, 3)
+
+
+def test_repeated_seed_is_the_full_export_node_for_node(deep_model, seed_and_full):
+    blocks, seed, full = seed_and_full
+    assert len(seed.graph.nodes) < len(full.graph.nodes) * 0.4
+    repeated = repeat_blocks(seed, deep_model, family_for(deep_model), blocks)
+    assert _structure(repeated) == _structure(full)
+    assert ([(s.kind, s.arg.name, s.target) for s in repeated.graph_signature.input_specs]
+            == [(s.kind, s.arg.name, s.target) for s in full.graph_signature.input_specs])
+    # the program reads the model's own tensors: no copy
+    assert all(repeated.state_dict[name] is tensor for name, tensor in full.state_dict.items())
+
+
+def test_instrumented_deep_model_equals_hooks_and_hf(deep_model):
+    ig = qgraph.instrument(deep_model, values=["layers.*.layer_output", "layers.5.linear_attn.decays",
+                                               "layers.7.self_attn.attention_gate"])
+    assert len(ig.exported.graph.nodes) > 1000  # the full 8-block program
+    hooked = {}
+    handles = [deep_model.model.layers[i].register_forward_hook(
+        lambda module, args, output, i=i: hooked.__setitem__(i, output)) for i in range(8)]
+    ids = random_ids(2, 70)
+    try:
+        reference = hf_logits(deep_model, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad():
+        out = ig(ids)
+    assert torch.equal(out.logits, reference)
+    for i in range(8):
+        assert torch.equal(out[f"layers.{i}.layer_output"], hooked[i])
+    assert out["layers.5.linear_attn.decays"].shape == (2, 70, deep_model.config.linear_num_value_heads)
+
+
+def test_a_seed_that_does_not_repeat_falls_back_to_a_full_export(deep_model, seed_and_full, monkeypatch):
+    blocks, seed, full = seed_and_full
+    family = family_for(deep_model)
+    # a block that reads another block's inner value cannot be repeated
+    graph = seed.graph
+    marks = [node for node in graph.nodes if node.target is torch.ops.qgraph.mark.default]
+    inner_of_block_0 = next(node for node in marks if node.args[1] == "layers.0.mlp.output")
+    block_3_input = next(node for node in marks if node.args[1] == "layers.3.mlp.input")
+    original = block_3_input.args
+    with graph.inserting_before(block_3_input):
+        cross = graph.call_function(torch.ops.aten.add.Tensor, (block_3_input.args[0], inner_of_block_0))
+    cross.meta = dict(block_3_input.meta)
+    block_3_input.args = (cross, *original[1:])
+    try:
+        assert repeat_blocks(seed, deep_model, family, blocks) is None
+    finally:
+        block_3_input.args = original
+        graph.erase_node(cross)
+    assert repeat_blocks(seed, deep_model, family, blocks) is not None
+
+    # export_model then traces every block (the two exports stand in for torch.export here)
+    traced = []
+    monkeypatch.setattr(export_module, "_export", lambda model, family, images, names, blocks:
+                        traced.append(blocks) or (seed if blocks is not None else full))
+    monkeypatch.setattr(export_module, "repeat_blocks", lambda *args: None)
+    exported = export_model(type(deep_model)(deep_model.config).eval())
+    assert traced == [blocks, None] and exported.program is full
