@@ -157,6 +157,14 @@ class InstrumentedModel:
             compile_program(program, **options)
         return self
 
+    def release_buffers(self) -> None:
+        """Give back the memory kept from earlier calls' states. A program that captures states
+        keeps the memory of the states you have dropped and writes the next call's states there
+        (on CPU, fresh memory costs more to fill than the states cost to compute); tensors you
+        still hold are never reused. Deleting the instrumented model releases it too."""
+        for program in self._programs.values():
+            program.buffers.release()
+
     # -- running ---------------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  *, edits: Mapping | None = None, **inputs) -> Output:

@@ -8,6 +8,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from .catalogue import Entry, build_catalogue
+from .delta_states import BufferPool, reusing
 from .export import ExportedModel
 from .passes import Found, Locator, OnRequest, decompose_sdpa, strip_markers, tap
 from .passes.edit import EditSlot, insert_edit_slots, name_of
@@ -25,6 +26,7 @@ class Program:
         self.catalogue: dict[str, Entry] = self._catalogue()
         self.module: torch.fx.GraphModule | None = None
         self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
+        self.buffers = BufferPool()  # big state buffers kept for the next call (delta_states.BufferPool)
 
     def _catalogue(self) -> dict[str, Entry]:
         return build_catalogue(self.family, self.model.config, Locator(self.graph, self.family, self.model.config),
@@ -117,7 +119,8 @@ class Program:
         """Run on prepared program inputs: (logits or None, {tapped name: tensor}). A compiled
         program runs compiled unless ``eager`` (a call with per-call edits)."""
         module = self.module if eager or self.compiled is None else self.compiled
-        results = list(module(*[source(inputs) for source in self.inputs]))
+        with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
+            results = list(module(*[source(inputs) for source in self.inputs]))
         logits = results.pop(0) if self.returns_logits else None
         return logits, dict(zip(self.tapped, results))
 

@@ -139,3 +139,21 @@ def test_bad_state_requests_say_what_is_wrong(sdpa_model, ids):
     ig = qgraph.instrument(sdpa_model, edits=["layers.0.linear_attn.state_input"])
     with pytest.raises(qgraph.EditError, match=r"state_input.*\(2, 4, 16, 16\)"):
         ig(ids, edits={"layers.0.linear_attn.state_input": qgraph.Replace(torch.zeros(2, 3, 16, 16))})
+
+
+def test_states_memory_is_reused_only_once_dropped(sdpa_model, ids, monkeypatch):
+    from qgraph import delta_states
+    monkeypatch.setattr(delta_states, "HUGE_PAGE_MIN_BYTES", 0)  # the tiny model's states are small: pool them
+    ig = qgraph.instrument(sdpa_model, values=["layers.0.linear_attn.states", "layers.2.linear_attn.states"])
+    first = ig(ids)["layers.0.linear_attn.states"]
+    kept, address = first.clone(), first.data_ptr()
+    second = ig(ids.flip(0))["layers.0.linear_attn.states"]  # `first` is alive: fresh memory, first unchanged
+    assert second.data_ptr() != address and torch.equal(first, kept)
+    assert torch.equal(second, kept.flip(0))
+    del first
+    third = ig(ids)["layers.0.linear_attn.states"]  # writes where `first` was
+    assert third.data_ptr() == address and torch.equal(third, kept)
+    pooled = ig._programs[False].buffers
+    assert pooled.nbytes > 0
+    ig.release_buffers()
+    assert pooled.nbytes == 0 and torch.equal(third, kept)  # a held tensor keeps its memory
