@@ -35,7 +35,7 @@ from transformers.utils.generic import accepts_precomputed_kwargs
 from . import cache as disk_cache
 from . import ops
 from .families import Family, family_for
-from .repeat import Blocks, repeat_blocks, seeded, text_blocks
+from .repeat import Blocks, repeat_blocks, repeated_blocks, seeded
 
 # Example sizes for the trace: distinct and > 1, so no dim is specialised or unified with another.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 9
@@ -93,11 +93,12 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         return cached
     start = time.perf_counter()
     names = IMAGE_INPUTS if images else TEXT_INPUTS
-    blocks = text_blocks(model, family)
-    blocks = blocks if blocks is not None and blocks.worth_repeating() else None
+    blocks = repeated_blocks(model, family, images)
 
     def full(seed: ExportedProgram) -> ExportedProgram | None:
-        return seed if blocks is None else repeat_blocks(seed, model, family, blocks)
+        for listed in blocks:
+            seed = seed and repeat_blocks(seed, model, family, listed)
+        return seed
 
     # an export of the same model in an earlier process (its seed: see qgraph.repeat)
     program = disk_cache.load(model, images, names, full)
@@ -109,19 +110,19 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
     seed = _export(model, family, images, names, blocks)
     program = full(seed)
     if program is None:  # the blocks did not repeat cleanly: trace them all
-        seed = program = _export(model, family, images, names, None)
+        seed = program = _export(model, family, images, names, [])
     exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names)
     disk_cache.save(model, images, seed)
     programs[images] = exported
     return exported
 
 
-def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: Blocks | None) -> ExportedProgram:
-    """``torch.export`` of the model's twin (only the seed blocks when ``blocks`` is given)."""
+def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks]) -> ExportedProgram:
+    """``torch.export`` of the model's twin, whose block lists in ``blocks`` hold their seed blocks only."""
     example, dynamic = (_image_example if images else _text_example)(model)
     twin = _with_signature(model, names)
-    if blocks is not None:
-        twin = seeded(twin, blocks)
+    for listed in blocks:
+        twin = seeded(twin, listed)
     with _delta_rule_ops(family), _port_markers(model, family), _packed_vision(model, family, images):
         return torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
 

@@ -31,6 +31,7 @@ class Blocks:
 
     path: str  # the layer list's module path, e.g. "model.layers"
     kinds: tuple[str, ...]  # each block's kind, by block index (config.layer_types)
+    kinds_attribute: str | None = None  # the text config's list of kinds, if the owner loops over it
 
     @property
     def seed(self) -> tuple[int, ...]:
@@ -44,19 +45,28 @@ class Blocks:
         return len(self.seed) < len(self.kinds)
 
 
-def text_blocks(model: torch.nn.Module, family) -> Blocks | None:
-    """The text layer list of ``model`` (None when the family names none the model has)."""
-    names = dict(model.named_modules())
+def repeated_blocks(model: torch.nn.Module, family, images: bool) -> list[Blocks]:
+    """The block lists of ``model`` that the export of its (image-text if ``images``) program can
+    trace once per kind, per the family's ``REPEATED_BLOCKS``."""
+    modules = dict(model.named_modules())
     text = model.config.get_text_config()
-    for path in family.data.TEXT_LAYER_LISTS:
-        if isinstance(names.get(path), torch.nn.ModuleList):
-            return Blocks(path, tuple(text.layer_types[: text.num_hidden_layers]))
-    return None
+    found = []
+    for path, kinds_attribute, image_only in family.data.REPEATED_BLOCKS:
+        layers = modules.get(path)
+        if not isinstance(layers, torch.nn.ModuleList) or (image_only and not images):
+            continue
+        kinds = (tuple(getattr(text, kinds_attribute)[: text.num_hidden_layers]) if kinds_attribute
+                 else ("block",) * len(layers))
+        blocks = Blocks(path, kinds, kinds_attribute)
+        if blocks.worth_repeating():
+            found.append(blocks)
+    return found
 
 
 def seeded(twin: torch.nn.Module, blocks: Blocks) -> torch.nn.Module:
-    """``twin`` (a shallow copy of the model) whose layer list holds only the seed blocks, and whose
-    text config says so; the modules on the way are shallow copies, the model is not touched."""
+    """``twin`` (a shallow copy of the model) whose block list holds only the seed blocks (and whose
+    text config says so, where the owner loops over it); the modules on the way are shallow copies,
+    the model is not touched."""
     owner_path, _, attribute = blocks.path.rpartition(".")
     parts = owner_path.split(".") if owner_path else []
     parent = twin
@@ -68,10 +78,11 @@ def seeded(twin: torch.nn.Module, blocks: Blocks) -> torch.nn.Module:
         parent = child
     layers = parent._modules[attribute]
     parent._modules[attribute] = torch.nn.ModuleList([layers[index] for index in blocks.seed])
-    config = copy.copy(parent.config)  # the text model loops over config.num_hidden_layers / layer_types
-    config.num_hidden_layers = len(blocks.seed)
-    config.layer_types = [blocks.kinds[index] for index in blocks.seed]
-    parent.config = config
+    if blocks.kinds_attribute:  # the text model loops over config.num_hidden_layers / layer_types
+        config = copy.copy(parent.config)
+        config.num_hidden_layers = len(blocks.seed)
+        setattr(config, blocks.kinds_attribute, [blocks.kinds[index] for index in blocks.seed])
+        parent.config = config
     return twin
 
 

@@ -7,6 +7,7 @@ ports); tests read what they need from one call.
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -28,6 +29,27 @@ def hf_logits(model, input_ids, attention_mask=None):
         attention_mask = torch.ones_like(input_ids)
     with torch.no_grad():
         return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def graph_structure(program):
+    """An exported program's nodes, each as (op, target (a placeholder's name), args and kwargs with nodes
+    as their positions, module scopes): two programs with equal structures compute the same."""
+    nodes = list(program.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+
+    def plain(value):
+        if isinstance(value, torch.fx.Node):
+            return position[value]
+        if isinstance(value, (list, tuple)):
+            return type(value)(plain(v) for v in value)
+        if isinstance(value, str):  # runtime assertions' messages name a node: drop the name
+            return re.sub(r"on node '\w+'", "on node", value)
+        return value
+
+    return [(node.op, node.name if node.op == "placeholder" else str(node.target), plain(node.args),
+             plain(tuple(sorted(node.kwargs.items()))),
+             tuple((key, path) for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items()))
+            for node in nodes]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,7 +11,7 @@ import torch
 import qgraph
 from qgraph import cache
 from qgraph.ops import MARK_OP
-from qgraph.repeat import text_blocks
+from qgraph.repeat import repeated_blocks
 from conftest import random_ids
 
 VALUES = ["layers.*.layer_output", "layers.0.linear_attn.*", "layers.3.self_attn.attention_probabilities",
@@ -64,7 +64,7 @@ def test_second_model_object_loads_the_program_and_gives_identical_values(checkp
     # with one element of storage (the program reads the model's own parameters at call time)
     # The file holds the seed export (qgraph.repeat): its layer list is the first block of each kind.
     placeholders = torch.export.load(files[0]).state_dict
-    seed = text_blocks(first.model, first.family).seed
+    seed = repeated_blocks(first.model, first.family, images=False)[0].seed
     real_names = {re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{seed[int(m[1])]}.", name): placeholder
                   for name, placeholder in placeholders.items()}
     assert real_names and real_names.keys() <= first.model.state_dict().keys()

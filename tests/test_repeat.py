@@ -8,9 +8,9 @@ import qgraph
 from qgraph import export as export_module
 from qgraph.export import TEXT_INPUTS, export_model
 from qgraph.families import family_for
-from qgraph.repeat import repeat_blocks, text_blocks
+from qgraph.repeat import repeat_blocks, repeated_blocks
 from qgraph.testing import tiny_qwen3_5
-from conftest import hf_logits, random_ids
+from conftest import graph_structure, hf_logits, random_ids
 
 LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 2
 
@@ -26,32 +26,14 @@ def deep_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def seed_and_full(deep_model):
     family = family_for(deep_model)
-    blocks = text_blocks(deep_model, family)
-    seed = export_module._export(deep_model, family, False, TEXT_INPUTS, blocks)
-    full = export_module._export(deep_model, family, False, TEXT_INPUTS, None)
+    (blocks,) = repeated_blocks(deep_model, family, images=False)
+    seed = export_module._export(deep_model, family, False, TEXT_INPUTS, [blocks])
+    full = export_module._export(deep_model, family, False, TEXT_INPUTS, [])
     return blocks, seed, full
 
 
-def _structure(program):
-    """Each node as (op, target, args with nodes as their positions, module scopes, port name)."""
-    nodes = list(program.graph.nodes)
-    position = {node: i for i, node in enumerate(nodes)}
-
-    def plain(value):
-        if isinstance(value, torch.fx.Node):
-            return position[value]
-        if isinstance(value, (list, tuple)):
-            return type(value)(plain(v) for v in value)
-        return value
-
-    return [(node.op, node.name if node.op == "placeholder" else str(node.target), plain(node.args),
-             plain(tuple(sorted(node.kwargs.items()))),
-             tuple((key, path) for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items()))
-            for node in nodes]
-
-
 def test_the_seed_is_the_first_block_of_each_kind(deep_model):
-    blocks = text_blocks(deep_model, family_for(deep_model))
+    (blocks,) = repeated_blocks(deep_model, family_for(deep_model), images=False)
     assert blocks.path == "model.layers" and blocks.kinds == tuple(LAYER_TYPES) and blocks.seed == (0, 3)
 
 
@@ -59,7 +41,7 @@ def test_repeated_seed_is_the_full_export_node_for_node(deep_model, seed_and_ful
     blocks, seed, full = seed_and_full
     assert len(seed.graph.nodes) < len(full.graph.nodes) * 0.4
     repeated = repeat_blocks(seed, deep_model, family_for(deep_model), blocks)
-    assert _structure(repeated) == _structure(full)
+    assert graph_structure(repeated) == graph_structure(full)
     assert ([(s.kind, s.arg.name, s.target) for s in repeated.graph_signature.input_specs]
             == [(s.kind, s.arg.name, s.target) for s in full.graph_signature.input_specs])
     # the program reads the model's own tensors: no copy
@@ -110,7 +92,7 @@ def test_a_seed_that_does_not_repeat_falls_back_to_a_full_export(deep_model, see
     # export_model then traces every block (the two exports stand in for torch.export here)
     traced = []
     monkeypatch.setattr(export_module, "_export", lambda model, family, images, names, blocks:
-                        traced.append(blocks) or (seed if blocks is not None else full))
+                        traced.append(blocks) or (seed if blocks else full))
     monkeypatch.setattr(export_module, "repeat_blocks", lambda *args: None)
     exported = export_model(type(deep_model)(deep_model.config).eval())
-    assert traced == [blocks, None] and exported.program is full
+    assert traced == [[blocks], []] and exported.program is full

@@ -8,6 +8,7 @@ from PIL import Image
 
 import qgraph
 from qgraph.testing import load_processor, tiny_qwen3_5_vl
+from conftest import graph_structure
 
 TEXT_VALUES = ["layers.*.layer_input", "layers.*.layer_output", "layers.*.*.attention_output", "layers.*.mlp.mlp_output",
                "layers.3.self_attn.attention_gate", "layers.0.linear_attn.state_output"]
@@ -196,3 +197,16 @@ def test_text_only_generation_on_the_image_text_model(processor, vl_model, vl_ig
     inputs = processor(text=prompt(processor, 1), images=[image(64, 64, 0)])
     with pytest.raises(NotImplementedError, match="images"):
         vl_ig.generate(**inputs, max_new_tokens=2)
+
+
+def test_the_image_program_repeats_its_text_and_vision_blocks_exactly(vl_model):
+    from qgraph import export as export_module
+    from qgraph.families import family_for
+    from qgraph.repeat import repeated_blocks
+    family = family_for(vl_model)
+    blocks = repeated_blocks(vl_model, family, images=True)
+    assert [b.path for b in blocks] == ["model.language_model.layers", "model.visual.blocks"]
+    assert [b.path for b in repeated_blocks(vl_model, family, images=False)] == ["model.language_model.layers"]
+    full = export_module._export(vl_model, family, True, export_module.IMAGE_INPUTS, [])
+    repeated = export_module.export_model(vl_model).program
+    assert graph_structure(repeated) == graph_structure(full)

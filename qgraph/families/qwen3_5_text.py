@@ -29,9 +29,14 @@ MODULE_RENAMES = (
     (r"^model\.", ""),
 )
 NO_PORTS = ("", "model", "model.language_model")  # the model itself and its wrappers
-# The text block list (of the text model, of the image-text model): its blocks of one kind trace to
-# the same graph, so the export traces one block per kind and repeats it (qgraph.repeat).
-TEXT_LAYER_LISTS = ("model.layers", "model.language_model.layers")
+# Block lists whose blocks of one kind trace to the same graph, so the export traces the first block
+# of each kind and repeats it (qgraph.repeat): (path, the text config's list of block kinds or None
+# when all blocks are alike, whether only the image-text program runs them).
+REPEATED_BLOCKS = (
+    ("model.layers", "layer_types", False),
+    ("model.language_model.layers", "layer_types", False),
+    ("model.visual.blocks", None, True),
+)
 
 # config.layer_types entry -> the mixer module a block of that kind carries
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
