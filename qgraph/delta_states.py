@@ -16,7 +16,8 @@ cumulative log decay from the chunk start to token ``t`` and ``d_j`` the chunk's
     S_t = exp(c_t) S_0 + sum_{j <= t} exp(c_t - c_j) k_j d_j^T
 
 so every in-chunk state is a masked, decay-weighted sum of outer products: batched matmuls, no
-loop over tokens. :func:`chunk_gated_delta_rule_with_states` runs transformers' chunked algorithm
+loop over tokens (the states entering each 8-token block come from a scan over the chunk's blocks,
+then every token's state from its block's with one batched matmul per chunk). :func:`chunk_gated_delta_rule_with_states` runs transformers' chunked algorithm
 (UT transform per chunk, sequential scan over chunks) and evaluates that sum per chunk, either for
 every row or only for the rows the caller asked for. ``qgraph::chunk_gated_delta_rule_states``
 wraps it as an opaque custom op so it exports as one graph node with dynamic batch/seq.
@@ -215,10 +216,10 @@ def _write_all_states(out, scratch, state0, key, new_values, cum, pairwise, bloc
     ``[b, chunk, h, dk, dv]`` for non-float32 ``out`` (else ``None``). The other inputs are those
     of :func:`_rows_states`.
 
-    Two levels so the work is ~``2 * c * sqrt(c)`` outer-product terms instead of ``c * c``: the
-    states entering each block of ``block`` tokens come from :func:`_rows_states`, then each
+    Two levels so the work is ~``2 * c * block`` outer-product terms instead of ``c * c``: the
+    states entering each block of ``block`` tokens come from :func:`_entering_states`, then each
     token's state is its block's entering state decayed plus the decay-weighted outer products of
-    its own block only. The per-token states -- the only large tensor -- are written by ``bmm``
+    its own block only, all of the chunk's tokens in one batched matmul. The per-token states -- the only large tensor -- are written by ``bmm``
     directly into the (float32) output and finished in place, so no chunk-sized temporary is
     allocated per chunk: on CPU, first-touching fresh memory costs as much as the math.
     """
