@@ -95,10 +95,12 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
     names = IMAGE_INPUTS if images else TEXT_INPUTS
     blocks = repeated_blocks(model, family, images)
 
-    def full(seed: ExportedProgram) -> ExportedProgram | None:
+    def full(program: ExportedProgram) -> ExportedProgram | None:
         for listed in blocks:
-            seed = seed and repeat_blocks(seed, model, family, listed)
-        return seed
+            program = repeat_blocks(program, model, family, listed)
+            if program is None:
+                return None
+        return program
 
     # an export of the same model in an earlier process (its seed: see qgraph.repeat)
     program = disk_cache.load(model, images, names, full)
@@ -109,10 +111,12 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         return exported
     seed = _export(model, family, images, names, blocks)
     program = full(seed)
-    if program is None:  # the blocks did not repeat cleanly: trace them all
-        seed = program = _export(model, family, images, names, [])
+    repeated = program is not None
+    if not repeated:  # the blocks did not repeat cleanly: trace them all
+        program = _export(model, family, images, names, [])
     exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names)
-    disk_cache.save(model, images, seed)
+    if repeated:  # the file holds the seed (a full export would not repeat when loaded)
+        disk_cache.save(model, images, seed)
     programs[images] = exported
     return exported
 

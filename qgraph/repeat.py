@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,10 @@ def repeat_blocks(seed: ExportedProgram, model: torch.nn.Module, family, blocks:
         return _Repeater(seed, model, family, blocks).program()
     except _Unrepeatable:
         return None
+    except Exception as error:  # a layout this code has not met: exporting every block is still right
+        warnings.warn(f"qgraph: could not repeat the blocks of {blocks.path} ({type(error).__name__}: {error}); "
+                      f"exporting every block instead", stacklevel=3)
+        return None
 
 
 class _Repeater:
@@ -131,7 +136,7 @@ class _Repeater:
                     phase = 2
                 (self.prefix if phase == 0 else self.suffix).append(node)
                 continue
-            if phase == 2 or position < last or position > last + 1:
+            if phase == 2 or position < last or position > last + 1 or position >= count:
                 raise _Unrepeatable(f"{node} of block {position} out of order")
             phase, last = 1, position
             runs[position].append(node)
