@@ -124,6 +124,11 @@ def main():
     ig_standard, _ = timed(lambda: qgraph.instrument(model, values=STANDARD))
     rss_growth = rss_mib() - rss_before
     standard_count = len(ig_standard.values)
+    with torch.no_grad():
+        standard_out = ig_standard(torch.randint(0, 1000, (1, args.tokens)))
+        standard_mib = sum(v.numel() * v.element_size() for v in standard_out.values.values()
+                           if isinstance(v, torch.Tensor)) / 2**20
+        del standard_out
     warm_standard = statistics.median(timed(lambda: qgraph.instrument(model, values=STANDARD))[1] for _ in range(3))
     held = max(held_tensor_bytes(ig.program) for ig in (ig_layers, ig_loaded, ig_standard))
     print(f"instrument(): cold {cold:.1f} s (export {export_seconds:.1f} s + save + build), cold from the disk "
@@ -230,13 +235,23 @@ def main():
     Path(args.out).write_text(_markdown(args, machine(), report, table, {
         "build": build_seconds, "cold": cold, "export": export_seconds, "cold_disk": cold_disk,
         "load": load_seconds, "warm_layers": warm_layers, "warm_standard": warm_standard,
-        "standard_values": standard_count,
+        "standard_values": standard_count, "standard_mib": standard_mib, "fault_s_per_gib": first_touch_seconds(),
         "file_mib": file_mib, "held": held, "rss_growth": rss_growth, "parameters_mib": parameters_mib,
         "compile": compile_seconds, "compile_values_only": compile_values_only_seconds, "recompiles": recompiles,
         "blocks": blocks, "kernel_share": kernel_share, "ratios": {name: ratio for name, _, ratio in rows},
         "states_ratio": states_rows[-1][2] if states_rows else None, "state_tokens": args.state_tokens,
     }, checks, nnsight_note, states_note))
     print(f"wrote {args.out}")
+
+
+def first_touch_seconds(repeats: int = 3) -> float:
+    """Seconds to fill a freshly allocated 1 GiB tensor (median): what fresh memory costs here."""
+    spent = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.empty(2**28, dtype=torch.float32).fill_(1.0)
+        spent.append(time.perf_counter() - start)
+    return statistics.median(spent)
 
 
 def _delta_rule_share(ig, ids, runs: int = 3) -> float:
@@ -360,6 +375,11 @@ def _markdown(args, info, report, table, figures, checks, nnsight_note, states_n
         table,
         "",
         "Checks (max abs difference): " + ", ".join(f"{k} {v:.1e}" for k, v in checks.items()) + ".",
+        "",
+        f"Every standard value: each call returns {f['standard_mib']:.0f} MiB of tensors in fresh memory, which "
+        f"the kernel faults in page by page ({f['fault_s_per_gib']:.2f} s per GiB here, filling a fresh 1 GiB tensor): "
+        f"most of that row's overhead, and "
+        f"it varies with the allocator's state, so the row moves more than the others between runs.",
         "",
         f"Compiled: the first call compiles (inductor, {f['compile']:.0f} s here, {f['compile_values_only']:.0f} s "
         f"for the logits=False program; the inductor cache in /tmp may already have held kernels); "
