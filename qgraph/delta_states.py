@@ -86,6 +86,7 @@ class BufferPool:
         return sys.getrefcount(self._mappings[index]) <= 2  # the pool's list and getrefcount's argument
 
     def add(self, mapping: mmap.mmap) -> None:
+        """Keep ``mapping`` (just handed out) for later calls."""
         self._mappings.append(mapping)
 
     def release(self) -> None:
@@ -94,6 +95,7 @@ class BufferPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the pool keeps mapped (in use or free)."""
         return sum(len(mapping) for mapping in self._mappings)
 
 
