@@ -27,12 +27,12 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
+
+from common import interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("kernel", "all", "all_4k_pages", "all_bf16", "positions")
@@ -96,15 +96,8 @@ def child_time(seq, repeats):
     torch, calls = _setup(seq)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for fn in calls.values():  # warm-up
-            fn()
-        times = {name: [] for name in calls}
-        for _ in range(repeats):
-            for name, fn in calls.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    print(json.dumps({name: statistics.median(t) for name, t in times.items()}))
+        times = interleaved(calls, repeats=repeats)
+    print(json.dumps(times))
 
 
 def child_memory(seq, variant):
