@@ -1,44 +1,222 @@
 """The ``qgraph`` command: ``qgraph demo`` instruments a checkpoint and shows what it captured;
-``qgraph render`` draws a block or the model."""
+``qgraph support`` prints a checkpoint's value table; ``qgraph render`` draws a block or the model.
+Every command defaults to the embedded tiny Qwen3.5 (built on first use); ``--model PATH`` takes a
+local checkpoint dir, text (``Qwen3_5ForCausalLM``) or image-text (``Qwen3_5ForConditionalGeneration``)."""
 from __future__ import annotations
 
 import argparse
+import linecache
+import os
 import sys
 import time
+from pathlib import Path
 
 from .render.cli import add_render_command
 
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+class UsageError(Exception):
+    """A mistake in the command line (a bad path, an empty prompt): printed as one line, exit 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every default shown, but for options whose default is "nothing given"."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, [], False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake on the command line answered in one line (exit 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> Parser:
+    """The ``qgraph`` parser with its subcommands."""
+    parser = Parser(prog="qgraph", formatter_class=HelpFormatter, epilog="'qgraph COMMAND --help' shows a command's options.",
+                    description="Read and edit what happens inside Qwen3.5 / Qwen3.6 models. Every command runs on "
+                                "the embedded tiny Qwen3.5 (built on first use) unless --model PATH names a local "
+                                "checkpoint dir, text or image-text.")
+    parser.add_argument("--version", action="version", version=f"qgraph {version()}")
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    demo = commands.add_parser("demo", help="instrument a checkpoint and print its values for a prompt",
+                               description="Instrument a checkpoint, print its support table, its annotated "
+                                           "module tree and statistics of every captured value for a prompt.",
+                               formatter_class=HelpFormatter)
+    add_model_arguments(demo, attn_default="eager")
+    demo.add_argument("--prompt", default="The Eiffel Tower is in the city of", help="the text to run")
+    demo.add_argument("--values", nargs="+", default=["layers.*.layer_output", "layers.*.*.*", "next_token_probs"],
+                      help="names or globs of the values to capture")
+    demo.set_defaults(handler=run_demo)
+    support = commands.add_parser("support", help="print the value table: every value, its layout, shape and blocks",
+                                  description="Print every standard value of a checkpoint with its layout, shape "
+                                              "and per-block availability (qgraph.support(model)).",
+                                  formatter_class=HelpFormatter)
+    add_model_arguments(support, attn_default="sdpa")
+    support.set_defaults(handler=run_support)
+    add_render_command(commands)
+    return parser
+
+
+def add_model_arguments(parser, attn_default: str) -> None:
+    """``--model`` and ``--attn-implementation``, shared by the subcommands."""
+    parser.add_argument("--model", metavar="PATH",
+                        help="a local checkpoint dir, text or image-text (default: the embedded tiny Qwen3.5, "
+                             "built on first use)")
+    parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default=attn_default,
+                        help="how transformers loads attention (attn_implementation)")
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qgraph", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="instrument a checkpoint and print its values for a prompt")
-    demo.add_argument("--model", help="a local checkpoint dir (default: the embedded tiny Qwen3.5, built on first use)")
-    demo.add_argument("--prompt", default="The Eiffel Tower is in the city of")
-    demo.add_argument("--values", nargs="*", default=["layers.*.layer_output", "layers.*.*.*", "next_token_probs"],
-                      help="names or globs of the values to capture")
-    demo.add_argument("--attn-implementation", default="eager",
-                      help="how to load attention: eager (has attention_scores) or sdpa")
-    demo.set_defaults(handler=_demo)
-    add_render_command(commands)
-    args = parser.parse_args(argv)
-    return args.handler(args)
+    """Run ``qgraph`` with ``argv`` (default: the process's arguments); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, --version, or a usage error already printed
+        return stop.code if isinstance(stop.code, int) else 2
+    if args.command is None:  # `qgraph` alone: what it can do
+        parser.print_help()
+        return 0
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("qgraph: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if not is_user_error(error):
+            raise
+        print(f"qgraph: error: {one_line(error)}", file=sys.stderr)
+        return 2
 
 
-def _demo(args) -> int:
-    import torch
+def version() -> str:
+    """The installed qgraph's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+    try:
+        return installed("qgraph")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Whether ``error`` is a mistake in what the user asked for (then the CLI prints one line),
+    not a bug (then it raises with its traceback): qgraph's named errors, a missing or unreadable
+    file, and the ValueError/TypeError/IndexError/KeyError that qgraph's own argument checks raise."""
+    from . import EditError, UnavailableValue, UnknownValue, UnsupportedModel
+    from .render import GraphvizNotFound, NoVisionEncoder
+    if isinstance(error, (UsageError, UnknownValue, UnavailableValue, EditError, UnsupportedModel,
+                          GraphvizNotFound, NoVisionEncoder, OSError)):
+        return True
+    return isinstance(error, (ValueError, TypeError, IndexError, KeyError)) and _raised_by_qgraph(error)
+
+
+def _raised_by_qgraph(error: BaseException) -> bool:
+    """Whether ``error`` comes from a ``raise`` statement in qgraph's own code (an argument check),
+    rather than from inside torch or transformers or from a failed operation in qgraph."""
+    traceback = error.__traceback__
+    if traceback is None:
+        return False
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    filename = traceback.tb_frame.f_code.co_filename
+    package = Path(__file__).resolve().parent
+    if not Path(filename).resolve().is_relative_to(package):
+        return False
+    return linecache.getline(filename, traceback.tb_lineno).strip().startswith("raise")
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+# -- loading -------------------------------------------------------------------------------------------------------
+def checkpoint_path(model: str | None) -> Path:
+    """``--model``, checked (a local dir with a config.json), or the embedded tiny checkpoint."""
+    quiet_transformers()
+    if model is None:
+        from .testing import cached_tiny_qwen3_5
+        return cached_tiny_qwen3_5()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise UsageError(f"--model {model}: no such directory (give a local checkpoint dir, the one "
+                         f"save_pretrained wrote, or leave --model out for the embedded tiny model)")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model {model}: not a checkpoint dir, it has no config.json (give the dir "
+                         f"save_pretrained wrote)")
+    return path
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' notices off stderr, and its progress bars too where qgraph's are off
+    (stderr not a terminal, or QGRAPH_PROGRESS=0)."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .progress import enabled
     transformers.logging.set_verbosity_error()  # its kernel fallback notice is not news here
+    if not enabled():
+        transformers.utils.logging.disable_progress_bar()
+
+
+def is_image_text(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is an image-text model (its config has a vision_config)."""
+    from transformers import AutoConfig
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+
+
+def load_model(path: Path, attn_implementation: str):
+    """The checkpoint's model in eval mode: ``AutoModelForImageTextToText`` for an image-text
+    checkpoint, ``AutoModelForCausalLM`` otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    quiet_transformers()
+    loader = AutoModelForImageTextToText if is_image_text(path) else AutoModelForCausalLM
+    return loader.from_pretrained(path, attn_implementation=attn_implementation).eval()
+
+
+def print_table(table) -> None:
+    """Print a rich table: fitted to the terminal (styled) on a tty, plain at its natural width otherwise."""
+    from .support import plain_text
+    if sys.stdout.isatty() and os.environ.get("TERM") != "dumb":
+        from rich.console import Console
+        Console().print(table)
+    else:
+        print(plain_text(table))
+
+
+# -- the subcommands -------------------------------------------------------------------------------------------
+def run_support(args) -> int:
+    """``qgraph support``: the value table of a checkpoint."""
+    import qgraph
+    path = checkpoint_path(args.model)
+    model = load_model(path, args.attn_implementation)
+    table = qgraph.support(model)
+    print(f"checkpoint: {path} ({type(model).__name__}, attn_implementation={args.attn_implementation})")
+    print_table(table.to_rich())
+    print(f"\n{table.footer()}")
+    return 0
+
+
+def run_demo(args) -> int:
+    """``qgraph demo``: instrument a checkpoint and print what it captured for a prompt."""
+    import torch
+    from transformers import AutoTokenizer
 
     import qgraph
-    from qgraph.testing import cached_tiny_qwen3_5
 
-    path = args.model or cached_tiny_qwen3_5()
+    from .progress import progress
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty: give some text to run (or leave --prompt out for the default)")
+    path = checkpoint_path(args.model)
     print(f"checkpoint: {path}")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=args.attn_implementation)
+    model = load_model(path, args.attn_implementation)
 
     start = time.perf_counter()
     instrumented = qgraph.instrument(model, values=args.values)
@@ -46,28 +224,55 @@ def _demo(args) -> int:
     print(f"instrument(): {seconds:.1f} s, {len(instrumented.graph.nodes)} graph nodes, "
           f"{len(instrumented.values)} values\n")
     print("== support table ==")
-    print(qgraph.SupportTable(instrumented.catalogue, instrumented.family.block_mixers(model.config)))
+    table = qgraph.SupportTable(instrumented.catalogue, instrumented.family.block_mixers(model.config))
+    print_table(table.to_rich())
+    print(f"\n{table.footer()}")
     print("\n== annotated module tree (* = captured) ==")
     print(instrumented)
 
     inputs = tokenizer(args.prompt, return_tensors="pt")
-    with torch.no_grad():
+    with torch.no_grad(), progress("running the prompt"):
         out = instrumented(**inputs)
     print(f"\n== captured for {args.prompt!r} ({inputs['input_ids'].shape[1]} tokens) ==")
-    print(f"{'value':48} {'shape':22} {'mean':>10} {'std':>10} {'max |x|':>10}")
-    for name, value in out.values.items():
-        if not isinstance(value, torch.Tensor):
-            print(f"{name:48} {str(tuple(value)):22}")
-            continue
-        x = value.float()
-        x = x[x.isfinite()]  # masked scores are -inf
-        print(f"{name:48} {str(tuple(value.shape)):22} {x.mean().item():10.4f} "
-              f"{x.std().item() if x.numel() > 1 else 0:10.4f} {x.abs().max().item():10.4f}")
-    top = out["next_token_probs"][0].topk(5) if "next_token_probs" in out else None
-    if top is not None:
-        tokens = [tokenizer.decode([i]) for i in top.indices.tolist()]
-        print("\nnext token:", ", ".join(f"{t!r} {p:.3f}" for t, p in zip(tokens, top.values.tolist())))
+    print_table(value_table(out.values))
+    probabilities = (out["next_token_probs"][0] if "next_token_probs" in out.values
+                     else out.logits[0, -1].float().softmax(-1))
+    top = probabilities.topk(5)
+    tokens = [tokenizer.decode([i]) for i in top.indices.tolist()]
+    print("\nnext token:", ", ".join(f"{t!r} {p:.3f}" for t, p in zip(tokens, top.values.tolist())))
     return 0
+
+
+def value_table(values: dict):
+    """A rich table of captured values: shape, how many entries are masked (-inf, NaN or the dtype's
+    lowest value, as attention masks write), and mean, std and max |x| over the other entries."""
+    import torch
+
+    from .support import add_text_row, plain_table
+    table = plain_table("value", "shape", "masked", "mean", "std", "max |x|")
+    for column in table.columns[2:]:
+        column.justify = "right"
+    for name, value in values.items():
+        if not isinstance(value, torch.Tensor):  # per-image patterns: a list of tensors
+            shapes = ", ".join(str(tuple(v.shape)) for v in value) if isinstance(value, (list, tuple)) else ""
+            add_text_row(table, name, f"[{shapes}]", "", "", "", "")
+            continue
+        add_text_row(table, name, str(tuple(value.shape)), *value_statistics(value))
+    return table
+
+
+def value_statistics(value) -> tuple[str, str, str, str]:
+    """(masked count, mean, std, max |x|) of a tensor as text; the statistics skip the masked entries."""
+    import torch
+    x = value.detach().float() if value.is_floating_point() else value.detach().double()
+    masked = ~x.isfinite()
+    if value.is_floating_point():
+        masked |= value.detach() <= torch.finfo(value.dtype).min
+    kept = x[~masked].double()
+    if kept.numel() == 0:
+        return str(int(masked.sum())), "-", "-", "-"
+    std = kept.std().item() if kept.numel() > 1 else 0.0
+    return (str(int(masked.sum())), f"{kept.mean().item():.4f}", f"{std:.4f}", f"{kept.abs().max().item():.4f}")
 
 
 if __name__ == "__main__":

@@ -50,17 +50,55 @@ class SupportTable:
         from .names import normalize
         return self.catalogue[normalize(name)]
 
-    def __str__(self) -> str:
-        lines = [f"{'value':44} {'layout':44} {'shape':28} available"]
+    def to_rich(self):
+        """The table as a ``rich.table.Table`` (``rich.print(table.to_rich())`` fits it to the terminal,
+        wrapping the availability column, never the names)."""
+        table = plain_table("value", "layout", "shape", "available")
         for row in self.rows:
             shape = "[" + " ".join(str(size) for size in row.shape) + "]"
-            lines.append(f"{row.name:44} {row.layout:44} {shape:28} {_availability(row)}")
+            add_text_row(table, row.name, row.layout, shape, _availability(row))
+        return table
+
+    def footer(self) -> str:
+        """The line under the table: how many module ports are available."""
         called = sum(entry.available for entry in self.ports)
-        lines.append(f"\n{called} module ports (<module>.input / <module>.output) of {len(self.ports)} are "
-                     f"available; table.ports lists them")
-        return "\n".join(lines)
+        return (f"{called} module ports (<module>.input / <module>.output) of {len(self.ports)} are "
+                f"available; table.ports lists them")
+
+    def __str__(self) -> str:
+        return f"{plain_text(self.to_rich())}\n\n{self.footer()}"
 
     __repr__ = __str__
+
+
+def plain_table(*columns: str):
+    """A borderless ``rich`` table with these column headers. The first column (names) never wraps;
+    printed to a terminal narrower than the table, the other columns wrap at spaces (and fold a word
+    longer than the column), so no text is ever cut off."""
+    from rich import box
+    from rich.table import Table
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    for index, column in enumerate(columns):
+        table.add_column(column, no_wrap=index == 0, overflow="fold")
+    return table
+
+
+def add_text_row(table, *cells) -> None:
+    """Add a row of plain strings (no rich markup: ``[batch seq]`` stays as written)."""
+    from rich.text import Text
+    table.add_row(*(Text(str(cell)) for cell in cells))
+
+
+def plain_text(renderable) -> str:
+    """``renderable`` (a rich table) as plain text at its natural width: no colour, nothing wrapped,
+    trailing spaces dropped; what ``str(table)`` and output to a file or pipe show."""
+    import io
+
+    from rich.console import Console
+    console = Console(file=io.StringIO(), width=100_000, color_system=None, force_terminal=False,
+                      legacy_windows=False, soft_wrap=False)
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
 
 
 _KIND = {"linear_attn": "a linear_attention (DeltaNet) block", "self_attn": "a full_attention block"}
