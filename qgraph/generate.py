@@ -15,6 +15,8 @@ per new token.
 """
 from __future__ import annotations
 
+import numbers
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -24,9 +26,10 @@ from . import derive
 from .export import export_model
 from .inputs import IMAGE_KEYS, prepare
 from .names import canonical
-from .passes import Found, OnRequest
 from .passes.decode import cache_names, open_cache
+from .passes.edit import applying
 from .program import Program
+from .progress import progress
 
 
 class Step(dict):
@@ -97,23 +100,20 @@ def chat_prompt(tokenizer, messages, *, enable_thinking: bool, add_generation_pr
 class Decoder:
     """The prompt and decode programs of one instrumented model and one set of values."""
 
-    def __init__(self, ig, values: list[str], options: dict):
+    def __init__(self, ig, values: list[str], options: dict, slots: dict):
         exported = export_model(ig.model, images=False)
         self.ig = ig
         self.hosts = None
-        self.prompt = self._build(ig, exported, values, options, recurrent=False)
-        self.decode = self._build(ig, exported, values, options, recurrent=True)
+        self.prompt = self._build(ig, exported, values, options, slots, recurrent=False)
+        self.decode = self._build(ig, exported, values, options, slots, recurrent=True)
         self.values = [name for name in values if name in self.present]
 
-    def _build(self, ig, exported, values, options, recurrent) -> Program:
+    def _build(self, ig, exported, values, options, slots, recurrent) -> Program:
         program = Program(ig.model, exported)
-        present = {name for name, entry in program.catalogue.items() if isinstance(entry.location, (Found, OnRequest))}
-        present |= {name for name, entry in program.catalogue.items()
-                    if entry.derived and set(Program.sources_of(entry)) <= present}
-        self.present = present
+        present = self.present = program.present
         self.hosts = cache_names(program)
         return program.build([name for name in values if name in present],
-                             {name: slot for name, slot in ig.slots.items() if name in present}, True,
+                             {name: slot for name, slot in slots.items() if name in present}, True,
                              {name: option for name, option in options.items() if name in present},
                              rewrite=partial(open_cache, recurrent=recurrent))
 
@@ -167,48 +167,135 @@ def _selected(steps, step: int, total_hint: int) -> bool:
     return step in set(steps)
 
 
+# The smallest valid value of each length argument (None: the model's generation_config, then HF's defaults).
+LENGTHS = {"max_new_tokens": 1, "max_length": 1, "min_new_tokens": 0, "min_length": 0}
+
+# HF generation-config fields generate honours through HF's own logits processors, beyond its named
+# arguments; output_*/return_dict_in_generate/use_cache are accepted as no-ops (GenerateOutput always
+# holds the scores and logits, and decoding always uses the cache).
+SETTINGS = ("min_p", "typical_p", "top_h", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
+            "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
+            "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+            "remove_invalid_values", "renormalize_logits", "bos_token_id", "output_scores", "output_logits",
+            "return_dict_in_generate", "use_cache")
+ARGUMENTS = ("input_ids", "attention_mask", "max_new_tokens", "max_length", "min_new_tokens", "min_length",
+             "values", "edits", "steps", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+             "pad_token_id", "generator", "seed")
+
+
+def _check_length(name: str, value) -> None:
+    """A ValueError unless ``value`` is None or an int of at least ``LENGTHS[name]``."""
+    if value is None:
+        return
+    low = LENGTHS[name]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        counts = "counting the prompt" if name.endswith("length") else "not counting the prompt"
+        raise ValueError(f"{name} must be an int >= {low} ({counts}) or None, got {value!r}")
+
+
+def _check_keywords(kwargs: dict) -> None:
+    """Unknown keyword arguments raise a TypeError listing what generate takes; HF generation-config
+    fields that generate does not implement (beam search, several sequences per prompt, ...) raise a
+    NotImplementedError when set to anything but their default."""
+    from transformers import GenerationConfig
+    blank = GenerationConfig()
+    fields = {name for name in vars(blank) if not name.startswith("_") and name != "transformers_version"}
+    unknown = sorted(name for name in kwargs if name not in fields)
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}; it takes "
+                        f"{', '.join(ARGUMENTS)} and the HF generation settings {', '.join(SETTINGS)}")
+    if kwargs.get("num_beams") not in (None, 1):
+        raise NotImplementedError("beam search is not supported (num_beams="
+                                  f"{kwargs['num_beams']!r}): generate decodes greedily or by sampling")
+    defaults = GenerationConfig._get_default_generation_params()
+    for name, value in kwargs.items():
+        default = defaults.get(name, getattr(blank, name))
+        plain = isinstance(value, (bool, int, float, str)) and value == default
+        if name not in SETTINGS and value is not None and not plain:
+            raise NotImplementedError(f"generate does not support {name}={value!r}: it decodes one sequence per "
+                                      f"prompt, greedily or by sampling; leave {name} unset")
+
+
+def _limit_lengths(model, config, max_length, prompt_length: int) -> None:
+    """Set ``config.max_length`` / ``config.min_length`` to totals counting the prompt, by HF
+    ``generate``'s rules: ``max_new_tokens`` wins over ``max_length``; with neither given (here or in
+    the model's generation_config) HF's default of 20 new tokens applies, capped at
+    ``max_position_embeddings``; ``min_new_tokens`` wins over ``min_length``."""
+    if config.max_new_tokens is not None:
+        config.max_length = config.max_new_tokens + prompt_length
+    elif max_length is None and model.generation_config.max_length is None:
+        config.max_length = config.max_length + prompt_length
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if positions is not None:
+            config.max_length = min(config.max_length, positions)
+    for name in LENGTHS:
+        _check_length(name, getattr(config, name))  # the model's generation_config may set them too
+    if prompt_length >= config.max_length:
+        raise ValueError(f"max_length ({config.max_length}) counts the prompt and must exceed its length "
+                         f"({prompt_length}): pass max_length > {prompt_length}, or max_new_tokens instead")
+    if config.min_new_tokens is not None:
+        config.min_length = config.min_new_tokens + prompt_length
+    if config.min_length is not None and config.min_length > config.max_length:
+        warnings.warn(f"min_length / min_new_tokens ask for {config.min_length} tokens in all, more than max_length "
+                      f"({config.max_length}): generation stops at max_length", UserWarning, stacklevel=5)
+
+
 def _processors(model, generation_kwargs: dict, prompt_ids: torch.Tensor):
     """HF's own logits processors for these settings (temperature, top_k, top_p, repetition
-    penalty, ...), and the generation config they come from."""
+    penalty, min_new_tokens, ...), and the generation config they come from, its ``max_length``
+    and ``min_length`` resolved to totals that count the prompt."""
     from transformers.generation.logits_process import LogitsProcessorList
     config, _ = model._prepare_generation_config(None, **generation_kwargs)
+    _limit_lengths(model, config, generation_kwargs.get("max_length"), prompt_ids.shape[1])
+    model._prepare_special_tokens(config, True, device=prompt_ids.device)  # the eos tensor the min-length rules read
     processors = model._get_logits_processor(config, input_ids_seq_length=prompt_ids.shape[1],
                                              encoder_input_ids=prompt_ids, logits_processor=LogitsProcessorList(),
                                              device=prompt_ids.device, model_kwargs={})
     return processors, config
 
 
-def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int = 20, values=None, edits=None,
-             steps=None, do_sample: bool = False, temperature=None, top_k=None, top_p=None, eos_token_id=None,
-             pad_token_id=None, generator: torch.Generator | None = None, seed: int | None = None,
-             **generation_kwargs) -> GenerateOutput:
-    """See ``InstrumentedModel.generate``."""
+def _steps(new_tokens: int):
+    """The pass numbers 0 (the prompt) to ``new_tokens`` (a hard bound on the loop), with a progress
+    bar over the new tokens on stderr once generation lasts 2 s (``qgraph.progress``)."""
+    with progress("generating", total=new_tokens, unit="token") as bar:
+        for step in range(new_tokens + 1):
+            yield step
+            bar.update()
+
+
+def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | None = None,
+             max_length: int | None = None, min_new_tokens: int | None = None, min_length: int | None = None,
+             values=None, edits=None, steps=None, do_sample: bool = False, temperature=None, top_k=None,
+             top_p=None, eos_token_id=None, pad_token_id=None, generator: torch.Generator | None = None,
+             seed: int | None = None, **generation_kwargs) -> GenerateOutput:
+    """See ``InstrumentedModel.generate``. Lengths follow HF ``generate``: ``max_new_tokens`` wins
+    over ``max_length`` (which counts the prompt and must exceed it); with neither given, here or in
+    ``model.generation_config``, 20 new tokens (HF's default); ``min_new_tokens`` / ``min_length`` keep
+    eos out until reached. Other HF generation settings pass through to HF's logits processors
+    (``SETTINGS``); unknown keyword arguments raise a TypeError, unsupported ones (``num_beams > 1``,
+    ``num_return_sequences > 1``, ...) a NotImplementedError, both before any work."""
     if any(generation_kwargs.get(key) is not None for key in IMAGE_KEYS):
         raise NotImplementedError("generate with images is not supported yet: generate takes text only "
                                   "(input_ids, attention_mask); a text-only prompt works on the image-text model")
     for key in IMAGE_KEYS:
         generation_kwargs.pop(key, None)
-    if generation_kwargs.get("num_beams", 1) not in (None, 1):
-        raise NotImplementedError("beam search is not supported: generate decodes greedily or by sampling")
+    lengths = {"max_new_tokens": max_new_tokens, "max_length": max_length, "min_new_tokens": min_new_tokens,
+               "min_length": min_length}
+    for name, value in lengths.items():
+        _check_length(name, value)
+    _check_keywords(generation_kwargs)
+    ig.refresh()
     model = ig.model
     prepared = prepare(model, False, input_ids, attention_mask)
     ids, mask = prepared["input_ids"], prepared["attention_mask"]
-    if values is None:
-        names, options = ig.values, ig.options
-    else:
-        names, options = ig._resolve(list(values)), ig._options(values)
-    key = tuple(names)
-    decoders = ig.__dict__.setdefault("_decoders", {})
-    if key not in decoders:
-        decoders[key] = Decoder(ig, names, options)
-    decoder = decoders[key]
-
-    settings = {"do_sample": do_sample, "max_new_tokens": max_new_tokens, **generation_kwargs}
+    settings = {"do_sample": do_sample, **{name: value for name, value in lengths.items() if value is not None},
+                **generation_kwargs}
     for name, setting in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
                           ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
         if setting is not None:
             settings[name] = setting
-    processors, config = _processors(model, settings, ids)
+    processors, config = _processors(model, settings, ids)  # checks the lengths against the prompt
+    max_new_tokens = config.max_length - ids.shape[1]  # new tokens at most: HF's rules resolved
     eos = config.eos_token_id
     if eos is None:
         eos = model.config.get_text_config().eos_token_id
@@ -217,6 +304,16 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int = 2
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     if do_sample and generator is None and seed is not None:
         generator = torch.Generator(device=ids.device).manual_seed(seed)
+    if values is None:
+        names, options = ig.values, ig.options
+    else:
+        names, options = ig._resolve(list(values)), ig._options(values)
+    call_edits = ig.call_edits(edits)  # {name: edit}; undeclared names get slots in this decoder's programs
+    key = (tuple(names), frozenset(call_edits))
+    decoders = ig.__dict__.setdefault("_decoders", {})
+    if key not in decoders:
+        decoders[key] = Decoder(ig, names, options, {name: ig._slot(name) for name in {*ig.slots, *call_edits}})
+    decoder = decoders[key]
 
     batch, prompt_length = ids.shape
     blocks = len(ig.family.block_mixers(ig.config))
@@ -226,19 +323,16 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int = 2
     unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
     output = GenerateOutput(sequences)
     edits = edits or {}
-    step, last = 0, max_new_tokens == 0
-    while True:
+    last = False
+    for step in _steps(max_new_tokens):  # a hard bound: the prompt pass, then one pass per new token
         new = new_ids.shape[1]
         inputs = {"input_ids": new_ids, "attention_mask": full_mask[:, -new:], "positions": positions[:, -new:],
                   "causal_mask": causal_mask(full_mask, new), **cache}
         program = decoder.prompt if step == 0 else decoder.decode
-        active = ig._activate(edits) if edits and _selected(steps, step, max_new_tokens + 1) else []
-        try:
-            with torch.no_grad():
-                logits, captured = program.run(inputs)
-        finally:
-            for slot in active:
-                slot.edit = None
+        active = {ig._slot(name): edit for name, edit in call_edits.items()} \
+            if call_edits and _selected(steps, step, max_new_tokens + 1) else {}
+        with applying(active), torch.no_grad():
+            logits, captured = program.run(inputs)
         cache = decoder.next_cache(captured)
         for name, entry in program.derived.items():
             how = getattr(derive, entry.spec.rule.how)
@@ -263,7 +357,6 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int = 2
         if len(eos):
             unfinished &= ~torch.isin(next_ids, eos_ids)
         new_ids = next_ids[:, None]
-        step += 1
-        last = step == max_new_tokens or not bool(unfinished.any())
+        last = step + 1 == max_new_tokens or not bool(unfinished.any())
     output.sequences = sequences
     return output

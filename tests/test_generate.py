@@ -189,3 +189,139 @@ def test_chat_prompt_passes_enable_thinking(tokenizer):
     batch = qgraph.chat_prompt(tokenizer, [messages, [{"role": "user", "content": "Hello there"}]],
                                enable_thinking=False)
     assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][:, -1].all()  # left padded
+
+
+# -- length arguments and bad arguments (issue 12): HF generate's rules ------------------------------------------
+
+def hf_sequences(model, ids, **kwargs):
+    """HF generate, greedy, with exactly these length arguments (no NEW default)."""
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")  # HF's, on the reference call
+@pytest.mark.parametrize("lengths, new", [
+    ({"max_new_tokens": 3}, 3),
+    ({"max_length": 12 + 4}, 4),  # counts the prompt (12 tokens)
+    ({}, 20),  # neither: HF's default, 20 new tokens
+    ({"max_new_tokens": None}, 20),
+    ({"max_new_tokens": 3, "max_length": 30}, 3),  # max_new_tokens wins
+    ({"max_new_tokens": 3, "max_length": 5}, 3),
+], ids=["max_new_tokens", "max_length", "default", "max_new_tokens_none", "both", "both_max_length_short"])
+def test_length_arguments_equal_hf_generate(sdpa_model, gen_ig, prompt, lengths, new):
+    out = gen_ig.generate(prompt, **lengths)
+    reference = hf_sequences(sdpa_model, prompt, **lengths)
+    assert out.sequences.shape == (1, 12 + new)
+    assert torch.equal(out.sequences, reference)
+    assert len(out.steps) == new + 1 and len(out.scores) == new
+
+
+def test_model_generation_config_max_length_applies_as_in_hf(sdpa_model, gen_ig, prompt):
+    config = sdpa_model.generation_config
+    assert config.max_length is None
+    config.max_length = 15  # a checkpoint's generation_config.json may set it: a total, prompt included
+    try:
+        out = gen_ig.generate(prompt)
+        reference = hf_sequences(sdpa_model, prompt)
+    finally:
+        config.max_length = None
+    assert out.sequences.shape == (1, 15) and torch.equal(out.sequences, reference)
+
+
+@pytest.mark.parametrize("minimum", [{"min_new_tokens": 5}, {"min_length": 12 + 5}])
+def test_min_lengths_keep_eos_out_as_in_hf(sdpa_model, gen_ig, prompt, generated, minimum):
+    eos = int(generated.sequences[0, 13])  # the greedy 2nd new token: generation would stop at once
+    early = gen_ig.generate(prompt, max_new_tokens=NEW, eos_token_id=eos)
+    assert early.sequences.shape[1] == 13  # without a minimum, eos (the greedy token here) ends it at once
+    out = gen_ig.generate(prompt, max_new_tokens=NEW, eos_token_id=eos, **minimum)
+    reference = hf_sequences(sdpa_model, prompt, max_new_tokens=NEW, eos_token_id=eos, **minimum)
+    assert torch.equal(out.sequences, reference)
+    assert eos not in out.sequences[0, 12:17].tolist()  # the first 5 new tokens are not eos
+    assert out.sequences.shape[1] >= 12 + 5
+
+
+def test_min_length_beyond_max_length_warns_as_hf(gen_ig, prompt):
+    with pytest.warns(UserWarning, match="min_length / min_new_tokens"):
+        out = gen_ig.generate(prompt, max_new_tokens=2, min_new_tokens=5)
+    assert out.sequences.shape == (1, 14)
+
+
+def _rejected(ig, prompt, error, names, **kwargs):
+    """``ig.generate(prompt, **kwargs)`` raises ``error`` naming every one of ``names``, before any
+    work: no decoder is built for the (new) value set asked for."""
+    before = len(ig.__dict__.get("_decoders", {}))
+    with pytest.raises(error) as raised:
+        ig.generate(prompt, values=["layers.2.layer_output"], **kwargs)
+    for name in names:
+        assert name in str(raised.value)
+    assert len(ig.__dict__.get("_decoders", {})) == before
+    return str(raised.value)
+
+
+def test_max_new_tokens_zero_is_rejected_as_in_hf(sdpa_model, gen_ig, prompt):
+    message = _rejected(gen_ig, prompt, ValueError, ["max_new_tokens", ">= 1"], max_new_tokens=0)
+    assert "got 0" in message
+    with pytest.raises(ValueError, match="max_new_tokens"):  # HF raises too
+        hf_sequences(sdpa_model, prompt, max_new_tokens=0)
+
+
+def test_negative_max_new_tokens_is_rejected(gen_ig, prompt):
+    _rejected(gen_ig, prompt, ValueError, ["max_new_tokens", ">= 1", "got -1"], max_new_tokens=-1)
+
+
+@pytest.mark.parametrize("value", [2.5, "3", True, torch.tensor(3)])
+def test_non_int_max_new_tokens_is_rejected(gen_ig, prompt, value):
+    _rejected(gen_ig, prompt, ValueError, ["max_new_tokens", "must be an int"], max_new_tokens=value)
+
+
+@pytest.mark.parametrize("max_length", [12, 5])
+def test_max_length_not_past_the_prompt_is_rejected_as_in_hf(sdpa_model, gen_ig, prompt, max_length):
+    _rejected(gen_ig, prompt, ValueError, ["max_length", "12"], max_length=max_length)
+    with pytest.raises(ValueError, match="max_length"):  # HF raises too
+        hf_sequences(sdpa_model, prompt, max_length=max_length)
+
+
+@pytest.mark.parametrize("max_length", [0, -3])
+def test_non_positive_max_length_is_rejected(gen_ig, prompt, max_length):
+    _rejected(gen_ig, prompt, ValueError, ["max_length", ">= 1", f"got {max_length}"], max_length=max_length)
+
+
+def test_negative_min_new_tokens_is_rejected(gen_ig, prompt):
+    _rejected(gen_ig, prompt, ValueError, ["min_new_tokens", ">= 0"], min_new_tokens=-1)
+
+
+def test_non_int_min_length_is_rejected(gen_ig, prompt):
+    _rejected(gen_ig, prompt, ValueError, ["min_length", "must be an int"], min_length=4.5)
+
+
+def test_unknown_keyword_arguments_are_named(gen_ig, prompt):
+    message = _rejected(gen_ig, prompt, TypeError, ["bogus", "max_new_tkens"], max_new_tokens=2, bogus=1,
+                        max_new_tkens=3)
+    assert "max_new_tokens" in message.split("it takes")[1]  # lists what generate takes
+
+
+@pytest.mark.parametrize("setting", [{"num_beams": 2}, {"num_return_sequences": 3}, {"stop_strings": ["."]},
+                                     {"penalty_alpha": 0.6}])
+def test_unsupported_generation_settings_raise_not_implemented(gen_ig, prompt, setting):
+    _rejected(gen_ig, prompt, NotImplementedError, list(setting), max_new_tokens=2, **setting)
+
+
+def test_default_generation_settings_and_processor_settings_are_accepted(sdpa_model, gen_ig, prompt):
+    out = gen_ig.generate(prompt, max_new_tokens=4, num_beams=1, num_return_sequences=1, output_scores=True,
+                          repetition_penalty=1.3, no_repeat_ngram_size=2)
+    reference = hf_sequences(sdpa_model, prompt, max_new_tokens=4, repetition_penalty=1.3, no_repeat_ngram_size=2)
+    assert torch.equal(out.sequences, reference)
+    assert len(set(out.sequences[0, 12:].tolist())) > 1  # the processors ran: greedy alone repeats one token
+
+
+@pytest.mark.parametrize("setting, shown", [("1", True), ("0", False)])
+def test_progress_bar_over_new_tokens(gen_ig, prompt, monkeypatch, capsys, setting, shown):
+    from functools import partial
+
+    import qgraph.generate
+    import qgraph.progress
+    monkeypatch.setenv("QGRAPH_PROGRESS", setting)
+    monkeypatch.setattr(qgraph.generate, "progress", partial(qgraph.progress.progress, delay=0))  # show at once
+    gen_ig.generate(prompt, max_new_tokens=3)
+    err = capsys.readouterr().err
+    assert ("generating" in err and "/3" in err) == shown
