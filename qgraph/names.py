@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
+
+import torch
 
 from .catalogue import Entry
 
@@ -43,16 +46,33 @@ def _glob(pattern: str) -> re.Pattern:
     return re.compile("".join(wild.get(part) or re.escape(part) for part in parts) + r"\Z")
 
 
+def patterns_of(patterns) -> list[str]:
+    """``patterns`` as a list of name strings: None is none, a string is one name (never its
+    characters), a dict gives its keys; anything else that is not a name raises a TypeError."""
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        return [patterns]
+    if isinstance(patterns, (bytes, torch.Tensor)) or not isinstance(patterns, Iterable):
+        raise TypeError(f"{type(patterns).__name__} {patterns!r} is not a value name or a list of them: give names "
+                        f"as strings, e.g. ['layers.*.layer_output', 'layers.3.self_attn.attention_gate'] "
+                        f"(values= also takes a dict {{name: options}})")
+    patterns = list(patterns)  # a dict gives its keys
+    bad = [pattern for pattern in patterns if not isinstance(pattern, str)]
+    if bad:
+        raise TypeError(f"{', '.join(f'{type(b).__name__} {b!r}' for b in bad)}: not a value name; names are "
+                        f"strings, e.g. 'layers.3.layer_output' (block 3) or 'layers.*.layer_output' (every block)")
+    return patterns
+
+
 def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str], vision_blocks: int = 0) -> list[str]:
     """The concrete, available value names that ``patterns`` select, in catalogue order.
 
     An exact name must exist and be available; a glob must select at least one available value
     (it skips the unavailable ones it also matches).
     """
-    if isinstance(patterns, str):
-        patterns = [patterns]
     selected: dict[str, None] = {}
-    for raw in patterns:
+    for raw in patterns_of(patterns):
         pattern = canonical(raw, len(block_mixers))
         if "*" in pattern or "?" in pattern:
             regex = _glob(pattern)
