@@ -9,10 +9,10 @@ from .families import UnsupportedModel
 from .generate import GenerateOutput, chat_prompt
 from .instrument import InstrumentedModel, Output, instrument
 from .names import UnavailableValue, UnknownValue
-from .recipes import patch, skip_layers, steer
+from .recipes import attribution_patch, patch, skip_layers, steer
 from .render import render
 from .support import SupportTable, support
 
-__all__ = ["Add", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
+__all__ = ["Add", "attribution_patch", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
            "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "patch", "render",
            "skip_layers", "steer", "support"]

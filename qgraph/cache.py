@@ -33,8 +33,10 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from .fingerprint import structure
+
 # The qgraph sources whose changes change what export produces (markers, ops, example inputs).
-_EXPORT_SOURCES = ("export.py", "repeat.py", "ops.py", "inputs.py", "families")
+_EXPORT_SOURCES = ("export.py", "repeat.py", "ops.py", "inputs.py", "compat.py", "families")
 
 
 def enabled() -> bool:
@@ -45,6 +47,33 @@ def directory() -> Path:
     """Where programs are cached: ``$QGRAPH_CACHE/programs`` or ``~/.cache/qgraph/programs``."""
     root = os.environ.get("QGRAPH_CACHE") or Path.home() / ".cache" / "qgraph"
     return Path(root) / "programs"
+
+
+_WARNED: set[Path] = set()  # the files that stand where a cache directory should be, warned about once
+
+
+def usable() -> bool:
+    """Whether the disk cache is on and its directory can be one; when a file stands where it
+    should be, warns (one line: the path and the fix) and the caller goes on without the cache."""
+    if not enabled():
+        return False
+    folder = directory()
+    blocking = next((path for path in (folder.parent, folder) if path.exists() and not path.is_dir()), None)
+    if blocking is None:
+        return True
+    if blocking in _WARNED:
+        return False
+    _WARNED.add(blocking)
+    variable = "$QGRAPH_CACHE" if os.environ.get("QGRAPH_CACHE") else "the default cache path"
+    warnings.warn(f"qgraph: {blocking} is a file, not a directory, so exported programs are not cached on disk: "
+                  f"point {variable} at a directory (or set QGRAPH_PROGRAM_CACHE=0)", stacklevel=3)
+    return False
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """The first line of an error message, at most ``limit`` characters (no traceback in a warning)."""
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def key(model: torch.nn.Module, images: bool) -> str:
@@ -60,6 +89,7 @@ def key(model: torch.nn.Module, images: bool) -> str:
         "attn_implementation": model.config._attn_implementation,
         "vision_attn_implementation": getattr(vision, "_attn_implementation", None),
         "images": bool(images),
+        "structure": structure(model),  # module classes, parameter shapes, tied weights (qgraph.fingerprint)
         "training": model.training,
         "torch": torch.__version__,
         "transformers": _version("transformers"),
@@ -77,7 +107,7 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=N
     """The cached program of ``model`` (None when there is none, or it cannot be used); ``finish``
     turns the file's program into the model's (the export's seed into the full program: see
     ``qgraph.repeat``), None when it cannot."""
-    if not enabled():
+    if not usable():
         return None
     path = path_for(model, images)
     if not path.is_file():
@@ -90,7 +120,7 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=N
             program = finish(program)
         problem = "it does not repeat into this model's blocks" if program is None else _mismatch(program, model, inputs)
     except Exception as error:  # a corrupt or incompatible file: export again
-        problem = f"{type(error).__name__}: {error}"
+        problem = _one_line(f"{type(error).__name__}: {error}")
     if problem:
         warnings.warn(f"qgraph: ignoring the cached program {path} ({problem}); exporting again", stacklevel=3)
         return None
@@ -99,7 +129,7 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=N
 
 def save(model: torch.nn.Module, images: bool, program: ExportedProgram) -> Path | None:
     """Write ``program`` to the cache without its weights; returns the path (None if it could not)."""
-    if not enabled():
+    if not usable():
         return None
     path = path_for(model, images)
     temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
@@ -111,8 +141,11 @@ def save(model: torch.nn.Module, images: bool, program: ExportedProgram) -> Path
             torch.export.save(without_weights(program), temporary)
         os.replace(temporary, path)
     except Exception as error:  # a read-only or full disk costs the cache, not the export
-        temporary.unlink(missing_ok=True)
-        warnings.warn(f"qgraph: could not cache the exported program in {path.parent}: {error}", stacklevel=3)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        problem = _one_line(f"{type(error).__name__}: {error}")
+        warnings.warn(f"qgraph: could not cache the exported program in {path.parent} ({problem}); it is exported "
+                      f"again next time", stacklevel=3)
         return None
     return path
 
@@ -184,11 +217,14 @@ def _source_digest() -> str:
 @contextlib.contextmanager
 def _quiet_serde():
     """Silence torch's loader notes (``Symbol u0 did not appear in the graph``: an unbacked size of the
-    export's trace that the graph no longer uses)."""
-    logger = logging.getLogger("torch._export.serde.serialize")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    export's trace that the graph no longer uses) and the traceback it logs for an unreadable file
+    (``load`` warns in one line instead)."""
+    loggers = [logging.getLogger(name) for name in ("torch._export.serde.serialize", "torch.export")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -14,7 +14,8 @@ Two things happen only while ``torch.export`` traces, and are undone right after
   number and size of images.
 
 The user's model is never modified: hooks are removed, module functions restored, and the program
-reads the model's own parameter tensors at call time.
+reads the model's own parameter tensors at call time. The user's own hooks are set aside while
+export traces (``compat.hooks_set_aside``), so they never become part of a program.
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ from transformers.utils.generic import accepts_precomputed_kwargs
 
 from . import cache as disk_cache
 from . import ops
+from .compat import hooks_set_aside
 from .families import Family, family_for
+from .progress import progress
+from .fingerprint import structure
 from .repeat import Blocks, repeat_blocks, repeated_blocks, seeded
 
 # Example sizes for the trace: distinct and > 1, so no dim is specialised or unified with another.
@@ -68,8 +72,7 @@ _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDict
 
 
 def _cache_key(model: torch.nn.Module) -> tuple:
-    parameter = next(model.parameters())
-    return (model.config._attn_implementation, parameter.dtype, parameter.device.type)
+    return structure(model)
 
 
 def has_vision(model: torch.nn.Module) -> bool:
@@ -109,11 +112,12 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, True)
         programs[images] = exported
         return exported
-    seed = _export(model, family, images, names, blocks)
-    program = full(seed)
-    repeated = program is not None
-    if not repeated:  # the blocks did not repeat cleanly: trace them all
-        program = _export(model, family, images, names, [])
+    with progress(f"qgraph: exporting {type(model).__name__}"):  # a line on stderr past 2 s
+        seed = _export(model, family, images, names, blocks)
+        program = full(seed)
+        repeated = program is not None
+        if not repeated:  # the blocks did not repeat cleanly: trace them all
+            program = _export(model, family, images, names, [])
     exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names)
     if repeated:  # the file holds the seed (a full export would not repeat when loaded)
         disk_cache.save(model, images, seed)
@@ -127,7 +131,9 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
     twin = _with_signature(model, names)
     for listed in blocks:
         twin = seeded(twin, listed)
-    with _delta_rule_ops(family), _port_markers(model, family), _packed_vision(model, family, images):
+    # the user's hooks are never traced: the program would run them forever (and on every repeated block)
+    with hooks_set_aside(model), _delta_rule_ops(family), _port_markers(model, family), \
+            _packed_vision(model, family, images):
         return torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
 
 

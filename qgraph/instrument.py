@@ -1,6 +1,8 @@
 """``qgraph.instrument``: one exported program per model, tapped for the values asked for."""
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -8,16 +10,19 @@ import torch
 
 from . import derive
 from .catalogue import Entry
+from .compat import hooked_modules
 from .compile import compile_options, compile_program
 from .edits import EditError, Target
-from .export import ExportedModel, export_model
+from .export import export_model
+from .families import family_for
+from .fingerprint import fingerprint
 from .inputs import IMAGE_KEYS, prepare
 from .names import canonical, resolve
-from .passes import Found, OnRequest
-from .passes.edit import EditSlot
-from .program import Program
+from .passes import views
+from .passes.edit import EditSlot, applying
+from .program import Program, grad_tap
 
-# The options a value takes in ``values={name: {...}}``
+# The options a value takes in ``values={name: {...}}`` (every value takes ``grad``)
 _OPTIONS = {"states": ("dtype", "heads"), "state": ("positions", "dtype", "heads")}
 
 _READ_ONLY_HINT = {
@@ -26,6 +31,13 @@ _READ_ONLY_HINT = {
     "input_ids": "pass other tokens instead",
     "attention_mask": "pass another attention_mask instead",
 }
+
+
+class NotCaptured(KeyError):
+    """A name that the call did not capture (or not with gradients); the message says what was."""
+
+    def __str__(self):  # KeyError quotes its message; show it as written
+        return self.args[0]
 
 
 @dataclass
@@ -38,12 +50,45 @@ class Output:
     logits: torch.Tensor | None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     blocks: int = 0  # the model's block count, to read negative block indices
+    # for each value asked with {"grad": True}: the tensor its readers read, and the view it is served through
+    watched: dict[str, tuple[torch.Tensor, tuple]] = field(default_factory=dict, repr=False)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = canonical(name, self.blocks)
         if key not in self.values:
-            raise KeyError(f"'{name}' was not captured; captured: {', '.join(self.values) or 'nothing'}")
+            raise NotCaptured(f"'{name}' was not captured; captured: {', '.join(self.values) or 'nothing'}")
         return self.values[key]
+
+    def grad(self, name: str) -> torch.Tensor:
+        """The gradient of the loss you called ``backward()`` on with respect to a value asked with
+        ``values={name: {"grad": True}}``, in the value's layout (as ``x.grad`` of the tensor the
+        rest of the model read: an edited value's gradient is the edited tensor's)."""
+        key = self._watched(name)
+        tensor, view = self.watched[key]
+        if not tensor.requires_grad:
+            raise RuntimeError(f"'{key}' has no gradient: the call ran with gradients off (torch.no_grad or "
+                               f"inference_mode); call the instrumented model outside it")
+        if tensor.grad is None:
+            raise RuntimeError(f"no gradient has reached '{key}' yet: call backward() on a loss computed from this "
+                               f"call's outputs first (a loss that does not depend on '{key}' gives it none)")
+        return views.apply(tensor.grad, view)
+
+    def gradients(self, loss: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
+        """``{name: d loss / d value}`` for the ``grad`` values (or ``names`` of them), computed with
+        ``torch.autograd.grad``: no ``.grad`` of the model's parameters is touched. A value the loss does
+        not depend on gets zeros."""
+        keys = [self._watched(name) for name in (names if names is not None else self.watched)]
+        tensors = [self.watched[key][0] for key in keys]
+        grads = torch.autograd.grad(loss, tensors, allow_unused=True, materialize_grads=True)
+        return {key: views.apply(g, self.watched[key][1]) for key, g in zip(keys, grads)}
+
+    def _watched(self, name: str) -> str:
+        key = canonical(name, self.blocks)
+        if key not in self.watched:
+            asked = ", ".join(self.watched) or "none"
+            raise NotCaptured(f"'{name}' was not asked with gradients: instrument with values={{'{name}': {{'grad': True}}}} "
+                           f"(values with gradients: {asked})")
+        return key
 
     def __contains__(self, name: str) -> bool:
         return canonical(name, self.blocks) in self.values
@@ -63,7 +108,7 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     last value) is not computed. ``compile=True`` (or a dict of ``torch.compile`` options) runs the
     program under ``torch.compile`` (see ``InstrumentedModel.compile``).
     """
-    instrumented = InstrumentedModel(model, export_model(model), values, edits=edits, logits=logits)
+    instrumented = InstrumentedModel(model, values, edits=edits, logits=logits)
     options = compile_options(compile)
     return instrumented if options is None else instrumented.compile(**options)
 
@@ -73,41 +118,81 @@ class InstrumentedModel:
 
     Call it like the model (``ig(input_ids=..., attention_mask=...)``, ``ig(**tokenizer(...))`` or,
     on the image-text model, ``ig(**processor(text=..., images=..., return_tensors="pt"))``), with
-    ``edits={name: edit}`` for the declared slots; it returns an ``Output``. The model's parameters
-    are read at call time, never copied.
+    ``edits={name: edit}`` at any value; it returns an ``Output``. The model's parameters are read
+    at call time, never copied. A call with edits at values that have no declared slot runs a
+    program with those slots, built on first use and kept for the next call with the same set.
+    When the model changes in a way the program depends on (a replaced submodule, untied weights,
+    another dtype or device, another attention implementation), the next call rebuilds the programs.
     """
 
-    def __init__(self, model: torch.nn.Module, exported: ExportedModel, values=(), *, edits=(), logits=True):
-        self.model, self.exported, self.family = model, exported, exported.family
-        self.config = model.config
-        main = Program(model, exported)
+    def __init__(self, model: torch.nn.Module, values=(), *, edits=(), logits=True):
+        family_for(model)  # an unsupported model (or not a model at all) is named before anything else
+        if not isinstance(logits, bool):
+            raise TypeError(f"logits= takes True or False, not {logits!r}")
+        self.model, self.config = model, model.config
+        self._request, self._logits, self._compile = (values, edits), logits, None
+        self._lock = threading.RLock()  # builds programs; calls themselves run unlocked
+        self._build()
+        hooked = [self.family.module_name(path) or path for path in hooked_modules(model)]
+        if hooked:
+            warnings.warn(f"qgraph: the hooks registered on {', '.join(hooked[:4])}{' ...' if len(hooked) > 4 else ''} "
+                          f"do not run in the instrumented program (it is exported without them); use edits= to "
+                          f"change values, values= to read them", stacklevel=3)
+
+    def _build(self) -> None:
+        """Export (or reuse the export of) the model and build the program for the values and slots asked."""
+        self._fingerprint = fingerprint(self.model)
+        self.exported = export_model(self.model)
+        self.family = self.exported.family
+        main = Program(self.model, self.exported)
         self.catalogue: dict[str, Entry] = main.catalogue
-        self.values = self._resolve(list(values))
+        values, edits = self._request
+        self.values = self.resolve(values)
         self.options = self._options(values)
-        fixed = {name: edit for pattern, edit in edits.items() for name in self._resolve(pattern)} \
+        fixed = {name: edit for pattern, edit in edits.items() for name in self.resolve(pattern)} \
             if isinstance(edits, Mapping) else {}
-        self.slots: dict[str, EditSlot] = {}
-        for name in self._resolve(list(edits)):
-            entry = self.catalogue[name]
-            if entry.read_only:
-                raise EditError(f"'{name}' is read-only ({entry.description}); " + _READ_ONLY_HINT.get(
-                    name, "edit the value it is derived from"))
-            target = Target(name, entry.layout, tuple(map(str, entry.spec.dims if entry.spec else entry.shape)))
-            self.slots[name] = EditSlot(target, entry.location.view, fixed=fixed.get(name))
-        self._logits = logits
-        self._programs = {exported.images: main.build(self.values, self.slots, logits, self.options)}
+        self.slots: dict[str, EditSlot] = {name: self._new_slot(name, fixed.get(name))
+                                           for name in self.resolve(edits)}
+        self._call_slots: dict[str, EditSlot] = {}  # slots made for per-call edits at undeclared values
+        self._programs: dict[tuple, Program] = {}
+        self._decoders = {}  # generation's programs (qgraph.generate)
+        self._programs[self._key(self.exported.images)] = main.build(self.values, self.slots, self._logits,
+                                                                     self.options)
         self.catalogue = main.catalogue  # as built: a decomposed block's pattern is now found
+        if self._compile is not None:
+            compile_program(self._programs[self._key(self.exported.images)], **self._compile)
+
+    def _new_slot(self, name: str, fixed=None) -> EditSlot:
+        entry = self.catalogue[name]
+        if entry.read_only:
+            raise EditError(f"'{name}' is read-only ({entry.description}); " + _READ_ONLY_HINT.get(
+                name, "edit the value it is derived from"))
+        if entry.derived:
+            raise EditError(f"'{name}' is computed after the run from other values ({entry.description}); edit the "
+                            f"value it is derived from")
+        target = Target(name, entry.layout, tuple(map(str, entry.spec.dims if entry.spec else entry.shape)))
+        return EditSlot(target, entry.location.view, fixed=fixed)
+
+    def _key(self, images: bool, extra=()) -> tuple:
+        return images, frozenset(self.slots) | frozenset(extra)
 
     def _options(self, values) -> dict[str, dict]:
         """Per-value options from ``values={name: {option: ...}}``, checked against what each value takes."""
+        from .edits import indices
         given = {}
         if isinstance(values, Mapping):
             for pattern, option in values.items():
+                if option is not None and not isinstance(option, Mapping):
+                    raise TypeError(f"values={{'{pattern}': {option!r}}}: a value's options are a dict, e.g. "
+                                    f"{{'grad': True}} or {{'positions': [0, -1]}} (or {{}} for none)")
                 given.update(dict.fromkeys(self._resolve(pattern), dict(option or {})))
         options = {}
         for name in self.values:
             kind = self.catalogue[name].spec.name if self.catalogue[name].spec else ""
-            option, allowed = given.get(name, {}), _OPTIONS.get(kind, ())
+            option, allowed = given.get(name, {}), _OPTIONS.get(kind, ()) + ("grad",)
+            if option.get("grad") and self.catalogue[name].derived:
+                raise ValueError(f"'{name}' is computed after the run from other values, so it has no gradient "
+                                 f"of its own: ask 'grad' of the values it comes from")
             unknown = set(option) - set(allowed)
             if unknown:
                 raise ValueError(f"'{name}' takes no option {sorted(unknown)}"
@@ -115,37 +200,69 @@ class InstrumentedModel:
             if kind == "state" and "positions" not in option:
                 raise ValueError(f"'{name}' needs positions: ask values={{'{name}': {{'positions': [...]}}}}, the "
                                  f"tokens after which to read the state (or ask for 'states', every token)")
+            option = dict(option)
+            for selector in ("positions", "heads"):
+                if selector in option:
+                    option[selector] = indices(option[selector], selector, f"'{name}' option {selector}")
+            if "heads" in option:
+                entry = self.catalogue[name]
+                heads = entry.shape[entry.spec.dims.index("value_heads")]
+                bad = [head for head in option["heads"] if not -heads <= head < heads]
+                if bad:
+                    raise ValueError(f"'{name}' option heads: {bad} out of range; it has {heads} heads (0 to "
+                                     f"{heads - 1}, or negative from the end)")
+                option["heads"] = [head % heads for head in option["heads"]]
+            dtype = option.get("dtype", torch.float32)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise TypeError(f"'{name}' option dtype: {dtype!r} is not a floating torch dtype; give one such as "
+                                f"torch.float32 or torch.bfloat16")
             if option:
                 options[name] = option
         return options
 
-    def _resolve(self, patterns) -> list[str]:
+    def resolve(self, patterns) -> list[str]:
+        """The value names that ``patterns`` (names, globs, bracket forms; a list or one string) select."""
         return resolve(patterns, self.catalogue, self.family.block_mixers(self.config),
                        self.family.vision_blocks(self.config)) if patterns else []
+
+    _resolve = resolve
 
     @property
     def program(self) -> torch.fx.GraphModule:
         """The runnable program (of the image-text program on the image-text model)."""
-        return self._programs[self.exported.images].module
+        return self._program_for(self.exported.images).module
 
     @property
     def graph(self) -> torch.fx.Graph:
         """The program's graph, taps and slots included (markers already removed)."""
         return self.program.graph
 
-    def _program_for(self, images: bool) -> Program:
-        """The program a call runs: a text-only call to the image-text model runs its text program."""
-        if images not in self._programs:
-            text = Program(self.model, export_model(self.model, images=False))
-            present = {name for name, entry in text.catalogue.items() if isinstance(entry.location, (Found, OnRequest))}
-            present |= {name for name, entry in text.catalogue.items()
-                        if entry.derived and set(Program.sources_of(entry)) <= present}
-            self._programs[images] = text.build([n for n in self.values if n in present],
-                                                {n: s for n, s in self.slots.items() if n in present}, self._logits,
-                                                self.options)
-            if getattr(self, "_compile", None) is not None:
-                compile_program(self._programs[images], **self._compile)
-        return self._programs[images]
+    def _program_for(self, images: bool, extra=()) -> Program:
+        """The program a call runs: a text-only call to the image-text model runs its text program;
+        a call with edits at undeclared values (``extra``) one that also has their slots."""
+        key = self._key(images, extra)
+        program = self._programs.get(key)
+        if program is not None:
+            return program
+        with self._lock:
+            if key not in self._programs:
+                program = Program(self.model, export_model(self.model, images=images))
+                present = program.present
+                slots = {name: self._slot(name) for name in key[1] if name in present}
+                self._programs[key] = program.build([n for n in self.values if n in present], slots, self._logits,
+                                                    {n: o for n, o in self.options.items() if n in present})
+                if self._compile is not None and not extra:
+                    compile_program(self._programs[key], **self._compile)
+            return self._programs[key]
+
+    def _slot(self, name: str) -> EditSlot:
+        """The slot at ``name``: declared, or made for per-call edits (once, then reused)."""
+        if name in self.slots:
+            return self.slots[name]
+        with self._lock:
+            if name not in self._call_slots:
+                self._call_slots[name] = self._new_slot(name)
+            return self._call_slots[name]
 
     def compile(self, **options) -> "InstrumentedModel":
         """Run the program(s) under ``torch.compile`` (``fullgraph=True`` unless ``options`` say
@@ -153,8 +270,9 @@ class InstrumentedModel:
         so a new prompt length does not recompile. A call with per-call edits runs the eager program
         (see ``qgraph.compile``)."""
         self._compile = options
-        for program in self._programs.values():
-            compile_program(program, **options)
+        for (images, slots), program in self._programs.items():
+            if slots == frozenset(self.slots):
+                compile_program(program, **options)
         return self
 
     def release_buffers(self) -> None:
@@ -168,6 +286,7 @@ class InstrumentedModel:
     # -- running ---------------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  *, edits: Mapping | None = None, **inputs) -> Output:
+        self.refresh()
         images = self.exported.images and inputs.get("pixel_values") is not None
         if not self.exported.images and any(inputs.get(key) is not None for key in IMAGE_KEYS):
             raise TypeError(f"{type(self.model).__name__} is text-only and takes no images "
@@ -176,32 +295,50 @@ class InstrumentedModel:
         if not images and inputs.get("image_grid_thw") is not None:
             raise ValueError("image_grid_thw came without pixel_values: pass both, as the processor returns them")
         prepared = prepare(self.model, images, input_ids, attention_mask, **inputs)
-        program = self._program_for(images)
-        active = self._activate(edits or {})
-        try:
-            logits, captured = program.run(prepared, eager=bool(active))
-        finally:
-            for slot in active:  # an edit lasts one call
-                slot.edit = None
+        call_edits = self.call_edits(edits)
+        program = self._program_for(images, call_edits)
+        missing = [name for name in call_edits if name not in program.slots]
+        if missing:
+            raise EditError(f"{missing} are not in this call's program: a call without images has no vision values")
+        watched = [name for name in program.tapped if name.endswith("#grad")]
+        with applying({program.slots[name]: edit for name, edit in call_edits.items()}):
+            logits, captured = program.run(prepared, eager=bool(call_edits) or bool(watched))
         for name, entry in program.derived.items():
             how = getattr(derive, entry.spec.rule.how)
             captured[name] = how(*(captured[s] for s in program.sources_of(entry)), inputs=prepared, config=self.config)
         values = {name: captured[name] for name in self.values if name in captured}
-        return Output(logits, values, len(self.family.block_mixers(self.config)))
+        grads = {}
+        for key in watched:
+            name, tensor = key[:-5], captured[key]
+            if tensor.requires_grad:
+                tensor.retain_grad()
+            grads[name] = (tensor, program.catalogue[name].location.view)
+        return Output(logits, values, len(self.family.block_mixers(self.config)), grads)
 
-    def _activate(self, edits: Mapping) -> list[EditSlot]:
-        active = []
+    def call_edits(self, edits: Mapping | None) -> dict[str, object]:
+        """``{name: edit}`` for a call's ``edits={pattern: edit}``, patterns resolved, each name checked
+        to be editable (a later pattern overrides an earlier one at the same name)."""
+        if edits is None:
+            return {}
+        if not isinstance(edits, Mapping):
+            raise TypeError(f"edits= takes a dict {{name: edit}}, not {type(edits).__name__}: e.g. "
+                            f"edits={{'layers.2.layer_output': qgraph.Zero()}}")
+        resolved = {}
         for pattern, edit in edits.items():
-            names = self._resolve(pattern)
-            undeclared = [name for name in names if name not in self.slots]
-            if undeclared:
-                declared = ", ".join(self.slots) or "none"
-                raise EditError(f"no edit slot for {undeclared}: declare it with qgraph.instrument(model, "
-                                f"edits=[...]) (declared slots: {declared})")
-            for name in names:
-                self.slots[name].edit = edit
-                active.append(self.slots[name])
-        return active
+            for name in self.resolve(pattern):
+                if name not in self.slots:
+                    self._slot(name)  # checks it can be edited
+                resolved[name] = edit
+        return resolved
+
+    def refresh(self) -> None:
+        """Rebuild the programs if the model changed since they were built (a replaced submodule,
+        untied or retied weights, another dtype, device or attention implementation). Every call
+        does this first; it costs a walk over the model's modules and parameters."""
+        if fingerprint(self.model) != self._fingerprint:
+            with self._lock:
+                if fingerprint(self.model) != self._fingerprint:
+                    self._build()
 
     # -- generating --------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -218,6 +355,11 @@ class InstrumentedModel:
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a residual-stream tensor: the model's final norm (its ``1 + weight`` gain), then
         its lm_head, so ``project_on_vocab(layers[-1].layer_output) == logits``."""
+        hidden_size = self.config.get_text_config().hidden_size
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0 or hidden.shape[-1] != hidden_size:
+            got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise ValueError(f"project_on_vocab takes a residual-stream tensor [..., {hidden_size}] (e.g. "
+                             f"out['layers.3.layer_output']), got {got}")
         modules = {self.family.module_name(path): module for path, module in self.model.named_modules()}
         norm, head = (modules[path] for path in self.family.data.READOUT)
         return head(norm(hidden))
@@ -226,8 +368,16 @@ class InstrumentedModel:
                    positions=(-1,), top: int = 5) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Every block's top tokens at ``positions``: ``{block: (token ids, probabilities)}``, each
         ``[batch, len(positions), top]``, from ``project_on_vocab`` of the block's ``layer_output``."""
+        positions = [positions] if isinstance(positions, int) else list(positions)
+        if not isinstance(top, int) or not 1 <= top <= self.config.get_text_config().vocab_size:
+            raise ValueError(f"top must be an int in [1, vocab size], got {top!r}")
         lens = instrument(self.model, values=["layers.*.layer_output"], logits=False)
         out = lens(input_ids, attention_mask)
+        seq = out["layers.0.layer_output"].shape[1]
+        bad = [p for p in positions if not isinstance(p, int) or not -seq <= p < seq]
+        if bad or not positions:
+            raise ValueError(f"logit_lens positions {bad or positions} are not token positions of a {seq}-token call "
+                             f"(give ints in [-{seq}, {seq}))")
         result = {}
         for block in range(len(self.family.block_mixers(self.config))):
             hidden = out[f"layers.{block}.layer_output"][:, list(positions)]

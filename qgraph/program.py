@@ -28,6 +28,13 @@ class Program:
         self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
         self.buffers = BufferPool()  # big state buffers kept for the next call (delta_states.BufferPool)
 
+    @property
+    def present(self) -> set[str]:
+        """The names this program can serve (a text-only program has no vision values)."""
+        present = {name for name, entry in self.catalogue.items() if isinstance(entry.location, (Found, OnRequest))}
+        return present | {name for name, entry in self.catalogue.items()
+                          if entry.derived and set(self.sources_of(entry)) <= present}
+
     def _catalogue(self) -> dict[str, Entry]:
         return build_catalogue(self.family, self.model.config, Locator(self.graph, self.family, self.model.config),
                                self.module_names)
@@ -38,8 +45,11 @@ class Program:
         the slots, tap the values (and the sources of derived ones), strip the markers and drop
         what no output needs. ``options`` holds per-value options (states' positions, heads, dtype).
         ``rewrite(program)``, if given, runs after those rewrites and before the slots (the decode
-        step's cache pass, ``passes.decode``) and returns more nodes to tap, ``{name: Found}``."""
+        step's cache pass, ``passes.decode``) and returns more nodes to tap, ``{name: Found}``.
+        A value asked with ``{"grad": True}`` is also tapped before its view (``grad_tap(name)``), the
+        tensor its readers read, so its gradient can be read after a backward."""
         options = options or {}
+        self.slots = dict(slots)
         self.extra_inputs = []  # (placeholder name, function of the call's inputs)
         requests = {name: self.catalogue[name].location for name in [*values, *slots]
                     if isinstance(self.catalogue[name].location, OnRequest)}
@@ -80,6 +90,9 @@ class Program:
         for name in wanted:
             location = self.catalogue[name].location
             found[name] = Found(slot_nodes[name], location.view) if name in slot_nodes else location
+        for name in values:
+            if options.get(name, {}).get("grad"):
+                found[grad_tap(name)] = Found(found[name].node)
         found.update(extra_taps)
         output = self.graph.output_node()
         model_outputs = len(output.args[0])
@@ -123,6 +136,11 @@ class Program:
             results = list(module(*[source(inputs) for source in self.inputs]))
         logits = results.pop(0) if self.returns_logits else None
         return logits, dict(zip(self.tapped, results))
+
+
+def grad_tap(name: str) -> str:
+    """The hidden output holding the tensor a ``grad`` value's readers read (before its view)."""
+    return f"{name}#grad"
 
 
 def _input_sources(model, exported: ExportedModel):

@@ -99,6 +99,11 @@ def family_for(model) -> Family:
         model_type = getattr(config.get_text_config(), "model_type", None)
     for family in FAMILIES:
         if model_type in family.data.MODEL_TYPES:
+            if getattr(model, "get_output_embeddings", lambda: None)() is None:
+                raise UnsupportedModel(
+                    f"{type(model).__name__} is the inner model, without the lm_head that makes logits (an "
+                    f"instrumented call would return its last hidden state as logits): instrument the whole "
+                    f"model, e.g. the AutoModelForCausalLM you loaded, not model.model")
             return family
     supported = ", ".join(f"{f.name} ({', '.join(f.data.MODEL_TYPES)})" for f in FAMILIES)
     raise UnsupportedModel(

@@ -1,5 +1,14 @@
-"""Edit slots: a rewrite that makes a value's readers read it through a slot that may change it."""
+"""Edit slots: a rewrite that makes a value's readers read it through a slot that may change it.
+
+A slot holds no per-call state. The edits of one call live in a context variable that
+``applying(edits)`` sets for the call and restores after it, so calls nest (an edit function may
+call an instrumented model) and two threads never see each other's edits.
+"""
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Mapping
 
 import torch
 from torch.fx import Graph, Node
@@ -10,21 +19,39 @@ from . import views
 from .locate import Found
 
 
+# The edits of the call running in this context: {slot: edit}
+_CALL_EDITS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("qgraph_call_edits", default={})
+
+
+@contextlib.contextmanager
+def applying(edits: Mapping["EditSlot", object]):
+    """Apply ``{slot: edit}`` to the calls made in this block (this thread or task only); the
+    edits in force before are back when it ends."""
+    token = _CALL_EDITS.set(dict(edits))
+    try:
+        yield
+    finally:
+        _CALL_EDITS.reset(token)
+
+
 class EditSlot(torch.nn.Module):
-    """Passes its input through, or applies ``fixed`` (given at instrument time) and then ``edit``
-    (set for one call). With neither it is one Python call that returns its input."""
+    """Passes its input through, or applies ``fixed`` (given at instrument time) and then the
+    edit the current call gives it (``applying``). With neither it is one Python call that returns
+    its input. Under ``torch.compile`` only the fixed edit is traced: a call with per-call edits runs
+    the eager program."""
 
     def __init__(self, target: Target, view: tuple = (), fixed=None):
         super().__init__()
-        self.target, self.view, self.fixed, self.edit = target, view, fixed, None
+        self.target, self.view, self.fixed = target, view, fixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fixed is None and self.edit is None:
+        edit = None if torch.compiler.is_compiling() else _CALL_EDITS.get().get(self)
+        if self.fixed is None and edit is None:
             return x
         value = views.apply(x, self.view)  # edits see the value as it is served
-        for edit in (self.fixed, self.edit):
-            if edit is not None:
-                value = apply_edit(edit, value, self.target)
+        for change in (self.fixed, edit):
+            if change is not None:
+                value = apply_edit(change, value, self.target)
         return views.undo(value, self.view)
 
 

@@ -1,0 +1,31 @@
+"""What an exported program depends on in a model, to tell when a program went stale.
+
+A program is specialised on the model's structure (module classes, parameter shapes, dtypes and
+devices, which parameters are one tensor, the attention implementations) and reads the model's
+own module objects at call time. ``structure`` is the first, a key of the export caches;
+``fingerprint`` adds the module objects, so an instrumented model notices a replaced submodule, an
+untied ``lm_head``, or a model moved to another dtype or device, and rebuilds its programs.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def structure(model: torch.nn.Module) -> tuple:
+    """Module classes, parameter and buffer shapes / dtypes / devices, tied parameters (each
+    parameter names the first path it appears under) and attention implementations."""
+    first: dict[int, str] = {}
+    parameters = tuple((name, tuple(p.shape), str(p.dtype), p.device.type, first.setdefault(id(p), name))
+                       for name, p in model.named_parameters(remove_duplicate=False))
+    buffers = tuple((name, tuple(b.shape), str(b.dtype), b.device.type) for name, b in model.named_buffers())
+    modules = tuple((path, f"{type(m).__module__}.{type(m).__qualname__}") for path, m in model.named_modules())
+    config = model.config
+    vision = getattr(config, "vision_config", None)
+    attention = (config._attn_implementation, getattr(vision, "_attn_implementation", None))
+    return attention, modules, parameters, buffers
+
+
+def fingerprint(model: torch.nn.Module) -> tuple:
+    """``structure`` and the identity of every module object (a submodule replaced by one of the
+    same shape is a new object the program does not read yet)."""
+    return structure(model), tuple(id(m) for m in model.modules())
