@@ -1,5 +1,10 @@
 """The ``qgraph`` command: ``qgraph demo`` instruments a checkpoint and shows what it captured;
-``qgraph support`` prints a checkpoint's value table; ``qgraph render`` draws a block or the model.
+``qgraph support`` prints a checkpoint's value table; ``qgraph render`` draws a block or the model::
+
+    qgraph render --block 3 --out block3.svg
+    qgraph render --block 0 --detail ops --out block0-ops.png
+    qgraph render --what vision_block --out vision0.svg --model /path/to/image-text-checkpoint
+
 Every command defaults to the embedded tiny Qwen3.5 (built on first use); ``--model PATH`` takes a
 local checkpoint dir, text (``Qwen3_5ForCausalLM``) or image-text (``Qwen3_5ForConditionalGeneration``)."""
 from __future__ import annotations
@@ -11,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .render.cli import add_render_command
+from .render import DETAIL, WHAT
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -273,6 +278,41 @@ def value_statistics(value) -> tuple[str, str, str, str]:
         return str(int(masked.sum())), "-", "-", "-"
     std = kept.std().item() if kept.numel() > 1 else 0.0
     return (str(int(masked.sum())), f"{kept.mean().item():.4f}", f"{std:.4f}", f"{kept.abs().max().item():.4f}")
+
+
+def add_render_command(subparsers) -> None:
+    """Add ``render`` to the ``qgraph`` command's subparsers (``run_render`` runs it)."""
+    render = subparsers.add_parser(
+        "render", help="draw a block (every value on it) or the model, as svg, png, pdf or dot",
+        description="Draw a block or the model from the exported graph; the --out extension picks the format.",
+        formatter_class=HelpFormatter)
+    add_model_arguments(render, attn_default="sdpa")
+    render.add_argument("--what", choices=WHAT, default="block",
+                        help="a text block, the model, or a vision block (image-text checkpoints)")
+    render.add_argument("--block", type=int, default=None,
+                        help="the block to draw (default: the first attention block; vision: 0); "
+                             "negative counts from the end")
+    render.add_argument("--detail", choices=DETAIL, default="modules",
+                        help="modules: modules, the ops between them and every value; ops: every graph node")
+    render.add_argument("--out", required=True, help="the file to write: .svg, .png, .pdf or .dot")
+    render.add_argument("--values", nargs="+", default=[],
+                        help="values to mark as instrumented (names or globs, e.g. 'layers.3.self_attn.*')")
+    render.set_defaults(handler=run_render)
+
+
+def run_render(args) -> int:
+    """Draw what ``args`` asks for; qgraph's errors (a bad block, no Graphviz) reach ``qgraph.cli.main``,
+    which prints them as one line."""
+    import qgraph
+    from qgraph.render import render
+
+    from .progress import progress
+    model = load_model(checkpoint_path(args.model), args.attn_implementation)
+    subject = qgraph.instrument(model, values=args.values, logits=True) if args.values else model
+    with progress(f"drawing {args.out}"):
+        written = render(subject, what=args.what, layer=args.block, path=args.out, detail=args.detail)
+    print(f"wrote {written}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -126,9 +126,12 @@ def _ranges(blocks: list[int]) -> str:
 def support(model: torch.nn.Module) -> SupportTable:
     """The support table of ``model``: every standard value, its layout and shape, and per block
     whether it is available here, with the reason where it is not."""
-    from .instrument import instrument
-    instrumented = instrument(model)
-    return SupportTable(instrumented.catalogue, instrumented.family.block_mixers(model.config))
+    from .export import export_model
+    from .families import family_for
+    from .program import Program
+    family_for(model)  # not a model qgraph knows: named before exporting
+    exported = export_model(model)
+    return SupportTable(Program(model, exported).catalogue, exported.family.block_mixers(model.config))
 
 
 def annotated_tree(model: torch.nn.Module, catalogue: dict[str, Entry], highlight=frozenset()) -> str:

@@ -144,7 +144,7 @@ def test_errors_say_what_to_do(sdpa_model, tmp_path):
 def test_cli(sdpa_model, tmp_path, monkeypatch, capsys):
     import transformers
 
-    from qgraph.render.cli import main
+    from qgraph.cli import main
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: sdpa_model)
     out = tmp_path / "block0.svg"
     assert main(["render", "--block", "0", "--out", str(out), "--values", "layers.0.linear_attn.decays"]) == 0
