@@ -10,6 +10,7 @@ import contextlib
 from importlib import metadata
 
 import torch
+from torch._C import DispatchKey
 from torch.nn.modules import module as _module
 
 SUPPORTED = {"torch": "2.13", "transformers": "5.24"}
@@ -75,3 +76,56 @@ def hooks_set_aside(model: torch.nn.Module):
             hooks.clear()
             hooks.update(items)
             hooks.update(ours)
+
+
+# -- autograd inside a custom op (qgraph.kernels_grad) ---------------------------------------------
+# A custom op's backward recomputes its forward under autograd. The dispatcher runs a custom op's
+# kernel with the autograd keys excluded, and torch has no public way to record autograd there, so
+# the exclusion is lifted with its private TLS guard.
+
+# The keys a custom op's implementation runs without (it is called below the autograd layer).
+_AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor,
+                  DispatchKey.ADInplaceOrView)
+
+
+@contextlib.contextmanager
+def autograd_enabled():
+    """Record autograd inside a custom op's implementation.
+
+    The dispatcher calls a custom op's kernel with the autograd keys excluded (and grad mode off in
+    a backward), so plain ``torch.enable_grad()`` records nothing there; this lifts the exclusion
+    for the block as well.
+    """
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
+
+
+# -- torch.compile with grad enabled (qgraph.compile) --------------------------------------------
+def inductor_symbolic_strides_fix() -> None:
+    """Let inductor order symbolic strides with the graph's shape env (pytorch/pytorch#185510).
+
+    With grad enabled, the forward graph returns the activations the backward reads, some of them
+    views with symbolic strides (``64 * seq`` and ``64``); torch 2.13's inductor sorts those without
+    its shape env and fails with "cannot determine truth value of Relational: 1 < s53". This does
+    what the upstream fix (pytorch/pytorch#185871) does: sort them with the active graph's shape env.
+    """
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    original = ir.get_fill_order
+    if getattr(original, "qgraph_fix", False):
+        return
+
+    def get_fill_order(seq, shape_env=None):
+        if shape_env is None and not all(isinstance(s, int) or getattr(s, "is_Integer", False) for s in seq):
+            try:
+                shape_env = V.graph.sizevars.shape_env
+            except (AttributeError, AssertionError):
+                pass  # no graph being lowered: as before
+        return original(seq, shape_env)
+
+    get_fill_order.qgraph_fix = True
+    ir.get_fill_order = get_fill_order

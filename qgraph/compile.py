@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import torch
 
+from .compat import inductor_symbolic_strides_fix
+
 
 class CompiledProgram:
     """A program's GraphModule under ``torch.compile``, called with the program's inputs."""
 
     def __init__(self, module: torch.fx.GraphModule, **options):
-        _symbolic_stride_order_fix()
+        inductor_symbolic_strides_fix()
         self.options = {"fullgraph": True, **options}
         self.compiled = torch.compile(module, **self.options)
         # which dims of which inputs are dynamic: those the export left symbolic
@@ -54,33 +56,6 @@ class CompiledProgram:
             result = self.compiled(*args)
         self._called = True
         return result
-
-
-def _symbolic_stride_order_fix() -> None:
-    """Let inductor order symbolic strides with the graph's shape env (pytorch/pytorch#185510).
-
-    With grad enabled, the forward graph returns the activations the backward reads, some of them
-    views with symbolic strides (``64 * seq`` and ``64``); torch 2.13's inductor sorts those without
-    its shape env and fails with "cannot determine truth value of Relational: 1 < s53". This does
-    what the upstream fix (pytorch/pytorch#185871) does: sort them with the active graph's shape env.
-    """
-    from torch._inductor import ir
-    from torch._inductor.virtualized import V
-
-    original = ir.get_fill_order
-    if getattr(original, "qgraph_fix", False):
-        return
-
-    def get_fill_order(seq, shape_env=None):
-        if shape_env is None and not all(isinstance(s, int) or getattr(s, "is_Integer", False) for s in seq):
-            try:
-                shape_env = V.graph.sizevars.shape_env
-            except (AttributeError, AssertionError):
-                pass  # no graph being lowered: as before
-        return original(seq, shape_env)
-
-    get_fill_order.qgraph_fix = True
-    ir.get_fill_order = get_fill_order
 
 
 def compile_program(program, **options) -> CompiledProgram:

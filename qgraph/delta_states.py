@@ -20,7 +20,8 @@ loop over tokens (the states entering each 8-token block come from a scan over t
 then every token's state from its block's with one batched matmul per chunk). :func:`chunk_gated_delta_rule_with_states` runs transformers' chunked algorithm
 (UT transform per chunk, sequential scan over chunks) and evaluates that sum per chunk, either for
 every row or only for the rows the caller asked for. ``qgraph::chunk_gated_delta_rule_states``
-wraps it as an opaque custom op so it exports as one graph node with dynamic batch/seq.
+wraps it as an opaque custom op so it exports as one graph node with dynamic batch/seq; its
+autograd (``qgraph.kernels_grad``) recomputes :func:`chunk_gated_delta_rule_with_states` under autograd.
 """
 from __future__ import annotations
 

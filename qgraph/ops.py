@@ -10,6 +10,10 @@
 * ``qgraph::mark`` tags a module's input or output during export (see ``qgraph.export``). Markers
   exist only between export and the passes: ``passes.markers`` removes every one of them, so the
   program that runs has none.
+
+Every op here (and ``qgraph::chunk_gated_delta_rule_states``) has autograd: ``qgraph.kernels_grad``
+(imported by ``import qgraph``) registers backwards that recompute the op's forward under
+plain autograd, so gradients through a program equal the plain model's.
 """
 from __future__ import annotations
 
@@ -67,6 +71,12 @@ recurrent_gated_delta_rule.register_fake(_fake)
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention within each packed image: q, k, v ``[1, heads, patches, d]`` -> ``[1, patches, heads, d]``."""
+    return packed_attention(query, key, value, cu_seqlens, scale)
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """What ``qgraph::varlen_attention`` computes, as plain torch (its backward differentiates this)."""
     bounds = cu_seqlens.tolist()
     outputs = [
         F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale=scale).transpose(1, 2)
