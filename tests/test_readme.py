@@ -1,0 +1,285 @@
+"""Every code block of README.md runs as written, on the tiny checkpoints (issue 12, part 8).
+
+Each ```python block is exec'd unchanged in a namespace of the free names it mentions (``path``,
+``model``, ``ids``, ``v``, ``processor``, ...), built from the session's tiny checkpoints, in a tmp
+cwd (the diagram block writes files). Where the README states what a block gives, ``CLAIMS`` checks
+it afterwards. Each ```bash block's ``qgraph ...`` commands run as a subprocess with
+``QGRAPH_CACHE`` in a tmp dir.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import qgraph
+from conftest import hf_logits, random_ids
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_blocks(text: str) -> list[tuple[str, str, str]]:
+    """Every fenced block as (language, section heading, source), in README order."""
+    blocks, heading = [], ""
+    for match in re.finditer(r"^(#+ [^\n]*)$|^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        if match.group(1):
+            heading = match.group(1).lstrip("# ").strip()
+        else:
+            blocks.append((match.group(2), heading, match.group(3)))
+    return blocks
+
+
+def block_id(index: int, heading: str, source: str) -> str:
+    """The block's position, section and first line: a failure names the block."""
+    first = source.strip().splitlines()[0].strip()
+    return f"{index}:{heading}:{first[:60]}"
+
+
+BLOCKS = readme_blocks(README.read_text())
+PYTHON = [pytest.param(heading, source, id=block_id(i, heading, source))
+          for i, (language, heading, source) in enumerate(BLOCKS) if language == "python"]
+BASH = [pytest.param(heading, source, id=block_id(i, heading, source))
+        for i, (language, heading, source) in enumerate(BLOCKS) if language == "bash"]
+
+
+def test_the_readme_has_the_blocks_we_run():
+    headings = {heading for _, heading, _ in BLOCKS}
+    assert {"Reading values", "Editing values", "DeltaNet states", "Images", "Diagrams", "Generation"} <= headings
+    assert len(PYTHON) >= 8 and len(BASH) >= 2
+    assert all(language in ("python", "bash") for language, _, _ in BLOCKS), "a block in an unchecked language"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory):
+    """One ``QGRAPH_CACHE`` for this file, with the disk cache of programs on: a block that loads
+    the tiny checkpoint afresh, and the command lines, load the program an earlier block exported
+    instead of exporting it again (as a user's second process would)."""
+    path = tmp_path_factory.mktemp("readme-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QGRAPH_CACHE", str(path))
+        patch.setenv("QGRAPH_PROGRAM_CACHE", "1")
+        yield path
+
+
+# -- the free names the blocks use ---------------------------------------------------------------------------
+def image(height: int, width: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def vl_path(tmp_path_factory):
+    from qgraph.testing import tiny_qwen3_5_vl
+    return str(tiny_qwen3_5_vl(tmp_path_factory.mktemp("readme-vl")))
+
+
+def text_objects(request) -> dict:
+    """Providers of the text blocks' free names (built only when a block mentions the name)."""
+    model = lambda: request.getfixturevalue("sdpa_model")  # noqa: E731
+    return {
+        "qgraph": lambda: qgraph,
+        "torch": lambda: torch,
+        "path": lambda: str(request.getfixturevalue("checkpoint")),
+        "model": model,
+        "tokenizer": lambda: request.getfixturevalue("tokenizer"),
+        "ids": lambda: random_ids(2, 12, seed=7),
+        "t": lambda: 5,
+        "v": lambda: torch.randn(model().config.hidden_size, generator=torch.Generator().manual_seed(3)),
+        "ig": lambda: qgraph.instrument(model(), values=["layers.0.layer_output"], edits=["layers.0.mlp.mlp_output"]),
+    }
+
+
+def image_text_objects(request) -> dict:
+    """Providers of the image-text block's free names: the tiny image-text checkpoint and two images."""
+    from qgraph.testing import load_processor
+
+    def prompt():
+        content = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "what is in these?"}]
+        return load_processor(request.getfixturevalue("vl_path")).apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+
+    return {
+        "qgraph": lambda: qgraph,
+        "torch": lambda: torch,
+        "path": lambda: request.getfixturevalue("vl_path"),
+        "processor": lambda: load_processor(request.getfixturevalue("vl_path")),
+        "prompt": prompt,
+        "image_a": lambda: image(64, 64, 0),
+        "image_b": lambda: image(40, 100, 1),
+    }
+
+
+def namespace(request, source: str) -> dict:
+    """The ready objects for the free names ``source`` mentions (and does not assign itself), nothing more."""
+    image_text = "AutoModelForImageTextToText" in source
+    providers = image_text_objects(request) if image_text else text_objects(request)
+    return {name: make() for name, make in providers.items()
+            if re.search(rf"\b{name}\b", source) and not re.search(rf"^{name} *=(?!=)", source, re.M)}
+
+
+# -- what the README says the blocks give ---------------------------------------------------------------------
+def reading_values(ns):
+    # "out.logits  # as the model returns them"
+    inputs = ns["tokenizer"](["The Eiffel Tower is in", "Hi"], return_tensors="pt", padding=True)
+    torch.testing.assert_close(ns["out"].logits, hf_logits(ns["model"], **inputs), rtol=0, atol=1e-5)
+    assert ns["out"]["layers.3.layer_output"] is ns["out"].values["layers.3.layer_output"]
+    # "attention_scores and attention_probabilities are there under both loads"
+    assert ns["model"].config._attn_implementation == "sdpa"
+    table = qgraph.support(ns["model"])
+    assert table["layers.3.self_attn.attention_scores"].available
+    assert table["layers.3.self_attn.attention_probabilities"].available
+
+
+def editing_values(ns):
+    # the value at an edit point is captured as edited; a head's zero edit moves what follows
+    ig, ids, v = ns["ig"], ns["ids"], ns["v"]
+    plain = ig(input_ids=ids)
+    torch.testing.assert_close(ns["out"]["layers.2.layer_output"], plain["layers.2.layer_output"] + v, rtol=0, atol=0)
+    assert torch.equal(ns["out"]["layers.1.layer_output"], plain["layers.1.layer_output"])
+    assert not torch.allclose(ns["out"].logits, plain.logits)
+
+
+def gradients(ns):
+    # "model parameters get .grad, as with the HF model"
+    model = ns["model"]
+    got = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ns["ids"]).logits[:, -1].logsumexp(-1).sum().backward()
+    expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(expected) and len(expected) > 40
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def continued_prompt(ns):
+    # the DeltaNet blocks give the same values for ids[:, t:] as one run over ids
+    whole = ns["ig"](ns["ids"])
+    for block in ns["blocks"]:
+        for value in ("state_output", "conv_state_output"):
+            torch.testing.assert_close(ns["second"][f"{block}.{value}"], whole[f"{block}.{value}"], rtol=0, atol=1e-5)
+
+
+def states(ns):
+    out = ns["ig"](random_ids(1, 6))
+    assert out["layers.0.linear_attn.states"].shape[:2] == (1, 6) and out["layers.0.linear_attn.states"].dtype == torch.float32
+    assert out["layers.1.linear_attn.state"].shape[1] == 3
+    assert out["layers.2.linear_attn.states"].dtype == torch.bfloat16 and out["layers.2.linear_attn.states"].shape[2] == 2
+
+
+def images(ns):
+    # "a list: [heads, patches_j, patches_j] per image"; the logits are the model's
+    patterns = ns["out"]["vision.layers.1.self_attn.attention_probabilities"]
+    inputs = ns["processor"](text=ns["prompt"], images=[ns["image_a"], ns["image_b"]], return_tensors="pt")
+    patches = (inputs["image_grid_thw"].prod(-1)).tolist()
+    assert [p.shape[-1] for p in patterns] == patches
+    for p in patterns:
+        torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[:-1]), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        expected = ns["model"](**inputs).logits
+    torch.testing.assert_close(ns["out"].logits, expected, rtol=0, atol=1e-5)
+
+
+def diagrams(ns):
+    for name in ("block3.svg", "block0-ops.png", "model.svg"):
+        assert Path(name).stat().st_size > 1000, name
+    assert Path("block0-ops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in Path("block3.svg").read_text()
+
+
+def generation(ns):
+    out, enc = ns["out"], ns["enc"]
+    prompt = enc["input_ids"].shape[1]
+    assert out.sequences.shape[1] > prompt and torch.equal(out.sequences[:, :prompt], enc["input_ids"])
+    assert out.steps[0]["layers.3.layer_output"].shape[1] == prompt
+    assert out.steps[5]["layers.3.layer_output"].shape[1] == 1
+
+
+CLAIMS = {  # the section and a line of its block -> the check of what the README says it gives
+    ("Reading values", "out.logits"): reading_values,
+    ("Editing values", "Zero(heads=[2])"): editing_values,
+    ("Gradients", ".backward("): gradients,
+    ("DeltaNet states", "states\": {}"): states,
+    ("DeltaNet states", "second = ig("): continued_prompt,
+    ("Images", "AutoModelForImageTextToText"): images,
+    ("Diagrams", "qgraph.render("): diagrams,
+    ("Generation", "ig.generate("): generation,
+}
+
+
+def claim_for(heading: str, source: str):
+    checks = [check for (section, line), check in CLAIMS.items() if section == heading and line in source]
+    return checks[0] if checks else None
+
+
+@pytest.mark.parametrize("heading, source", PYTHON)
+def test_python_block_runs(request, tmp_path, monkeypatch, heading, source):
+    monkeypatch.chdir(tmp_path)  # the diagram block writes its files here
+    ns = namespace(request, source)
+    try:
+        exec(compile(source, f"README.md ({heading})", "exec"), ns)  # noqa: S102 - the README's own code, as a user runs it
+        check = claim_for(heading, source)
+        if check is not None:
+            check(ns)
+    finally:
+        if "model" in ns:  # a block that backpropagates leaves .grad on the session model: drop it
+            ns["model"].zero_grad(set_to_none=True)
+
+
+# -- the command lines ---------------------------------------------------------------------------------------
+def qgraph_commands(source: str) -> list[list[str]]:
+    """The ``qgraph ...`` commands of a bash block (a line may chain several with ``&&``). The
+    ``python -m pip install`` setup and ``python -m pytest`` parts are not run: the package is
+    installed already, and the test run is the one running this."""
+    commands = []
+    for line in source.splitlines():
+        for part in line.split("&&"):
+            words = shlex.split(part, comments=True)
+            if words and words[0] == "qgraph":
+                commands.append(words)
+    return commands
+
+
+def qgraph_executable() -> str:
+    """The ``qgraph`` script installed beside this Python (the console entry point the README runs)."""
+    script = Path(sys.executable).parent / "qgraph"
+    return str(script) if script.exists() else "qgraph"
+
+
+PRINTS = {  # a command's first word after qgraph -> what its output must show
+    None: ["demo", "render", "support"],  # qgraph alone lists the subcommands
+    "--version": ["qgraph 0."],
+    "support": ["layers.{i}.layer_output", "layers.{i}.self_attn.attention_scores"],
+    "demo": ["checkpoint:", "layers.3.layer_output"],  # a captured value's row
+    "render": ["wrote"],
+}
+RESULTS: dict[tuple, tuple[int, str]] = {}  # a command already run (by an earlier block) -> (exit status, output)
+
+
+def run_once(words: list[str], cwd: Path) -> tuple[int, str]:
+    """Run a command as a new process; a command that an earlier block ran is not run again."""
+    if tuple(words) not in RESULTS:
+        result = subprocess.run([qgraph_executable(), *words[1:]], cwd=cwd, capture_output=True, text=True,
+                                timeout=300)
+        RESULTS[tuple(words)] = (result.returncode, result.stdout + result.stderr)
+        for word, after in zip(words, words[1:]):
+            if word == "--out" and result.returncode == 0:
+                assert (cwd / after).stat().st_size > 1000, f"{shlex.join(words)}: {after} is (nearly) empty"
+    return RESULTS[tuple(words)]
+
+
+@pytest.mark.parametrize("heading, source", BASH)
+def test_bash_block_runs(tmp_path, cache_dir, heading, source):
+    commands = qgraph_commands(source)
+    assert commands, "a bash block with no qgraph command"
+    for words in commands:
+        status, output = run_once(words, tmp_path)
+        assert status == 0, f"{shlex.join(words)} exited {status}:\n{output[-3000:]}"
+        for text in PRINTS.get(words[1] if len(words) > 1 else None, []):
+            assert text in output, f"{shlex.join(words)} did not print {text!r}:\n{output[-3000:]}"
