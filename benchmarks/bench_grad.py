@@ -6,7 +6,7 @@
 ``backward()`` into every parameter's ``.grad`` (cleared between runs), for the plain Hugging Face
 model, the program with no values (``values=[]``) and the program capturing every block's
 ``layer_output``; interleaved in one run (median after a warm-up). The program's delta-rule
-backward recomputes each DeltaNet kernel's forward (``qgraph/kernels_grad.py``), as activation
+backward recomputes each DeltaNet kernel's forward (``qgraph/kernels/grad.py``), as activation
 checkpointing does, so its extra cost is about one more forward of those kernels.
 """
 from __future__ import annotations

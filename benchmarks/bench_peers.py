@@ -257,7 +257,7 @@ def first_touch_seconds(repeats: int = 3) -> float:
 def _delta_rule_share(ig, ids, runs: int = 3) -> float:
     """The share of an eager qgraph forward spent inside the chunked delta-rule kernels (run as
     opaque custom ops, eagerly, compiled or not)."""
-    from qgraph import ops
+    from qgraph.kernels import ops
     kernel, spent = ops.KERNELS["chunk"], []
 
     def timed_kernel(*args, **kwargs):
@@ -389,7 +389,7 @@ def _markdown(args, info, report, table, figures, checks, nnsight_note, states_n
         f"nnsight: {nnsight_note}",
         "",
         f"States: {states_note}. The timed calls drop their states before the next call, so each writes its "
-        f"states into the memory the previous call's used (`qgraph.delta_states.BufferPool`); "
+        f"states into the memory the previous call's used (`qgraph.kernels.buffers.BufferPool`); "
         f"`benchmarks/bench_states.py` measures the peak memory of a forward that allocates them afresh.",
         "",
         "## instrument()",

@@ -7,7 +7,7 @@ every DeltaNet block's states (all tokens, float32) against the plain Hugging Fa
 interleaved in one run (median of 5 after a warm-up); and the peak memory of one forward of each,
 measured in a fresh child process per variant as the peak RSS (VmHWM, reset before the forward)
 above the resting RSS. The timed loop drops each call's states before the next call, so the
-program writes the next states into the same memory (``delta_states.BufferPool``); the memory
+program writes the next states into the same memory (``kernels.buffers.BufferPool``); the memory
 measurement releases that memory first, so it counts the states' allocation.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ variants are interleaved so background load hits them alike):
 
 * ``kernel``     transformers' ``torch_chunk_gated_delta_rule`` (output + final state);
 * ``all``        ``chunk_gated_delta_rule_with_states`` keeping every state (256 MiB);
-* ``all_4k_pages`` the same with ``qgraph.delta_states.HUGE_PAGE_MIN_BYTES = None``, i.e. the
+* ``all_4k_pages`` the same with ``qgraph.kernels.buffers.HUGE_PAGE_MIN_BYTES = None``, i.e. the
   states buffer from plain ``torch.empty`` (ordinary 4 KiB pages unless THP_MEM_ALLOC_ENABLE=1);
 * ``all_bf16``   the same, states stored in bfloat16 (128 MiB);
 * ``positions``  the same, keeping only the states after tokens 0, 128 and 255.
@@ -24,6 +24,7 @@ Usage: ``python benchmarks/bench_states_kernel.py [--seq 256] [--repeats 5]``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -44,14 +45,17 @@ _MODULE = []
 def _setup(seq):
     import torch
 
-    # Load the module by path: the benchmark measures this kernel only, independent of whatever
-    # the rest of the package imports.
+    # Load the kernels package by path: the benchmark measures this kernel only, independent of
+    # whatever the rest of the package imports (qgraph/kernels/__init__.py imports nothing).
     if not _MODULE:
-        path = ROOT / "qgraph" / "delta_states.py"
-        spec = importlib.util.spec_from_file_location("qgraph_delta_states", path)
-        _MODULE.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(_MODULE[0])
-    delta_states = _MODULE[0]
+        folder = ROOT / "qgraph" / "kernels"
+        spec = importlib.util.spec_from_file_location("qgraph_kernels", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["qgraph_kernels"] = package
+        spec.loader.exec_module(package)
+        _MODULE.extend(importlib.import_module(f"qgraph_kernels.{name}") for name in ("delta_states", "buffers"))
+    delta_states, buffers = _MODULE
     chunk_gated_delta_rule_with_states = delta_states.chunk_gated_delta_rule_with_states
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
@@ -69,7 +73,7 @@ def _setup(seq):
         "kernel": lambda: torch_chunk_gated_delta_rule(
             *args, output_final_state=True, use_qk_l2norm_in_kernel=True),
         "all": lambda: chunk_gated_delta_rule_with_states(*args),
-        "all_4k_pages": lambda: _plain_pages(delta_states, lambda: chunk_gated_delta_rule_with_states(*args)),
+        "all_4k_pages": lambda: _plain_pages(buffers, lambda: chunk_gated_delta_rule_with_states(*args)),
         "all_bf16": lambda: chunk_gated_delta_rule_with_states(*args, states_dtype=torch.bfloat16),
         "positions": lambda: chunk_gated_delta_rule_with_states(*args, positions=positions),
     }

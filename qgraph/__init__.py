@@ -4,7 +4,7 @@
     out = ig(**tokenizer(texts, return_tensors="pt", padding=True))
     out.logits, out["layers.3.layer_output"]
 """
-from . import kernels_grad  # noqa: F401  (autograd of the custom ops)
+from .kernels import grad as _autograd  # noqa: F401  (registers the custom ops' autograd)
 from .edits import Add, Edit, EditError, Replace, Scale, Zero
 from .families import UnsupportedModel
 from .generate import GenerateOutput, chat_prompt

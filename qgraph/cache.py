@@ -36,7 +36,7 @@ from torch.export.graph_signature import InputKind
 from .fingerprint import structure
 
 # The qgraph sources whose changes change what export produces (markers, ops, example inputs).
-_EXPORT_SOURCES = ("export.py", "repeat.py", "ops.py", "inputs.py", "compat.py", "families")
+_EXPORT_SOURCES = ("export.py", "repeat.py", "kernels/ops.py", "inputs.py", "compat.py", "families")
 
 
 def enabled() -> bool:

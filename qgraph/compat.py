@@ -78,7 +78,7 @@ def hooks_set_aside(model: torch.nn.Module):
             hooks.update(ours)
 
 
-# -- autograd inside a custom op (qgraph.kernels_grad) ---------------------------------------------
+# -- autograd inside a custom op (qgraph.kernels.grad) ---------------------------------------------
 # A custom op's backward recomputes its forward under autograd. The dispatcher runs a custom op's
 # kernel with the autograd keys excluded, and torch has no public way to record autograd there, so
 # the exclusion is lifted with its private TLS guard.

@@ -2,7 +2,7 @@
 
 Two things happen only while ``torch.export`` traces, and are undone right after:
 
-* the family's delta-rule kernels are routed through ``qgraph.ops`` custom ops, so each kernel
+* the family's delta-rule kernels are routed through ``qgraph.kernels.ops`` custom ops, so each kernel
   call is one node and the sequence dim stays dynamic;
 * every submodule gets a pre-hook and a hook that wrap its first input and its output in a
   ``qgraph::mark`` node naming the port (``layers.3.mlp.input``). The ports are then exactly what
@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.utils.generic import accepts_precomputed_kwargs
 
 from . import cache as disk_cache
-from . import ops
+from .kernels import ops
 from .compat import hooks_set_aside
 from .families import Family, family_for
 from .progress import progress
@@ -93,6 +93,7 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
     programs = _CACHE.setdefault(model, {})
     cached = programs.get(images)
     if cached is not None and cached.key == _cache_key(model):
+        _use_kernels(family)  # the ops run this family's kernels (another family's export may have come between)
         return cached
     start = time.perf_counter()
     names = IMAGE_INPUTS if images else TEXT_INPUTS

@@ -8,7 +8,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from .catalogue import Entry, build_catalogue
-from .delta_states import BufferPool, reusing
+from .kernels.buffers import BufferPool, reusing
 from .export import ExportedModel
 from .passes import Found, Locator, OnRequest, decompose_sdpa, strip_markers, tap
 from .passes.edit import EditSlot, insert_edit_slots, name_of
@@ -26,7 +26,7 @@ class Program:
         self.catalogue: dict[str, Entry] = self._catalogue()
         self.module: torch.fx.GraphModule | None = None
         self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
-        self.buffers = BufferPool()  # big state buffers kept for the next call (delta_states.BufferPool)
+        self.buffers = BufferPool()  # big state buffers kept for the next call (kernels.buffers.BufferPool)
 
     @property
     def present(self) -> set[str]:

@@ -23,7 +23,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputSpec, TensorArgument
 from torch.fx import Node
 
-from . import ops
+from .kernels import ops
 
 
 @dataclass(frozen=True)

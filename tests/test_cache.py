@@ -10,7 +10,7 @@ import torch
 
 import qgraph
 from qgraph import cache
-from qgraph.ops import MARK_OP
+from qgraph.kernels.ops import MARK_OP
 from qgraph.repeat import repeated_blocks
 from conftest import random_ids
 

@@ -1,10 +1,11 @@
-"""Tests for qgraph.delta_states: per-token DeltaNet states from the chunked gated delta rule."""
+"""Tests for qgraph.kernels.delta_states: per-token DeltaNet states from the chunked gated delta rule."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qgraph.delta_states import STATES_OP, chunk_gated_delta_rule_with_states
+from qgraph.kernels.delta_states import chunk_gated_delta_rule_with_states
+from qgraph.kernels.ops import STATES_OP
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 BATCH, K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 2, 4, 16, 16
@@ -205,15 +206,15 @@ def test_export_with_dynamic_batch_and_seq():
 def test_huge_page_state_buffers(monkeypatch):
     import gc
 
-    import qgraph.delta_states as ds
+    import qgraph.kernels.buffers as buffers
 
     q, k, v, g, beta, s0 = make_inputs(70, initial=True)
     _, expected, _ = chunk_gated_delta_rule_with_states(q, k, v, g, beta, initial_state=s0)
     _, expected_bf16, _ = chunk_gated_delta_rule_with_states(
         q, k, v, g, beta, initial_state=s0, states_dtype=torch.bfloat16)
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    monkeypatch.setattr(ds, "HUGE_PAGE_MIN_BYTES", 0)  # every buffer through the mmap path
-    buf = ds._empty((3, 5, 7), torch.float32, "cpu")
+    monkeypatch.setattr(buffers, "HUGE_PAGE_MIN_BYTES", 0)  # every buffer through the mmap path
+    buf = buffers.empty((3, 5, 7), torch.float32, "cpu")
     assert buf.shape == (3, 5, 7) and buf.is_contiguous() and buf.storage_offset() == 0
     if buf.data_ptr() % (2 << 20) == 0:  # took the huge-page path (Linux)
         buf.fill_(1.5)

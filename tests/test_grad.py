@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import qgraph
-from qgraph import ops
-from qgraph.delta_states import chunk_gated_delta_rule_with_states
+from qgraph.kernels import ops
+from qgraph.kernels.delta_states import chunk_gated_delta_rule_with_states
 from conftest import random_ids
 from test_vision import image, processor, prompt, vl_checkpoint, vl_model  # noqa: F401 (fixtures)
 

@@ -80,7 +80,7 @@ def test_eager_block_has_its_pattern_as_nodes(eager_model, sdpa_model):
 
 
 def test_ops_detail_draws_every_node_of_the_block(sdpa_model):
-    from qgraph.ops import MARK_OP
+    from qgraph.kernels.ops import MARK_OP
     ig = qgraph.instrument(sdpa_model)
     drawn = diagram(ig, "block", 0, detail="ops")
     inside = [n for n in ig.exported.graph.nodes if n.target is not MARK_OP and any(
@@ -119,7 +119,7 @@ def test_instrumented_and_edited_values_have_their_own_colour(sdpa_model):
 
 
 def test_without_dot_the_source_is_written_and_the_error_says_how_to_install(sdpa_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(dot_module.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no dot on it: graphviz raises ExecutableNotFound
     with pytest.raises(GraphvizNotFound, match="apt-get install graphviz") as error:
         render(sdpa_model, layer=3, path=tmp_path / "block3.svg")
     written = tmp_path / "block3.dot"
@@ -151,3 +151,15 @@ def test_cli(sdpa_model, tmp_path, monkeypatch, capsys):
     assert 'id="layers.0.linear_attn.decays"' in out.read_text()
     assert main(["render", "--what", "vision_block", "--out", str(tmp_path / "v.svg")]) == 2
     assert "no vision encoder" in capsys.readouterr().err
+
+
+def test_a_diagram_shows_itself_in_a_notebook(sdpa_model, tmp_path, monkeypatch):
+    import graphviz
+
+    drawn = diagram(sdpa_model, "block", 3)
+    if shutil.which("dot") is not None:
+        svg = drawn._repr_svg_()
+        assert "<svg" in svg and 'id="layers.3.layer_mid"' in svg
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert drawn._repr_svg_() is None  # without dot the notebook falls back to the repr
+    assert issubclass(GraphvizNotFound, graphviz.ExecutableNotFound) and issubclass(GraphvizNotFound, RuntimeError)

@@ -142,14 +142,14 @@ def test_bad_state_requests_say_what_is_wrong(sdpa_model, ids):
 
 
 def test_states_memory_is_reused_only_once_dropped(sdpa_model, ids, monkeypatch):
-    from qgraph import delta_states
-    monkeypatch.setattr(delta_states, "HUGE_PAGE_MIN_BYTES", 0)  # the tiny model's states are small: pool them
+    from qgraph.kernels import buffers
+    monkeypatch.setattr(buffers, "HUGE_PAGE_MIN_BYTES", 0)  # the tiny model's states are small: pool them
     ig = qgraph.instrument(sdpa_model, values=["layers.0.linear_attn.states", "layers.2.linear_attn.states"])
     first = ig(ids)["layers.0.linear_attn.states"]
     kept, address = first.clone(), first.data_ptr()
     second = ig(ids.flip(0))["layers.0.linear_attn.states"]  # `first` is alive: fresh memory, first unchanged
     assert second.data_ptr() != address and torch.equal(first, kept)
-    assert torch.equal(second, kept.flip(0))
+    assert torch.allclose(second, kept.flip(0), rtol=1e-5, atol=1e-7)  # the batch rows swapped (matmul blocking may differ)
     del first
     third = ig(ids)["layers.0.linear_attn.states"]  # writes where `first` was
     assert third.data_ptr() == address and torch.equal(third, kept)

@@ -31,7 +31,7 @@ import re
 import torch
 from torch.fx import Node
 
-from ..ops import DELTA_RULE_OPS
+from ..kernels.ops import DELTA_RULE_OPS
 from .emit import fake_result
 from .locate import Found, Locator, OnRequest, attention_core
 from .swap import open_conv_context

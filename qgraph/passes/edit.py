@@ -14,7 +14,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..edits import Target, apply_edit
-from ..ops import MARK_OP
+from ..kernels.ops import MARK_OP
 from . import views
 from .locate import Found
 

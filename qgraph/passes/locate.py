@@ -14,10 +14,9 @@ import torch
 from torch.fx import Graph, Node
 
 from ..families import Family
-from ..delta_states import STATES_OP
 from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
                               ScatterSource, VarlenAttention)
-from ..ops import DELTA_RULE_OPS, MARK_OP, VARLEN_ATTENTION_OP
+from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from . import views
 
 aten = torch.ops.aten

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-from ..ops import MARK_OP
+from ..kernels.ops import MARK_OP
 
 
 def strip_markers(graph: Graph) -> Graph:

@@ -6,7 +6,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from ..delta_states import STATES_OP
+from ..kernels.ops import STATES_OP
 from .emit import emitter, fake_result
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# the submodule diagram.py is imported here, before the function ``diagram`` below takes its name
+from .diagram import Diagram
 from .dot import FORMATS, GraphvizNotFound, to_graphviz, write
 
 __all__ = ["FORMATS", "GraphvizNotFound", "NoVisionEncoder", "diagram", "render"]

@@ -61,6 +61,11 @@ class Diagram:
         self.wires.append(wire)
         return wire
 
+    def _repr_svg_(self) -> str | None:
+        """Shown inline in a notebook (through Graphviz's ``dot``; without it the notebook shows the repr)."""
+        from .dot import svg
+        return svg(self)
+
     def taps(self) -> dict[str, Box]:
         """The value tap points by value name (a tap holding two values is listed under both)."""
         found = {}

@@ -1,13 +1,10 @@
-"""A ``Diagram`` as Graphviz DOT (through the ``graphviz`` package) and as svg, png or pdf (through ``dot``)."""
+"""A ``Diagram`` (``diagram.py``) as Graphviz DOT, and as svg, png or pdf: both through the ``graphviz``
+package (its ``pipe()`` runs Graphviz's ``dot`` program; ``graphviz.ExecutableNotFound`` when it is missing)."""
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import graphviz
-
-from .diagram import Diagram
 
 FONT = "Helvetica"
 FORMATS = ("svg", "png", "pdf", "dot")
@@ -74,12 +71,15 @@ CLUSTER_STYLES = {
 }
 
 
-class GraphvizNotFound(RuntimeError):
-    """The ``dot`` program is not installed; the DOT source was written instead."""
+class GraphvizNotFound(graphviz.ExecutableNotFound):
+    """The ``dot`` program is not installed; the DOT source was written instead (a ``RuntimeError``)."""
+
+    def __init__(self, message: str) -> None:
+        RuntimeError.__init__(self, message)
 
 
-def to_graphviz(diagram: Diagram) -> graphviz.Digraph:
-    """The diagram as a ``graphviz.Digraph`` (its ``.source`` is the DOT text)."""
+def to_graphviz(diagram) -> graphviz.Digraph:
+    """The ``Diagram`` as a ``graphviz.Digraph`` (its ``.source`` is the DOT text)."""
     g = graphviz.Digraph("qgraph")
     g.attr(rankdir="TB", fontname=FONT, bgcolor="white", nodesep="0.28", ranksep="0.32", newrank="true",
            pad="0.3", ordering="out", labelloc="t", labeljust="l", fontsize="15",
@@ -145,31 +145,41 @@ def _escape(text: str) -> str:
     return html.escape(text, quote=False)
 
 
-def write(diagram: Diagram, path: str | Path, *, dpi: int = 110) -> Path:
-    """Write ``diagram`` to ``path``, in the format its extension names (svg, png, pdf or dot)."""
+def write(diagram, path: str | Path, *, dpi: int = 110) -> Path:
+    """Write the ``Diagram`` to ``path``, in the format its extension names (svg, png, pdf or dot)."""
     path = Path(path)
     fmt = path.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
         raise ValueError(f"cannot render to '{path.name}': the extension picks the format, one of "
                          f"{', '.join('.' + f for f in FORMATS)}")
-    source = to_graphviz(diagram).source
+    graph = to_graphviz(diagram)
+    source = graph.source
     path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "dot":
         path.write_text(source)
         return path
-    dot = shutil.which("dot")
-    if dot is None:
+    if fmt == "png":
+        graph.attr(dpi=str(dpi))
+    try:
+        drawn = graph.pipe(format=fmt, quiet=True)
+    except graphviz.ExecutableNotFound as missing:
         dot_path = path.with_suffix(".dot")
         dot_path.write_text(source)
         raise GraphvizNotFound(
             f"the Graphviz 'dot' program is not on PATH, so qgraph cannot make '{path.name}'. It wrote the DOT "
             f"source to {dot_path}. Install Graphviz (Debian/Ubuntu: `apt-get install graphviz`; macOS: "
             f"`brew install graphviz`; conda: `conda install -c conda-forge graphviz`), then render again, or "
-            f"run `dot -T{fmt} {dot_path} -o {path}`.")
-    args = [dot, f"-T{fmt}", "-o", str(path)]
-    if fmt == "png":
-        args.insert(1, f"-Gdpi={dpi}")
-    result = subprocess.run(args, input=source.encode(), capture_output=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"dot failed to render {path}: {result.stderr.decode(errors='replace').strip()}")
+            f"run `dot -T{fmt} {dot_path} -o {path}`.") from missing
+    except graphviz.CalledProcessError as failed:
+        stderr = failed.stderr.decode(errors="replace") if isinstance(failed.stderr, bytes) else str(failed.stderr)
+        raise RuntimeError(f"dot failed to render {path}: {stderr.strip()}") from failed
+    path.write_bytes(drawn)
     return path
+
+
+def svg(diagram) -> str | None:
+    """The ``Diagram`` as svg text, or None when Graphviz's ``dot`` is not installed."""
+    try:
+        return to_graphviz(diagram).pipe(format="svg", encoding="utf-8", quiet=True)
+    except graphviz.ExecutableNotFound:
+        return None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch.fx import Node
 
-from ..ops import MARK_OP
+from ..kernels.ops import MARK_OP
 from .graph import tensor_inputs
 
 

@@ -14,7 +14,7 @@ from torch.fx import Graph, Node
 
 from ..catalogue import Entry, build_catalogue
 from ..export import ExportedModel
-from ..ops import DELTA_RULE_OPS, MARK_OP
+from ..kernels.ops import DELTA_RULE_OPS, MARK_OP
 from ..passes import Locator
 
 aten = torch.ops.aten

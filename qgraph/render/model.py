@@ -14,11 +14,14 @@ from collections import defaultdict
 import torch
 from torch.fx import Node
 
-from ..ops import MARK_OP
+from ..kernels.ops import MARK_OP
 from .block import MIXER_KIND
 from .diagram import Box, Cluster, Diagram, bold, esc, small
-from .flow import absorbed_descendants, build_flows, splice_taps
+from .flow import absorbed_descendants
 from .graph import GraphView, is_pass_through, is_tensorish, op_name, short_class
+from .legend import TAPS, legend
+from .skeleton import Drawing, derived_sources, dims, located
+from .taps import tap_row
 
 aten = torch.ops.aten
 _COMPRESS_OVER = 16  # more blocks than this: runs of one kind are drawn as one box
@@ -37,25 +40,19 @@ def _top(names: list[str]) -> str | None:
     return match.group(1) if match else first
 
 
-class _Model:
+class _Model(Drawing):
     def __init__(self, view: GraphView, highlight: dict[str, str]):
         self.view, self.highlight = view, highlight
-        self.nodes = [n for n in view.graph.nodes if n.op != "output"]
-        self.inside = set(self.nodes)
         self.mixers = view.block_mixers
         self.runs = self._runs()
-        self.groups: dict[Node, object] = {}
-        self._group()
-        flows = build_flows(self.nodes, self.groups.get, lambda node: None, self._sink)
         self.values = {name: entry for name, entry in view.catalogue.items()
                        if (entry.host in ("", "vision") and entry.spec is not None) or
                        (name in highlight and self._on_a_wire(entry))}
-        taps = self._taps(flows)
-        flows = splice_taps(flows, taps, self._absorbed)
-        self.diagram = Diagram(f"{type(view.model).__name__}  ·  {len(self.mixers)} blocks  ·  "
-                               f"{self.mixers.count('linear_attn')} gated DeltaNet, "
-                               f"{self.mixers.count('self_attn')} gated attention")
-        self._draw(flows)
+        self._build([n for n in view.graph.nodes if n.op != "output"])
+
+    def _title(self) -> str:
+        return (f"{type(self.view.model).__name__}  ·  {len(self.mixers)} blocks  ·  "
+                f"{self.mixers.count('linear_attn')} gated DeltaNet, {self.mixers.count('self_attn')} gated attention")
 
     # -- groups ----------------------------------------------------------------------------------
     def _runs(self) -> dict[str, str]:
@@ -114,15 +111,16 @@ class _Model:
                                       for u in node.all_input_nodes)
                     self.groups[node] = ops[0] if len(ops) == 1 and not reads_value else ("op", node.name)
 
+    def _outside_group(self, node: Node):
+        return None
+
     def _sink(self, user: Node):
         return ("output", "output") if user.op == "output" else None
 
     def _on_a_wire(self, entry) -> bool:
-        node = getattr(entry.location, "node", None)
-        return node is not None and type(entry.location).__name__ == "Found" and not re.match(
-            r"layers\.\d+\.(self_attn|linear_attn|mlp)", entry.name)
+        return located(entry) is not None and not re.match(r"layers\.\d+\.(self_attn|linear_attn|mlp)", entry.name)
 
-    def _taps(self, flows):
+    def _tap_list(self, flows):
         by_node = defaultdict(list)
         self.derived = []
         for name, entry in list(self.values.items()):
@@ -158,58 +156,36 @@ class _Model:
         d, view = self.diagram, self.view
         if any(s.startswith(("vision.", "projector")) for s in view.types):
             d.clusters["vision"] = Cluster("vision", "vision encoder", "vision")
-        ids, members = {}, defaultdict(list)
-        for node, key in self.groups.items():
-            if key is not None:
-                members[key].append(node)
-
-        def box_id(key):
-            if key not in ids:
-                ids[key] = f"g{len(ids)}"
-            return ids[key]
-
+        ids, members = self._ids, self._members()
         keys = set(members) | {f.dst for f in flows if isinstance(f.dst, tuple)}
         used = {f.src for f in flows} | {f.dst for f in flows}
-        for key in sorted(keys, key=lambda k: min((view.index[n] for n in members.get(k, ())), default=10 ** 9)):
-            if key not in used:
-                continue
-            box = self._box(key, members.get(key, []), box_id(key))
-            if box is not None:
-                d.add(box)
-        for tap_id, names in self.tap_ids.items():
-            if isinstance(tap_id, str):
-                d.add(self._tap_box(tap_id, names))
-        seen = set()
+        self._add_boxes(keys & used, members,
+                        lambda k: min((view.index[n] for n in members.get(k, ())), default=10 ** 9))
+        self._add_taps()
         main = self._main_path(flows)
-        for flow in flows:
-            src = flow.src if isinstance(flow.src, str) else ids.get(flow.src)
-            dst = flow.dst if isinstance(flow.dst, str) else ids.get(flow.dst)
-            if src not in d.boxes or dst not in d.boxes or src == dst or (src, dst) in seen:
-                continue
-            seen.add((src, dst))
-            side = d.boxes[src].kind in ("context", "glue", "rotary")
-            kind = "block" if (flow.src in main and flow.dst in main) else ("context" if side else "data")
+
+        def kind_of(flow, src, dst):
             if flow.dst == ("output", "output") and flow.origin != ("module", "lm_head"):
-                kind = "data"  # what else the program returns (the vision tower's hidden states)
-            d.connect(src, dst, kind)
+                return "data"  # what else the program returns (the vision tower's hidden states)
+            if flow.src in main and flow.dst in main:
+                return "block"
+            return "context" if d.boxes[src].kind in ("context", "glue", "rotary") else "data"
+
+        self._add_wires(flows, kind_of)
         for name in self.derived:
             entry = self.values[name]
-            rule = entry.spec.rule
-            sources = [s.format(host=entry.host) for s in (getattr(rule, "sources", None) or (rule.source,))]
+            sources = derived_sources(entry)
             anchors = [a for a in self.tap_ids if set(self.tap_ids[a]) & set(sources)]
-            label = f'<B>{esc(name)}</B> {small(_dims(entry.layout), 8, "#888888")}<BR/>{small("derived after the run", 8, "#888888")}'
+            label = f'<B>{esc(name)}</B> {small(dims(entry.layout), 8, "#888888")}<BR/>{small("derived after the run", 8, "#888888")}'
             box = d.add(Box(f"x{len(d.boxes)}", label, self._tap_kind([name], "tap_ghost"), None,
                             f"{entry.layout}: {entry.description}", {"values": [name], "id": name}))
             for anchor in anchors:
                 anchor_id = anchor if isinstance(anchor, str) else ids.get(anchor)
                 if anchor_id in d.boxes:
                     d.connect(anchor_id, box.id, "ghost")
-        kinds = {box.kind for box in d.boxes.values()}
-        d.legend = [(k, t) for k, t in (
-            ("block_delta", "gated DeltaNet block (linear_attn)"), ("block_attn", "gated attention block (self_attn)"),
-            ("tap", "a standard value: name [layout]"), ("tap_value", "instrumented: ig.values"),
-            ("tap_edit", "edit slot: ig.slots"), ("tap_ghost", "derived from a value after the run"),
-        ) if k in kinds]
+        d.legend = legend(d, (("block_delta", "gated DeltaNet block (linear_attn)"),
+                              ("block_attn", "gated attention block (self_attn)"))
+                          + TAPS + (("tap_ghost", "derived from a value after the run"),))
 
     def _main_path(self, flows) -> set:
         """The residual stream's boxes: the embedding, the blocks, the final norm, and the taps between."""
@@ -301,25 +277,13 @@ class _Model:
         kind = "block_attn" if mixer == "self_attn" else "block_delta"
         return Box(box_id, label, kind, None, f"{name}: {MIXER_KIND.get(mixer, mixer)} block", {"group": "main"})
 
-    def _tap_kind(self, names, default="tap") -> str:
-        styles = {self.highlight.get(n) for n in names}
-        return "tap_edit" if "edit" in styles else ("tap_value" if "value" in styles else default)
-
     def _tap_box(self, tap_id: str, names: list[str]) -> Box:
         rows, tips = [], []
         for name in names:
             entry = self.values[name]
-            style = self.highlight.get(name)
-            marker = {"value": "● ", "edit": "✎ "}.get(style, "")
-            color = "#FFFFFF" if style == "edit" else "#333333"
-            rows.append(f'<FONT COLOR="{color}">{esc(marker)}<B>{esc(name)}</B></FONT> '
-                        f'{small(_dims(entry.layout), 8, "#FFE6EE" if style == "edit" else "#7A6A3A")}')
+            rows.append(tap_row(name, entry.layout, self.highlight.get(name), value_color="#7A6A3A"))
             tips.append(f"{entry.layout}: {entry.description}")
         cluster = "vision" if "vision" in self.diagram.clusters and all(
             self.values[n].host == "vision" for n in names) and not any(n.endswith("image_features") for n in names) else None
         return Box(tap_id, "<BR/>".join(rows), self._tap_kind(names), cluster, " | ".join(tips),
                    {"values": list(names), "id": "+".join(names), "group": "main"})
-
-
-def _dims(layout: str) -> str:
-    return layout[layout.index("["):] if "[" in layout else layout

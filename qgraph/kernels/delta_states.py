@@ -20,27 +20,22 @@ loop over tokens (the states entering each 8-token block come from a scan over t
 then every token's state from its block's with one batched matmul per chunk). :func:`chunk_gated_delta_rule_with_states` runs transformers' chunked algorithm
 (UT transform per chunk, sequential scan over chunks) and evaluates that sum per chunk, either for
 every row or only for the rows the caller asked for. ``qgraph::chunk_gated_delta_rule_states``
-wraps it as an opaque custom op so it exports as one graph node with dynamic batch/seq; its
-autograd (``qgraph.kernels_grad``) recomputes :func:`chunk_gated_delta_rule_with_states` under autograd.
+(``qgraph.kernels.ops``) wraps it as an opaque custom op so it exports as one graph node with
+dynamic batch/seq; its autograd (``qgraph.kernels.grad``) recomputes
+:func:`chunk_gated_delta_rule_with_states` under autograd. The big all-token states buffers come
+from ``qgraph.kernels.buffers``.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-import mmap
-import os
-import sys
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "chunk_gated_delta_rule_with_states",
-    "chunk_gated_delta_rule_states",
-    "STATES_OP",
-]
+from .buffers import empty
+
+__all__ = ["chunk_gated_delta_rule_with_states"]
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -48,98 +43,6 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # output matches the model's kernel to rounding.
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
-
-#: State buffers of at least this many bytes on CPU are backed by transparent huge pages (Linux
-#: only; ``None`` disables). All-token states are large (256 MiB per 0.8B DeltaNet
-#: block at 256 tokens) and on CPU first-touching fresh 4 KiB pages costs several times the
-#: arithmetic that fills them; 2 MiB pages cut that ~4x. PyTorch does the same for every
-#: allocation when ``THP_MEM_ALLOC_ENABLE=1`` is set, in which case this is skipped.
-HUGE_PAGE_MIN_BYTES: Optional[int] = 32 << 20
-_HUGE_PAGE = 2 << 20
-
-
-class BufferPool:
-    """Big CPU state buffers kept for the next forward once nobody uses them.
-
-    On CPU, writing the states into fresh memory costs more than computing them: every page is
-    faulted in (and zeroed) by the kernel on first touch, ~2.3 s for the 4.6 GB of a 0.8B forward at
-    256 tokens. A program that captures states keeps their mappings here (``Program.run`` activates
-    its pool with :func:`reusing`) and the next call writes into pages already faulted in, as CUDA's
-    caching allocator does on the GPU. A mapping is reused only when no tensor uses it any more:
-    ``torch.frombuffer`` holds a reference to the mapping for as long as any tensor (or view) uses
-    its memory, so one referenced only by the pool is free. ``release()`` (or dropping the pool with
-    its program) returns the memory to the system.
-    """
-
-    def __init__(self):
-        self._mappings: list[mmap.mmap] = []
-
-    def take(self, size: int) -> Optional[mmap.mmap]:
-        """A free mapping of ``size`` bytes (None if there is none; then the free mappings of other
-        sizes are released: a new prompt length will not use them)."""
-        for index in range(len(self._mappings)):
-            if len(self._mappings[index]) == size and self._unused(index):
-                return self._mappings[index]
-        self._mappings = [self._mappings[i] for i in range(len(self._mappings)) if not self._unused(i)]
-        return None
-
-    def _unused(self, index: int) -> bool:
-        return sys.getrefcount(self._mappings[index]) <= 2  # the pool's list and getrefcount's argument
-
-    def add(self, mapping: mmap.mmap) -> None:
-        """Keep ``mapping`` (just handed out) for later calls."""
-        self._mappings.append(mapping)
-
-    def release(self) -> None:
-        """Forget every mapping (each is unmapped once no tensor uses it)."""
-        self._mappings = []
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the pool keeps mapped (in use or free)."""
-        return sum(len(mapping) for mapping in self._mappings)
-
-
-_POOL: contextvars.ContextVar[Optional[BufferPool]] = contextvars.ContextVar("qgraph_state_buffers", default=None)
-
-
-@contextlib.contextmanager
-def reusing(pool: BufferPool):
-    """Big state buffers allocated in this block come from (and go back to) ``pool``."""
-    token = _POOL.set(pool)
-    try:
-        yield
-    finally:
-        _POOL.reset(token)
-
-
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """``torch.empty`` for big CPU buffers, on a huge-page-advised anonymous mapping if possible,
-    reused from the active :class:`BufferPool` when one is free.
-
-    The tensor owns the mapping (it keeps the ``mmap`` object alive through its buffer export)
-    and has ordinary contiguous strides and storage offset 0.
-    """
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if (HUGE_PAGE_MIN_BYTES is None or nbytes < HUGE_PAGE_MIN_BYTES or torch.device(device).type != "cpu"
-            or not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE")
-            or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"):
-        return torch.empty(shape, dtype=dtype, device=device)
-    pool = _POOL.get()
-    size = nbytes + _HUGE_PAGE  # one huge page more, to start at a 2 MiB boundary so whole huge pages fit
-    try:
-        region = pool.take(size) if pool is not None else None
-        if region is None:
-            region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            region.madvise(mmap.MADV_HUGEPAGE)
-            if pool is not None:
-                pool.add(region)
-        address = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
-        offset = -address % _HUGE_PAGE
-        return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
-    except (OSError, ValueError, TypeError, RuntimeError):
-        return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _block_size(chunk_size: int) -> int:
@@ -378,7 +281,7 @@ def chunk_gated_delta_rule_with_states(
     num_sel = num_v_heads if head_index is None else head_index.numel()
     select = (lambda x: x) if head_index is None else (lambda x: x.index_select(1, head_index))  # noqa: E731
     if positions is None:
-        states = _empty((batch, seq, num_sel, k_dim, v_dim), states_dtype, device)
+        states = empty((batch, seq, num_sel, k_dim, v_dim), states_dtype, device)
         wanted: dict[int, list[tuple[int, int]]] = {}
     else:
         states = torch.empty(batch, positions.numel(), num_sel, k_dim, v_dim,
@@ -392,7 +295,7 @@ def chunk_gated_delta_rule_with_states(
     # once and reused so its pages are touched once.
     scratch = None
     if positions is None and states_dtype != torch.float32:
-        scratch = _empty((batch, min(chunk_size, seq), num_sel, k_dim, v_dim), torch.float32, device)
+        scratch = empty((batch, min(chunk_size, seq), num_sel, k_dim, v_dim), torch.float32, device)
 
     if initial_state is None:
         state = torch.zeros(batch, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
@@ -420,49 +323,3 @@ def chunk_gated_delta_rule_with_states(
     output = output.reshape(batch, num_v_heads, num_chunks * chunk_size, v_dim)[:, :, :seq]
     output = output.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
     return output, states, state
-
-
-@torch.library.custom_op("qgraph::chunk_gated_delta_rule_states", mutates_args=())
-def chunk_gated_delta_rule_states(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor] = None,
-    positions: Optional[torch.Tensor] = None,
-    heads: Optional[torch.Tensor] = None,
-    use_qk_l2norm_in_kernel: bool = True,
-    chunk_size: int = 64,
-    states_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Opaque op for :func:`chunk_gated_delta_rule_with_states`: ``(output, states, final_state)``.
-
-    One graph node under ``torch.export`` whatever the sequence length; the fake kernel derives
-    every output shape from the input shapes (the number of positions from ``positions.shape``).
-    """
-    output, states, final_state = chunk_gated_delta_rule_with_states(
-        query, key, value, g, beta, initial_state=initial_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
-        positions=positions, heads=heads, states_dtype=states_dtype,
-    )
-    # All three are freshly computed; contiguous() is a no-op kept as the fake kernel's promise.
-    return output.contiguous(), states.contiguous(), final_state.contiguous()
-
-
-@chunk_gated_delta_rule_states.register_fake
-def _(query, key, value, g, beta, initial_state=None, positions=None, heads=None,
-      use_qk_l2norm_in_kernel=True, chunk_size=64, states_dtype=torch.float32):
-    # Shape arithmetic only, so batch and seq stay symbolic under torch.export.
-    batch, seq = query.shape[:2]
-    k_dim = key.shape[-1]
-    num_v_heads, v_dim = value.shape[-2:]
-    num_states = seq if positions is None else positions.shape[0]
-    num_sel = num_v_heads if heads is None else heads.shape[0]
-    output = query.new_empty(batch, seq, num_v_heads, v_dim)
-    states = query.new_empty(batch, num_states, num_sel, k_dim, v_dim, dtype=states_dtype)
-    final_state = query.new_empty(batch, num_v_heads, k_dim, v_dim, dtype=torch.float32)
-    return output, states, final_state
-
-
-STATES_OP = torch.ops.qgraph.chunk_gated_delta_rule_states.default

@@ -1,7 +1,7 @@
 """Autograd for qgraph's custom ops: gradients by recomputing the forward under plain autograd.
 
-Every op in ``qgraph.ops`` and ``qgraph.delta_states`` runs pure-torch code (the model's own
-delta-rule kernels, the chunked states kernel, sdpa per image). Their backward recomputes that
+Every op in ``qgraph.kernels.ops`` runs pure-torch code (the model's own delta-rule kernels, the
+chunked states kernel, sdpa per image). Their backward recomputes that
 same code with autograd on and differentiates it (``torch.autograd.grad`` with the incoming output
 gradients), so the gradients are exactly those of the plain model's autograd through its own kernel.
 
@@ -23,8 +23,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..compat import autograd_enabled
 from . import delta_states, ops
-from .compat import autograd_enabled
 
 __all__ = ["recompute_grads"]
 
@@ -157,7 +157,7 @@ def _states_backward(ctx, grad_output, grad_states, grad_final_state):
     return (*grads[:5], state_grad, None, None, None, None, None)
 
 
-delta_states.chunk_gated_delta_rule_states.register_autograd(_states_backward, setup_context=_states_setup_context)
+ops.chunk_gated_delta_rule_states.register_autograd(_states_backward, setup_context=_states_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,17 +10,23 @@
 * ``qgraph::mark`` tags a module's input or output during export (see ``qgraph.export``). Markers
   exist only between export and the passes: ``passes.markers`` removes every one of them, so the
   program that runs has none.
+* ``qgraph::chunk_gated_delta_rule_states`` is the chunked kernel that also returns the state after
+  every token (or after chosen tokens, for chosen heads): ``passes.swap`` puts it in place of
+  ``qgraph::chunk_gated_delta_rule`` when states are asked for. Its math is
+  ``qgraph.kernels.delta_states``.
 
-Every op here (and ``qgraph::chunk_gated_delta_rule_states``) has autograd: ``qgraph.kernels_grad``
-(imported by ``import qgraph``) registers backwards that recompute the op's forward under
-plain autograd, so gradients through a program equal the plain model's.
+Every op here has autograd: ``qgraph.kernels.grad`` (imported by ``import qgraph``) registers
+backwards that recompute the op's forward under plain autograd, so gradients through a program
+equal the plain model's.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from .delta_states import chunk_gated_delta_rule_with_states
 
 # The kernels the ops run. ``qgraph.export`` fills these with the model module's own functions
 # (transformers' pure-torch kernels, or fla's when transformers picked them), so the op computes
@@ -101,7 +107,51 @@ def _(x, name):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("qgraph::chunk_gated_delta_rule_states", mutates_args=())
+def chunk_gated_delta_rule_states(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
+    heads: Optional[torch.Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    chunk_size: int = 64,
+    states_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Opaque op for :func:`chunk_gated_delta_rule_with_states`: ``(output, states, final_state)``.
+
+    One graph node under ``torch.export`` whatever the sequence length; the fake kernel derives
+    every output shape from the input shapes (the number of positions from ``positions.shape``).
+    """
+    output, states, final_state = chunk_gated_delta_rule_with_states(
+        query, key, value, g, beta, initial_state=initial_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
+        positions=positions, heads=heads, states_dtype=states_dtype,
+    )
+    # All three are freshly computed; contiguous() is a no-op kept as the fake kernel's promise.
+    return output.contiguous(), states.contiguous(), final_state.contiguous()
+
+
+@chunk_gated_delta_rule_states.register_fake
+def _(query, key, value, g, beta, initial_state=None, positions=None, heads=None,
+      use_qk_l2norm_in_kernel=True, chunk_size=64, states_dtype=torch.float32):
+    # Shape arithmetic only, so batch and seq stay symbolic under torch.export.
+    batch, seq = query.shape[:2]
+    k_dim = key.shape[-1]
+    num_v_heads, v_dim = value.shape[-2:]
+    num_states = seq if positions is None else positions.shape[0]
+    num_sel = num_v_heads if heads is None else heads.shape[0]
+    output = query.new_empty(batch, seq, num_v_heads, v_dim)
+    states = query.new_empty(batch, num_states, num_sel, k_dim, v_dim, dtype=states_dtype)
+    final_state = query.new_empty(batch, num_v_heads, k_dim, v_dim, dtype=torch.float32)
+    return output, states, final_state
+
+
 DELTA_RULE_OPS = (torch.ops.qgraph.chunk_gated_delta_rule.default,
                   torch.ops.qgraph.recurrent_gated_delta_rule.default)
 MARK_OP = torch.ops.qgraph.mark.default
 VARLEN_ATTENTION_OP = torch.ops.qgraph.varlen_attention.default
+STATES_OP = torch.ops.qgraph.chunk_gated_delta_rule_states.default
