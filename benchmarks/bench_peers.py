@@ -101,7 +101,7 @@ def main():
     os.environ["QGRAPH_CACHE"] = cache_dir  # an empty disk cache: the first instrument() exports
     os.environ.pop("QGRAPH_PROGRAM_CACHE", None)
     import qgraph
-    from qgraph import export as qgraph_export
+    from qgraph.export import trace as qgraph_export
     from common import build_0_8b, interleaved
 
     report = {"load at start": load()}

@@ -5,15 +5,18 @@
     out.logits, out["layers.3.layer_output"]
 """
 from .kernels import grad as _autograd  # noqa: F401  (registers the custom ops' autograd)
+from .compat import check_versions
 from .edits import Add, Edit, EditError, Replace, Scale, Zero
 from .families import UnsupportedModel
 from .generate import GenerateOutput, chat_prompt
 from .instrument import InstrumentedModel, Output, instrument
-from .names import UnavailableValue, UnknownValue
+from .values.names import UnavailableValue, UnknownValue
 from .recipes import attribution_patch, patch, skip_layers, steer
 from .render import render
-from .support import SupportTable, support
+from .values.support import SupportTable, support
 
 __all__ = ["Add", "attribution_patch", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
            "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "patch", "render",
            "skip_layers", "steer", "support"]
+
+check_versions()  # qgraph's private calls (qgraph/compat.py) were written for one torch and transformers

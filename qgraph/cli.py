@@ -113,7 +113,10 @@ def is_user_error(error: BaseException) -> bool:
     """Whether ``error`` is a mistake in what the user asked for (then the CLI prints one line),
     not a bug (then it raises with its traceback): qgraph's named errors, a missing or unreadable
     file, and the ValueError/TypeError/IndexError/KeyError that qgraph's own argument checks raise."""
-    from . import EditError, UnavailableValue, UnknownValue, UnsupportedModel
+    from . import EditError
+    from . import UnavailableValue
+    from . import UnknownValue
+    from . import UnsupportedModel
     from .render import GraphvizNotFound, NoVisionEncoder
     if isinstance(error, (UsageError, UnknownValue, UnavailableValue, EditError, UnsupportedModel,
                           GraphvizNotFound, NoVisionEncoder, OSError)):
@@ -146,8 +149,8 @@ def checkpoint_path(model: str | None) -> Path:
     """``--model``, checked (a local dir with a config.json), or the embedded tiny checkpoint."""
     quiet_transformers()
     if model is None:
-        from .testing import cached_tiny_qwen3_5
-        return cached_tiny_qwen3_5()
+        from .testing import cached_tiny_model
+        return cached_tiny_model()
     path = Path(model).expanduser()
     if not path.exists():
         raise UsageError(f"--model {model}: no such directory (give a local checkpoint dir, the one "
@@ -187,7 +190,7 @@ def load_model(path: Path, attn_implementation: str):
 
 def print_table(table) -> None:
     """Print a rich table: fitted to the terminal (styled) on a tty, plain at its natural width otherwise."""
-    from .support import plain_text
+    from .values.support import plain_text
     if sys.stdout.isatty() and os.environ.get("TERM") != "dumb":
         from rich.console import Console
         Console().print(table)
@@ -229,7 +232,7 @@ def run_demo(args) -> int:
     print(f"instrument(): {seconds:.1f} s, {len(instrumented.graph.nodes)} graph nodes, "
           f"{len(instrumented.values)} values\n")
     print("== support table ==")
-    table = qgraph.SupportTable(instrumented.catalogue, instrumented.family.block_mixers(model.config))
+    table = qgraph.SupportTable(instrumented.catalogue, instrumented.family, model.config)
     print_table(table.to_rich())
     print(f"\n{table.footer()}")
     print("\n== annotated module tree (* = captured) ==")
@@ -253,7 +256,7 @@ def value_table(values: dict):
     lowest value, as attention masks write), and mean, std and max |x| over the other entries."""
     import torch
 
-    from .support import add_text_row, plain_table
+    from .values.support import add_text_row, plain_table
     table = plain_table("value", "shape", "masked", "mean", "std", "max |x|")
     for column in table.columns[2:]:
         column.justify = "right"
@@ -296,7 +299,7 @@ def add_render_command(subparsers) -> None:
                         help="modules: modules, the ops between them and every value; ops: every graph node")
     render.add_argument("--out", required=True, help="the file to write: .svg, .png, .pdf or .dot")
     render.add_argument("--values", nargs="+", default=[],
-                        help="values to mark as instrumented (names or globs, e.g. 'layers.3.self_attn.*')")
+                        help="values to mark as instrumented (names or globs, e.g. 'layers.3.mlp.*')")
     render.set_defaults(handler=run_render)
 
 

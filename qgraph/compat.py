@@ -7,10 +7,12 @@ when another version is installed.
 from __future__ import annotations
 
 import contextlib
+import copy
 from importlib import metadata
 
 import torch
 from torch._C import DispatchKey
+from torch.export import ExportedProgram
 from torch.nn.modules import module as _module
 
 SUPPORTED = {"torch": "2.13", "transformers": "5.24"}
@@ -129,3 +131,104 @@ def inductor_symbolic_strides_fix() -> None:
 
     get_fill_order.qgraph_fix = True
     ir.get_fill_order = get_fill_order
+
+
+# -- building programs (qgraph.export.repeat, qgraph.export.disk_cache) -------------------------------------------------
+# Written for torch 2.13 (SUPPORTED). torch.export has no public way to make an ExportedProgram from
+# an edited graph with a new signature, state dict or constants (repeated blocks; weights swapped
+# for placeholders before saving), so we call its constructor, which is not a documented entry
+# point and whose keywords have changed between releases (one ``verifier`` became ``verifiers``).
+def exported_program(root, graph: torch.fx.Graph, signature, state_dict: dict, range_constraints: dict,
+                     module_call_graph: list, constants: dict, verifier) -> ExportedProgram:
+    """An ExportedProgram of ``graph`` (owned by ``root``, a GraphModule) with no example inputs."""
+    return ExportedProgram(root=root, graph=graph, graph_signature=signature, state_dict=state_dict,
+                           range_constraints=range_constraints, module_call_graph=module_call_graph,
+                           example_inputs=None, constants=constants, verifiers=[verifier])
+
+
+# -- shallow twins of a model (qgraph.export.repeat) --------------------------------------------------------
+# Written for torch 2.13 (SUPPORTED). The seed export traces a twin of the model whose layer list
+# holds only the seed blocks, without touching the model. ``copy.copy`` of a module shares its child
+# dict (``nn.Module._modules``), and torch has no public way to give a copy its own; children are
+# put in that dict directly, as ``setattr`` would also run torch's global module registration hooks.
+def own_children(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` (a shallow copy) given its own child dict, so replacing a child leaves the original's."""
+    module._modules = dict(module._modules)
+    return module
+
+
+def shallow_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` with its own child dict (its children are the module's)."""
+    return own_children(copy.copy(module))
+
+
+def replace_child(parent: torch.nn.Module, name: str, replace) -> torch.nn.Module:
+    """Set ``parent``'s child ``name`` to ``replace(child)`` in its child dict; returns the new child."""
+    child = parent._modules[name] = replace(parent._modules[name])
+    return child
+
+
+# -- attention implementation (qgraph.export.fingerprint, qgraph.export.disk_cache, qgraph.export) ----------------------
+# Written for transformers 5.24 (SUPPORTED). A config's attention implementation ("sdpa", "eager",
+# ...) is only exposed as ``config._attn_implementation`` (a property over
+# ``_attn_implementation_internal``, whose setter also sets every sub-config's).
+def attn_implementation(config) -> str | None:
+    """``config``'s attention implementation (None when ``config`` is None or has none)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+@contextlib.contextmanager
+def attn_implementation_set(config, value: str | None):
+    """Set ``config``'s own attention implementation (not its sub-configs') for the block, then put
+    the previous one back."""
+    original = config._attn_implementation_internal
+    config._attn_implementation_internal = value
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = original
+
+
+# -- HF generation settings (qgraph.generate) -------------------------------------------------------
+# Written for transformers 5.24 (SUPPORTED). qgraph's decoding loop applies HF's own rules for
+# generation settings (the model's generation_config merged with keyword arguments and validated;
+# eos / pad tensors; temperature, top_k, min_new_tokens, ... as logits processors), which
+# ``generate`` builds with these private GenerationMixin methods and exposes no other way.
+def generation_config(model, **kwargs):
+    """``model``'s generation config with ``kwargs`` applied and validated, as HF ``generate`` makes it."""
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    return config
+
+
+def logits_processors(model, config, prompt_ids: torch.Tensor):
+    """HF's logits processors for ``config`` and a prompt of ``prompt_ids``; first sets the
+    config's special-token tensors (the eos tensor the min-length rules read), as ``generate`` does."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    model._prepare_special_tokens(config, True, device=prompt_ids.device)
+    return model._get_logits_processor(config, input_ids_seq_length=prompt_ids.shape[1],
+                                       encoder_input_ids=prompt_ids, logits_processor=LogitsProcessorList(),
+                                       device=prompt_ids.device, model_kwargs={})
+
+
+def generation_defaults() -> dict:
+    """HF's default value of each generation setting (what ``generate`` compares a setting with to
+    tell a setting left alone from one asked for)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig._get_default_generation_params()
+
+
+# -- reading and running ops (qgraph.render.labels, qgraph.compile) ---------------------------------
+# Written for torch 2.13 (SUPPORTED). An op's argument names are only on its schema (``_schema``,
+# public in practice but underscored); and a compiled program's dynamic dims are marked with dynamo's
+# ``maybe_mark_dynamic`` (``torch.compiler`` has no public counterpart), so the first call with a new
+# batch or length does not recompile.
+def op_argument_names(op) -> list[str]:
+    """The names of an ATen or custom op's arguments, in order."""
+    return [argument.name for argument in op._schema.arguments]
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Tell torch.compile that ``tensor``'s ``dim`` varies between calls (no recompile when it does)."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)

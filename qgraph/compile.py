@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .compat import inductor_symbolic_strides_fix
+from .compat import inductor_symbolic_strides_fix, mark_dynamic
 
 
 class CompiledProgram:
@@ -48,7 +48,7 @@ class CompiledProgram:
     def __call__(self, *args):
         for index, dims in self.dynamic:
             for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(args[index], dim)
+                mark_dynamic(args[index], dim)
         if getattr(self, "_called", False):
             return self.compiled(*args)
         from .progress import progress

@@ -1,7 +1,7 @@
 """Generation with captures and edits at every step, decoding from an explicit cache.
 
 ``ig.generate(input_ids, max_new_tokens=N, ...)`` runs two programs built from the text program by
-``passes.decode.open_cache``: the *prompt* program (the prompt in one pass, chunked delta rule) and the
+``passes.decode.OpenCache``: the *prompt* program (the prompt in one pass, chunked delta rule) and the
 *decode* program (one token, the token-by-token delta rule). Both take the cache as inputs and
 return its successor as outputs: each attention block's keys and values (``[batch, kv_heads, past,
 head_dim]``, after the rotary), each DeltaNet block's recurrent state and conv context. Positions
@@ -18,15 +18,15 @@ from __future__ import annotations
 import numbers
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from . import derive
+from . import compat
+from .values import derive
 from .export import export_model
-from .inputs import IMAGE_KEYS, prepare
-from .names import canonical
-from .passes.decode import cache_names, open_cache
+from .inputs import image_keys, prepare
+from .values.names import canonical
+from .passes.decode import OpenCache, carried
 from .passes.edit import applying
 from .program import Program
 from .progress import progress
@@ -103,7 +103,7 @@ class Decoder:
     def __init__(self, ig, values: list[str], options: dict, slots: dict):
         exported = export_model(ig.model, images=False)
         self.ig = ig
-        self.hosts = None
+        self.memory = ig.family.memory_hosts(ig.config)
         self.prompt = self._build(ig, exported, values, options, slots, recurrent=False)
         self.decode = self._build(ig, exported, values, options, slots, recurrent=True)
         self.values = [name for name in values if name in self.present]
@@ -111,39 +111,26 @@ class Decoder:
     def _build(self, ig, exported, values, options, slots, recurrent) -> Program:
         program = Program(ig.model, exported)
         present = self.present = program.present
-        self.hosts = cache_names(program)
         return program.build([name for name in values if name in present],
                              {name: slot for name, slot in slots.items() if name in present}, True,
                              {name: option for name, option in options.items() if name in present},
-                             rewrite=partial(open_cache, recurrent=recurrent))
+                             rewrite=OpenCache(program, recurrent=recurrent), make=carried(ig.family, ig.config))
 
     def empty_cache(self, batch: int) -> dict[str, torch.Tensor]:
-        config = self.ig.model.config.get_text_config()
+        """The memory before the first step: no past keys and values, zero states and contexts."""
         parameter = next(self.ig.model.parameters())
-        dtype, device = parameter.dtype, parameter.device
         cache = {}
-        for host in self.hosts["self_attn"]:
-            for part in ("keys", "values"):
-                cache[f"{host}.{part}"] = torch.zeros(batch, config.num_key_value_heads, 0, config.head_dim,
-                                                      dtype=dtype, device=device)
-        conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
-            + config.linear_num_value_heads * config.linear_value_head_dim
-        for host in self.hosts["linear_attn"]:
-            cache[f"{host}.state"] = torch.zeros(batch, config.linear_num_value_heads, config.linear_key_head_dim,
-                                                 config.linear_value_head_dim, dtype=torch.float32, device=device)
-            cache[f"{host}.conv"] = torch.zeros(batch, conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype,
-                                                device=device)
+        for host, mixer in self.memory:
+            for piece in mixer.memory:
+                sizes = [0 if dim == "past" else self.ig.family.dim(self.ig.config, dim) for dim in piece.dims]
+                cache[f"{host}.{piece.name}"] = torch.zeros(
+                    batch, *sizes, dtype=torch.float32 if piece.float32 else parameter.dtype, device=parameter.device)
         return cache
 
     def next_cache(self, captured: dict) -> dict[str, torch.Tensor]:
-        cache = {}
-        for host in self.hosts["self_attn"]:
-            for part in ("keys", "values"):
-                cache[f"{host}.{part}"] = captured.pop(f"{host}.cache_{part}")
-        for host in self.hosts["linear_attn"]:
-            cache[f"{host}.state"] = captured.pop(f"{host}.cache_state")
-            cache[f"{host}.conv"] = captured.pop(f"{host}.cache_conv")
-        return cache
+        """The memory the next step reads, popped from a step's captured tensors."""
+        return {f"{host}.{piece.name}": captured.pop(f"{host}.cache_{piece.name}")
+                for host, mixer in self.memory for piece in mixer.memory}
 
 
 def causal_mask(full_mask: torch.Tensor, new: int) -> torch.Tensor:
@@ -207,7 +194,7 @@ def _check_keywords(kwargs: dict) -> None:
     if kwargs.get("num_beams") not in (None, 1):
         raise NotImplementedError("beam search is not supported (num_beams="
                                   f"{kwargs['num_beams']!r}): generate decodes greedily or by sampling")
-    defaults = GenerationConfig._get_default_generation_params()
+    defaults = compat.generation_defaults()
     for name, value in kwargs.items():
         default = defaults.get(name, getattr(blank, name))
         plain = isinstance(value, (bool, int, float, str)) and value == default
@@ -244,13 +231,9 @@ def _processors(model, generation_kwargs: dict, prompt_ids: torch.Tensor):
     """HF's own logits processors for these settings (temperature, top_k, top_p, repetition
     penalty, min_new_tokens, ...), and the generation config they come from, its ``max_length``
     and ``min_length`` resolved to totals that count the prompt."""
-    from transformers.generation.logits_process import LogitsProcessorList
-    config, _ = model._prepare_generation_config(None, **generation_kwargs)
+    config = compat.generation_config(model, **generation_kwargs)
     _limit_lengths(model, config, generation_kwargs.get("max_length"), prompt_ids.shape[1])
-    model._prepare_special_tokens(config, True, device=prompt_ids.device)  # the eos tensor the min-length rules read
-    processors = model._get_logits_processor(config, input_ids_seq_length=prompt_ids.shape[1],
-                                             encoder_input_ids=prompt_ids, logits_processor=LogitsProcessorList(),
-                                             device=prompt_ids.device, model_kwargs={})
+    processors = compat.logits_processors(model, config, prompt_ids)
     return processors, config
 
 
@@ -274,10 +257,10 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     eos out until reached. Other HF generation settings pass through to HF's logits processors
     (``SETTINGS``); unknown keyword arguments raise a TypeError, unsupported ones (``num_beams > 1``,
     ``num_return_sequences > 1``, ...) a NotImplementedError, both before any work."""
-    if any(generation_kwargs.get(key) is not None for key in IMAGE_KEYS):
+    if any(generation_kwargs.get(key) is not None for key in image_keys(ig.family)):
         raise NotImplementedError("generate with images is not supported yet: generate takes text only "
                                   "(input_ids, attention_mask); a text-only prompt works on the image-text model")
-    for key in IMAGE_KEYS:
+    for key in image_keys(ig.family):
         generation_kwargs.pop(key, None)
     lengths = {"max_new_tokens": max_new_tokens, "max_length": max_length, "min_new_tokens": min_new_tokens,
                "min_length": min_length}
@@ -286,7 +269,7 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     _check_keywords(generation_kwargs)
     ig.refresh()
     model = ig.model
-    prepared = prepare(model, False, input_ids, attention_mask)
+    prepared = prepare(model, None, input_ids, attention_mask)
     ids, mask = prepared["input_ids"], prepared["attention_mask"]
     settings = {"do_sample": do_sample, **{name: value for name, value in lengths.items() if value is not None},
                 **generation_kwargs}
@@ -307,7 +290,7 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     if values is None:
         names, options = ig.values, ig.options
     else:
-        names, options = ig._resolve(list(values)), ig._options(values)
+        names, options = ig.resolve(list(values)), ig.check_options(values)
     call_edits = ig.call_edits(edits)  # {name: edit}; undeclared names get slots in this decoder's programs
     key = (tuple(names), frozenset(call_edits))
     decoders = ig.__dict__.setdefault("_decoders", {})

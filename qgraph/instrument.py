@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import derive
-from .catalogue import Entry
+from .values import derive
+from .values.catalogue import Entry
 from .compat import hooked_modules
 from .compile import compile_options, compile_program
 from .edits import EditError, Target
 from .export import export_model
 from .families import family_for
-from .fingerprint import fingerprint
-from .inputs import IMAGE_KEYS, prepare
-from .names import canonical, resolve
+from .export.fingerprint import fingerprint
+from .inputs import image_keys, prepare
+from .values.names import canonical, resolve
 from .passes import views
 from .passes.edit import EditSlot, applying
 from .program import Program, grad_tap
@@ -148,7 +148,7 @@ class InstrumentedModel:
         self.catalogue: dict[str, Entry] = main.catalogue
         values, edits = self._request
         self.values = self.resolve(values)
-        self.options = self._options(values)
+        self.options = self.check_options(values)
         fixed = {name: edit for pattern, edit in edits.items() for name in self.resolve(pattern)} \
             if isinstance(edits, Mapping) else {}
         self.slots: dict[str, EditSlot] = {name: self._new_slot(name, fixed.get(name))
@@ -176,7 +176,7 @@ class InstrumentedModel:
     def _key(self, images: bool, extra=()) -> tuple:
         return images, frozenset(self.slots) | frozenset(extra)
 
-    def _options(self, values) -> dict[str, dict]:
+    def check_options(self, values) -> dict[str, dict]:
         """Per-value options from ``values={name: {option: ...}}``, checked against what each value takes."""
         from .edits import indices
         given = {}
@@ -185,7 +185,7 @@ class InstrumentedModel:
                 if option is not None and not isinstance(option, Mapping):
                     raise TypeError(f"values={{'{pattern}': {option!r}}}: a value's options are a dict, e.g. "
                                     f"{{'grad': True}} or {{'positions': [0, -1]}} (or {{}} for none)")
-                given.update(dict.fromkeys(self._resolve(pattern), dict(option or {})))
+                given.update(dict.fromkeys(self.resolve(pattern), dict(option or {})))
         options = {}
         for name in self.values:
             kind = self.catalogue[name].spec.name if self.catalogue[name].spec else ""
@@ -222,10 +222,7 @@ class InstrumentedModel:
 
     def resolve(self, patterns) -> list[str]:
         """The value names that ``patterns`` (names, globs, bracket forms; a list or one string) select."""
-        return resolve(patterns, self.catalogue, self.family.block_mixers(self.config),
-                       self.family.vision_blocks(self.config)) if patterns else []
-
-    _resolve = resolve
+        return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []
 
     @property
     def program(self) -> torch.fx.GraphModule:
@@ -288,13 +285,13 @@ class InstrumentedModel:
                  *, edits: Mapping | None = None, **inputs) -> Output:
         self.refresh()
         images = self.exported.images and inputs.get("pixel_values") is not None
-        if not self.exported.images and any(inputs.get(key) is not None for key in IMAGE_KEYS):
-            raise TypeError(f"{type(self.model).__name__} is text-only and takes no images "
-                            f"({', '.join(k for k in IMAGE_KEYS if inputs.get(k) is not None)}): load the image-text "
-                            f"model, Qwen3_5ForConditionalGeneration")
+        given = [key for key in image_keys(self.family) if inputs.get(key) is not None]
+        if not self.exported.images and given:
+            raise TypeError(f"{type(self.model).__name__} is text-only and takes no images ({', '.join(given)}): "
+                            f"load the image-text model (one of {self.family.classes})")
         if not images and inputs.get("image_grid_thw") is not None:
             raise ValueError("image_grid_thw came without pixel_values: pass both, as the processor returns them")
-        prepared = prepare(self.model, images, input_ids, attention_mask, **inputs)
+        prepared = prepare(self.model, self.family.images, input_ids, attention_mask, with_images=images, **inputs)
         call_edits = self.call_edits(edits)
         program = self._program_for(images, call_edits)
         missing = [name for name in call_edits if name not in program.slots]
@@ -361,7 +358,7 @@ class InstrumentedModel:
             raise ValueError(f"project_on_vocab takes a residual-stream tensor [..., {hidden_size}] (e.g. "
                              f"out['layers.3.layer_output']), got {got}")
         modules = {self.family.module_name(path): module for path, module in self.model.named_modules()}
-        norm, head = (modules[path] for path in self.family.data.READOUT)
+        norm, head = (modules[path] for path in self.family.readout)
         return head(norm(hidden))
 
     def logit_lens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -392,5 +389,5 @@ class InstrumentedModel:
         return self.program.graph
 
     def __repr__(self) -> str:
-        from .support import annotated_tree
+        from .values.support import annotated_tree
         return annotated_tree(self.model, self.catalogue, highlight=set(self.values))

@@ -1,18 +1,26 @@
-"""One exported program, tapped for values and fitted with edit slots, ready to run."""
-from __future__ import annotations
+"""The one program builder: a copy of an exported graph, its catalogue, and the passes a request runs.
 
-import re
+Calls, generation and the diagrams all build their graph here. ``Program(model, exported)`` copies
+the exported graph (port markers in place) and catalogues every value. ``make(names)`` runs the
+rewrites that make on-request values (what a diagram draws); ``build(...)`` runs them and the rest,
+in one ordered list of passes (``passes.base.run_passes``): make on request, the caller's rewrite
+(the decode step's cache), edit slots, taps, strip markers, drop dead code.
+"""
+from __future__ import annotations
 
 import torch
 from torch.export.graph_signature import InputKind
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
-from .catalogue import Entry, build_catalogue
-from .kernels.buffers import BufferPool, reusing
+from .values.catalogue import Entry, build_catalogue
 from .export import ExportedModel
-from .passes import Found, Locator, OnRequest, decompose_sdpa, strip_markers, tap
-from .passes.edit import EditSlot, insert_edit_slots, name_of
-from .passes.swap import open_conv_context, swap_for_states
+from .kernels.buffers import BufferPool, reusing
+from .passes import Found, Locator, OnRequest
+from .passes.base import run_passes
+from .passes.edit import EditSlot, InsertEditSlots
+from .passes.markers import StripMarkers
+from .passes.on_request import MakeOnRequest, input_name
+from .passes.tap import Prune, Tap
 
 
 class Program:
@@ -20,13 +28,21 @@ class Program:
 
     def __init__(self, model: torch.nn.Module, exported: ExportedModel):
         self.model, self.exported, self.family = model, exported, exported.family
-        self.graph = torch.fx.Graph()
-        self.graph.output(self.graph.graph_copy(exported.graph, {}))
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(exported.graph, {}))
+        attributes = {node.target: getattr(exported.program.graph_module, node.target)
+                      for node in graph.find_nodes(op="get_attr")}
+        self.module = GraphModule(attributes, graph)
         self.module_names = [name for _, name in self.family.ported_modules(model)]
         self.catalogue: dict[str, Entry] = self._catalogue()
-        self.module: torch.fx.GraphModule | None = None
+        self.extra_inputs: list[tuple[str, object]] = []  # (placeholder name, function of the call's inputs)
+        self.slots: dict[str, EditSlot] = {}
         self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
         self.buffers = BufferPool()  # big state buffers kept for the next call (kernels.buffers.BufferPool)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.module.graph
 
     @property
     def present(self) -> set[str]:
@@ -36,52 +52,35 @@ class Program:
                           if entry.derived and set(self.sources_of(entry)) <= present}
 
     def _catalogue(self) -> dict[str, Entry]:
-        return build_catalogue(self.family, self.model.config, Locator(self.graph, self.family, self.model.config),
-                               self.module_names)
+        self.locator = Locator(self.graph, self.family, self.model.config)  # ports and scopes, for the diagrams
+        return build_catalogue(self.family, self.model.config, self.locator, self.module_names)
+
+    def make(self, names, options: dict[str, dict] | None = None) -> "Program":
+        """Run the rewrites that make the on-request values among ``names`` (``passes.on_request``)
+        and catalogue the result; the markers stay, nothing is tapped (what a diagram reads)."""
+        requests = {name: self.catalogue[name].location for name in names
+                    if name in self.catalogue and isinstance(self.catalogue[name].location, OnRequest)}
+        if requests:
+            run_passes(self.module, [MakeOnRequest(self, requests, options or {})])
+            self.catalogue = self._catalogue()
+        return self
 
     def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool,
-              options: dict[str, dict] | None = None, rewrite=None) -> "Program":
-        """Make the values that need a rewrite (decompose sdpa, swap a kernel for states), insert
-        the slots, tap the values (and the sources of derived ones), strip the markers and drop
-        what no output needs. ``options`` holds per-value options (states' positions, heads, dtype).
-        ``rewrite(program)``, if given, runs after those rewrites and before the slots (the decode
-        step's cache pass, ``passes.decode``) and returns more nodes to tap, ``{name: Found}``.
-        A value asked with ``{"grad": True}`` is also tapped before its view (``grad_tap(name)``), the
-        tensor its readers read, so its gradient can be read after a backward."""
+              options: dict[str, dict] | None = None, rewrite=None, make=()) -> "Program":
+        """Make the values that need a rewrite (and those in ``make``), run ``rewrite`` (a pass whose
+        ``taps`` are tapped too: the decode step's ``passes.decode.OpenCache``), insert the slots, tap
+        the values (and the sources of derived ones), strip the markers and drop what no output
+        needs. ``options`` holds per-value options (states' positions, heads, dtype). A value asked
+        with ``{"grad": True}`` is also tapped before its view (``grad_tap(name)``), the tensor its
+        readers read, so its gradient can be read after a backward."""
         options = options or {}
         self.slots = dict(slots)
-        self.extra_inputs = []  # (placeholder name, function of the call's inputs)
-        requests = {name: self.catalogue[name].location for name in [*values, *slots]
-                    if isinstance(self.catalogue[name].location, OnRequest)}
-        done = {}
-        for name, request in requests.items():
-            if request.node in done:  # scores and probabilities (or both conv sides) of one block: one rewrite
-                if request.part in ("states", "state"):
-                    raise ValueError(f"'{done[request.node]}' and '{name}': ask a block for states (every token) or "
-                                     f"state (at positions), not both; states[:, positions] is the same")
-                continue
-            done[request.node] = name
-            if request.part in ("states", "state"):
-                option = options.get(name, {})
-                positions, heads = option.get("positions"), option.get("heads")
-                swap_for_states(
-                    self.graph, request.node,
-                    None if positions is None else self._input(f"{name}.positions", _positions(name, positions),
-                                                               torch.zeros(len(positions), dtype=torch.long)),
-                    None if heads is None else self._input(f"{name}.heads", lambda inputs, h=torch.tensor(heads): h,
-                                                           torch.tensor(heads)),
-                    option.get("dtype", torch.float32))
-            elif request.part == "conv_context":
-                open_conv_context(self.graph, request.node)
-            else:
-                decompose_sdpa(self.graph, request.node)
-        if requests:
-            self.catalogue = self._catalogue()
-        extra_taps = rewrite(self) if rewrite is not None else {}
-        slot_nodes = insert_edit_slots(self.graph, {
-            name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
-            for name, slot in slots.items()})
-
+        self.make([*values, *slots, *make], options)
+        if rewrite is not None:
+            run_passes(self.module, [rewrite])
+        slotted = InsertEditSlots({name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
+                                   for name, slot in slots.items()})
+        run_passes(self.module, [slotted])
         self.derived = {name: self.catalogue[name] for name in values if self.catalogue[name].derived}
         wanted = [name for name in values if name not in self.derived]
         for entry in self.derived.values():
@@ -89,34 +88,23 @@ class Program:
         found = {}
         for name in wanted:
             location = self.catalogue[name].location
-            found[name] = Found(slot_nodes[name], location.view) if name in slot_nodes else location
+            found[name] = Found(slotted.nodes[name], location.view) if name in slotted.nodes else location
         for name in values:
             if options.get(name, {}).get("grad"):
                 found[grad_tap(name)] = Found(found[name].node)
-        found.update(extra_taps)
-        output = self.graph.output_node()
-        model_outputs = len(output.args[0])
-        self.tapped = tap(self.graph, found)
-        self.returns_logits = logits
-        # keep the logits (the model's first output) or none of the model's outputs, and with them
-        # drop what only the others needed
-        kept = (output.args[0][0],) if logits else ()
-        output.args = (kept + tuple(output.args[0])[model_outputs:],)
-        strip_markers(self.graph)
-        attributes = {node.target: getattr(self.exported.program.graph_module, node.target)
-                      for node in self.graph.find_nodes(op="get_attr")}
-        # edit slots are pure (an unread one goes too); judged here so the GraphModule compiles its code once
-        self.graph.eliminate_dead_code(is_impure_node=lambda node: node.op != "call_module" and node.is_impure())
-        self.module = torch.fx.GraphModule({**attributes, **{name_of(n): s for n, s in slots.items()}}, self.graph)
-        self.graph.lint()
+        found.update(getattr(rewrite, "taps", {}))
+        tap = Tap(found, logits)
+        run_passes(self.module, [tap, StripMarkers(), Prune()])
+        self.tapped, self.returns_logits = tap.tapped, logits
+        self.module.recompile()
         self.inputs = _input_sources(self.model, self.exported) + [source for _, source in self.extra_inputs]
         return self
 
-    def _input(self, name: str, source, example: torch.Tensor) -> Node:
+    def add_input(self, name: str, source, example: torch.Tensor) -> Node:
         """A new program input after the existing ones, fed by ``source(call inputs)`` and shaped like
         ``example`` (its fake value lets passes infer shapes)."""
         with self.graph.inserting_after(self.graph.find_nodes(op="placeholder")[-1]):
-            node = self.graph.placeholder(re.sub(r"\W", "_", name))
+            node = self.graph.placeholder(input_name(name))
         fake_mode = next(n.meta["val"].fake_mode for n in self.graph.find_nodes(op="placeholder")
                          if isinstance(n.meta.get("val"), torch.Tensor))
         node.meta["val"] = fake_mode.from_tensor(example)
@@ -159,16 +147,3 @@ def _input_sources(model, exported: ExportedModel):
         else:
             sources.append(lambda inputs, n=spec.arg.name: inputs[n])
     return sources
-
-
-def _positions(name: str, positions):
-    """A function of the call's inputs giving ``positions`` as indices into its tokens."""
-    positions = [int(p) for p in positions]
-
-    def source(inputs):
-        seq = inputs["input_ids"].shape[1]
-        bad = [p for p in positions if not -seq <= p < seq]
-        if bad:
-            raise IndexError(f"'{name}' positions {bad} are out of range for a call of {seq} tokens")
-        return torch.tensor([p % seq for p in positions])
-    return source

@@ -168,3 +168,6 @@ def cached_tiny_qwen3_5(cache_dir: str | os.PathLike | None = None) -> Path:
     if not (path / "config.json").exists():
         tiny_qwen3_5(path)
     return path
+
+
+cached_tiny_model = cached_tiny_qwen3_5  # the demo's model, whatever family it is of

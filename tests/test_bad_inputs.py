@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import qgraph
-from qgraph import Add, EditError, Replace, Scale, Zero, cache
+from qgraph import Add, EditError, Replace, Scale, Zero
+from qgraph.export import disk_cache as cache
 from conftest import hf_logits, random_ids
 
 HEADS = "layers.3.self_attn.attention_head_outputs"  # [batch seq num_heads head_dim], 4 heads on the tiny model
@@ -266,7 +267,7 @@ def test_a_function_edit_that_raises_leaves_the_next_call_clean(small, sdpa_mode
     assert torch.equal(call(small, ids6).logits, hf_logits(sdpa_model, ids6))
 
 
-# -- the disk cache (qgraph/cache.py) --------------------------------------------------------------------------
+# -- the disk cache (qgraph/export/disk_cache.py) --------------------------------------------------------------------------
 def _fresh(checkpoint):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(checkpoint).eval()

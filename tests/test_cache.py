@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import qgraph
-from qgraph import cache
+from qgraph.export import disk_cache as cache
 from qgraph.kernels.ops import MARK_OP
-from qgraph.repeat import repeated_blocks
+from qgraph.export.repeat import repeated_blocks
 from conftest import random_ids
 
 VALUES = ["layers.*.layer_output", "layers.0.linear_attn.*", "layers.3.self_attn.attention_probabilities",
@@ -62,7 +62,7 @@ def test_second_model_object_loads_the_program_and_gives_identical_values(checkp
 
     # no weight was written: each state_dict entry is a placeholder of the right shape and dtype
     # with one element of storage (the program reads the model's own parameters at call time)
-    # The file holds the seed export (qgraph.repeat): its layer list is the first block of each kind.
+    # The file holds the seed export (qgraph.export.repeat): its layer list is the first block of each kind.
     placeholders = torch.export.load(files[0]).state_dict
     seed = repeated_blocks(first.model, first.family, images=False)[0].seed
     real_names = {re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{seed[int(m[1])]}.", name): placeholder

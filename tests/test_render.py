@@ -18,7 +18,7 @@ needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's d
 def _standard(model, block: int, mixer: str) -> list[str]:
     """The standard values of one text block: the block's, its mixer's and its MLP's."""
     family = family_for(model)
-    return [f"{family.data.HOSTS[spec.host].format(i=block)}.{spec.name}"
+    return [f"{family.hosts[spec.host].format(i=block)}.{spec.name}"
             for spec in family.values if spec.host in ("layer", "mlp", mixer)]
 
 

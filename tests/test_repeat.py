@@ -1,14 +1,14 @@
-"""Exporting one block per kind and repeating it gives the graph a full export gives (qgraph.repeat)."""
+"""Exporting one block per kind and repeating it gives the graph a full export gives (qgraph.export.repeat)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import qgraph
-from qgraph import export as export_module
+from qgraph.export import trace as export_module
 from qgraph.export import TEXT_INPUTS, export_model
 from qgraph.families import family_for
-from qgraph.repeat import repeat_blocks, repeated_blocks
+from qgraph.export.repeat import repeat_blocks, repeated_blocks
 from qgraph.testing import tiny_qwen3_5
 from conftest import graph_structure, hf_logits, random_ids
 

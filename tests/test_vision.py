@@ -200,13 +200,13 @@ def test_text_only_generation_on_the_image_text_model(processor, vl_model, vl_ig
 
 
 def test_the_image_program_repeats_its_text_and_vision_blocks_exactly(vl_model):
-    from qgraph import export as export_module
+    from qgraph.export import trace as export_module
     from qgraph.families import family_for
-    from qgraph.repeat import repeated_blocks
+    from qgraph.export.repeat import repeated_blocks
     family = family_for(vl_model)
     blocks = repeated_blocks(vl_model, family, images=True)
     assert [b.path for b in blocks] == ["model.language_model.layers", "model.visual.blocks"]
     assert [b.path for b in repeated_blocks(vl_model, family, images=False)] == ["model.language_model.layers"]
-    full = export_module._export(vl_model, family, True, export_module.IMAGE_INPUTS, [])
+    full = export_module._export(vl_model, family, True, export_module.TEXT_INPUTS + family.images.inputs, [])
     repeated = export_module.export_model(vl_model).program
     assert graph_structure(repeated) == graph_structure(full)

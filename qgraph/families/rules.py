@@ -103,7 +103,7 @@ class Derived:
     """A read-only value computed after the run from other values (``{host}`` is the host's name)."""
 
     sources: tuple[str, ...]
-    how: str  # a function name in ``qgraph.derive``
+    how: str  # a function name in ``qgraph.values.derive``
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..compat import autograd_enabled
-from . import delta_states, ops
+from . import delta_states
+from . import ops
 
 __all__ = ["recompute_grads"]
 

@@ -1,6 +1,6 @@
 """The decode pass: turn a prompt program into one decoding step whose memory (its cache) is explicit.
 
-``open_cache(program, recurrent=...)`` rewrites a text program (run as the ``rewrite`` of
+``OpenCache(program, recurrent=...)`` rewrites a text program (run as the ``rewrite`` of
 ``Program.build``: after the on-request rewrites, before the edit slots) so that every piece of
 memory a step needs from the steps before it is a program input, and every piece the next step
 needs is a program output:
@@ -32,106 +32,129 @@ import torch
 from torch.fx import Node
 
 from ..kernels.ops import DELTA_RULE_OPS
+from .base import GraphPass, PassResult
 from .emit import fake_result
-from .locate import Found, Locator, OnRequest, attention_core
-from .swap import open_conv_context
+from .locate import Found, Locator, attention_core
 
 aten = torch.ops.aten
 CHUNK_OP, RECURRENT_OP = DELTA_RULE_OPS
 _LAYER = re.compile(r"(^|\.)layers\.\d+(\.|$)")
+_BATCH_EXAMPLE = 2  # the batch of the fake examples new inputs are shaped like
 
 
-def cache_names(program) -> dict[str, list[str]]:
-    """The hosts that carry memory: ``{"self_attn": [...], "linear_attn": [...]}``."""
-    mixers = program.family.block_mixers(program.model.config)
-    return {kind: [f"layers.{i}.{kind}" for i, mixer in enumerate(mixers) if mixer == kind]
-            for kind in ("self_attn", "linear_attn")}
+class OpenCache(GraphPass):
+    """Rewrite a prompt program into a cached step (see the module doc). Run by ``Program.build``
+    after the on-request rewrites (it asks the program to ``make`` every carried value first:
+    ``carried(family, config)``); ``taps`` holds the memory to tap after it ran."""
+
+    def __init__(self, program, recurrent: bool = False):
+        self.program, self.recurrent, self.taps = program, recurrent, {}
+
+    def __repr__(self) -> str:
+        return f"OpenCache(recurrent={self.recurrent})"
+
+    def call(self, graph_module) -> PassResult:
+        program = self.program
+        family, config = program.family, program.model.config
+        locator = Locator(graph_module.graph, family, config)
+        _feed_positions(program, locator)
+        memory = family.memory_hosts(config)
+        if any(not mixer.recurrent for _, mixer in memory):
+            _feed_mask(program)
+        seq_sizes = _seq_sizes(graph_module.graph)
+        for host, mixer in memory:
+            for piece in mixer.memory:
+                if piece.carries:
+                    self.taps[f"{host}.cache_{piece.name}"] = _carry(program, host, piece)
+                else:
+                    self.taps[f"{host}.cache_{piece.name}"] = _grow(program, locator, host, piece, seq_sizes)
+            if self.recurrent and mixer.recurrent:  # one token: the token-by-token kernel, as HF decodes
+                kernel = locator.kernel(host)
+                if kernel is not None and kernel.target is CHUNK_OP:
+                    kernel.target = RECURRENT_OP
+        return PassResult(graph_module, True)
 
 
-def open_cache(program, recurrent: bool = False) -> dict[str, Found]:
-    """Rewrite ``program.graph`` into a cached step (see the module doc); returns the taps to add."""
-    graph, config = program.graph, program.model.config
-    text = config.get_text_config()
-    locator = Locator(graph, program.family, config)
-    seq_sizes = _seq_sizes(graph)
-    batch_example = 2
-    taps: dict[str, Found] = {}
+def carried(family, config) -> list[str]:
+    """The values a cached step feeds from and taps into its memory (made before ``OpenCache`` runs)."""
+    return [f"{host}.{value}" for host, mixer in family.memory_hosts(config)
+            for piece in mixer.memory if piece.carries for value in piece.carries]
 
-    # positions: what the rotary reads from outside its scope (an int [rows, batch, seq] tensor)
-    positions = program._input("positions", lambda inputs: inputs["positions"],
-                               torch.zeros(batch_example, 3, dtype=torch.long))
-    rotary = locator.scopes.get("rotary_emb") or next(
-        (nodes for name, nodes in locator.scopes.items() if name.endswith("rotary_emb") and "visual" not in name), None)
+
+def _feed_positions(program, locator) -> None:
+    """The rotary reads the input ``positions`` [batch, new] (as ``[rows, batch, new]`` where it takes
+    several rows) instead of the positions it computes from the sequence length."""
+    family, graph = program.family, program.graph
+    rows = family.position_rows
+    positions = program.add_input("positions", lambda inputs: inputs["positions"],
+                                  torch.zeros(_BATCH_EXAMPLE, 3, dtype=torch.long))
+    rotary = locator.scopes.get(family.rotary)
     if not rotary:
-        raise NotImplementedError("no rotary embedding module found in the program: cannot offset positions")
+        raise NotImplementedError(f"no rotary embedding module '{family.rotary}' found in the program: cannot "
+                                  f"offset positions")
     inside = set(rotary)
     readers = {}
     for node in rotary:
         for arg in node.all_input_nodes:
             value = arg.meta.get("val")
-            if arg not in inside and isinstance(value, torch.Tensor) and value.dtype == torch.long and value.dim() == 3:
+            if arg not in inside and isinstance(value, torch.Tensor) and value.dtype == torch.long \
+                    and value.dim() == (3 if rows > 1 else 2):
                 readers.setdefault(arg, []).append(node)
     if len(readers) != 1:
         raise NotImplementedError(f"expected one position-id input to the rotary, found {len(readers)}")
     (old_positions, users), = readers.items()
-    rows = old_positions.meta["val"].shape[0]
-    with graph.inserting_before(users[0]):
-        lifted = _call(graph, aten.unsqueeze.default, positions, 0)
-        new_positions = _call(graph, aten.expand.default, lifted, [rows, -1, -1])
+    new_positions = positions
+    if rows > 1:
+        with graph.inserting_before(users[0]):
+            lifted = _call(graph, aten.unsqueeze.default, positions, 0)
+            new_positions = _call(graph, aten.expand.default, lifted, [rows, -1, -1])
     for user in users:
         user.replace_input_with(old_positions, new_positions)
 
-    # the attention mask: the last 4-D boolean node outside the blocks (what every attention reads)
-    masks = [node for node in graph.nodes if _is_bool4(node) and not _in_layer(node, program.family)
-             and not any(_is_bool4(user) for user in node.users)]
-    self_attn = cache_names(program)["self_attn"]
-    if self_attn:
-        if len(masks) != 1:
-            raise NotImplementedError(f"expected one 4-D boolean attention mask, found {len(masks)}")
-        mask = program._input("causal_mask", lambda inputs: inputs["causal_mask"],
-                              torch.ones(batch_example, 1, 3, 5, dtype=torch.bool))
-        masks[0].replace_all_uses_with(mask)
 
-    # attention blocks: keys and values gain the past
-    for host in self_attn:
-        core = attention_core(locator.scopes.get(host, ()))
-        if core is None:
-            raise NotImplementedError(f"no attention computation found under '{host}'")
-        for part, node in (("keys", core.keys), ("values", core.values)):
-            shape = node.meta["val"].shape
-            past = program._input(f"cache.{host}.{part}", lambda inputs, k=f"{host}.{part}": inputs[k],
-                                  torch.zeros(batch_example, shape[1], 3, shape[3], dtype=node.meta["val"].dtype))
-            readers = list(node.users)
-            with graph.inserting_after(node):
-                joined = _call(graph, aten.cat.default, [past, node], 2, scope=node)
-            for reader in readers:
-                reader.replace_input_with(node, joined)
-            _free_seq(joined, seq_sizes)
-            taps[f"{host}.cache_{part}"] = Found(joined)
+def _feed_mask(program) -> None:
+    """Every attention reads the input ``causal_mask`` [batch, 1, new, past + new]: the last 4-D
+    boolean node outside the blocks is replaced by it."""
+    graph = program.graph
+    def outside(node):
+        return _is_bool4(node) and not _in_layer(node, program.family)
+    masks = [node for node in graph.nodes if outside(node) and not any(outside(user) for user in node.users)]
+    if len(masks) != 1:
+        raise NotImplementedError(f"expected one 4-D boolean attention mask, found {len(masks)}")
+    mask = program.add_input("causal_mask", lambda inputs: inputs["causal_mask"],
+                             torch.ones(_BATCH_EXAMPLE, 1, 3, 5, dtype=torch.bool))
+    masks[0].replace_all_uses_with(mask)
 
-    # DeltaNet blocks: the state and the conv context come in, their successors go out
-    for host in cache_names(program)["linear_attn"]:
-        state_in = program.catalogue[f"{host}.state_input"].location
-        state_out = program.catalogue[f"{host}.state_output"].location
-        conv_in = program.catalogue[f"{host}.conv_state_input"].location
-        if isinstance(conv_in, OnRequest):
-            context, tail = open_conv_context(graph, conv_in.node)
-        else:
-            context, tail = conv_in.node, program.catalogue[f"{host}.conv_state_output"].location.node
-        for node, key, example in (
-                (state_in.node, f"{host}.state", torch.zeros(batch_example, text.linear_num_value_heads,
-                                                             text.linear_key_head_dim, text.linear_value_head_dim)),
-                (context, f"{host}.conv", torch.zeros(batch_example, *context.meta["val"].shape[1:],
-                                                      dtype=context.meta["val"].dtype))):
-            fed = program._input(f"cache.{key}", lambda inputs, k=key: inputs[k], example)
-            node.target, node.args, node.kwargs = aten.clone.default, (fed,), {}  # same node: slots and taps stay
-        taps[f"{host}.cache_state"] = Found(state_out.node)
-        taps[f"{host}.cache_conv"] = Found(tail)
-        if recurrent:
-            kernel = locator._kernel(host)
-            if kernel is not None and kernel.target is CHUNK_OP:
-                kernel.target = RECURRENT_OP
-    return taps
+
+def _grow(program, locator, host: str, piece, seq_sizes) -> Found:
+    """An attention's keys or values become ``cat(past, new)``, the past an input; returns the joined tensor."""
+    core = attention_core(locator.scopes.get(host, ()))
+    if core is None:
+        raise NotImplementedError(f"no attention computation found under '{host}'")
+    node = getattr(core, piece.name)
+    shape = node.meta["val"].shape
+    past = program.add_input(f"cache.{host}.{piece.name}", lambda inputs, k=f"{host}.{piece.name}": inputs[k],
+                             torch.zeros(_BATCH_EXAMPLE, shape[1], 3, shape[3], dtype=node.meta["val"].dtype))
+    readers = list(node.users)
+    with program.graph.inserting_after(node):
+        joined = _call(program.graph, aten.cat.default, [past, node], 2, scope=node)
+    for reader in readers:
+        reader.replace_input_with(node, joined)
+    _free_seq(joined, seq_sizes)
+    return Found(joined)
+
+
+def _carry(program, host: str, piece) -> Found:
+    """A carried state's input value is fed from the input ``cache.<host>.<name>``; returns its output value."""
+    value_in, value_out = piece.carries
+    node = program.catalogue[f"{host}.{value_in}"].location.node
+    config = program.model.config
+    sizes = [program.family.dim(config, dim) for dim in piece.dims]
+    example = torch.zeros(_BATCH_EXAMPLE, *sizes, dtype=torch.float32 if piece.float32 else node.meta["val"].dtype)
+    key = f"{host}.{piece.name}"
+    fed = program.add_input(f"cache.{key}", lambda inputs, k=key: inputs[k], example)
+    node.target, node.args, node.kwargs = aten.clone.default, (fed,), {}  # same node: slots and taps stay
+    return Found(program.catalogue[f"{host}.{value_out}"].location.node)
 
 
 def _seq_sizes(graph) -> set[Node]:

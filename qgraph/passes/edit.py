@@ -16,6 +16,7 @@ from torch.fx import Graph, Node
 from ..edits import Target, apply_edit
 from ..kernels.ops import MARK_OP
 from . import views
+from .base import GraphPass, PassResult
 from .locate import Found
 
 
@@ -77,6 +78,20 @@ def insert_edit_slots(graph: Graph, slots: dict[str, tuple[Found, EditSlot, bool
             reader.replace_input_with(node, slot_node)
         nodes[name] = slot_node
     return nodes
+
+
+class InsertEditSlots(GraphPass):
+    """``insert_edit_slots`` as a pass: the slots become submodules of the graph module; ``nodes``
+    holds each value's slot node after it ran."""
+
+    def __init__(self, slots: dict[str, tuple[Found, EditSlot, bool]]):
+        self.slots, self.nodes = slots, {}
+
+    def call(self, graph_module) -> PassResult:
+        for name, (_, slot, _) in self.slots.items():
+            graph_module.add_submodule(name_of(name), slot)
+        self.nodes = insert_edit_slots(graph_module.graph, self.slots)
+        return PassResult(graph_module, bool(self.slots))
 
 
 def name_of(value: str) -> str:

@@ -9,7 +9,8 @@ from torch.fx import Graph, Node
 def fake_result(op, args):
     """The op's output on the arguments' fake values (shapes stay symbolic, nothing is computed)."""
     fakes = torch.fx.node.map_arg(args, lambda node: node.meta["val"])
-    tensors = [t for t in torch.utils._pytree.tree_leaves(fakes) if hasattr(t, "fake_mode")]
+    tensors = []
+    torch.fx.node.map_aggregate(fakes, lambda value: tensors.append(value) if hasattr(value, "fake_mode") else None)
     if not tensors:  # arithmetic on symbolic sizes
         return op(*fakes)
     with tensors[0].fake_mode:

@@ -18,6 +18,7 @@ from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleStates
                               ScatterSource, VarlenAttention)
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from . import views
+from .on_request import DecomposeSdpa, OpenConvContext, Rewrite, SwapForStates
 
 aten = torch.ops.aten
 
@@ -40,11 +41,11 @@ class Found:
 
 @dataclass(frozen=True)
 class OnRequest:
-    """A value a pass can make (``part``) by rewriting ``node``: a block's pattern by decomposing
-    its sdpa node, its states by swapping its kernel, its conv context by opening its conv."""
+    """A value a pass makes by rewriting ``node`` (``passes.on_request``): a block's pattern by
+    decomposing its sdpa node, its states by swapping its kernel, its conv context by opening its conv."""
 
     node: Node
-    part: str
+    rewrite: Rewrite
     view: tuple = ()
 
 
@@ -116,11 +117,11 @@ class Locator:
                            f"no {rule.side} (its parameters are used directly, or it does not exist)")
         return Found(marker, views.resolve(rule.view, lambda dim: self.family.dim(self.config, dim)))
 
-    def _kernel(self, host: str) -> Node | None:
+    def kernel(self, host: str) -> Node | None:
         return next((n for n in self.scopes.get(host, ()) if n.target in DELTA_RULE_OPS or n.target is STATES_OP), None)
 
     def _delta_rule(self, host: str, part: str) -> Found | Missing:
-        kernel = self._kernel(host)
+        kernel = self.kernel(host)
         if kernel is None:
             return Missing(f"no gated delta-rule kernel call under '{host}'")
         if part in DeltaRule.ARGUMENTS:
@@ -130,11 +131,11 @@ class Locator:
         return Found(_output_item(self.graph, kernel, index))
 
     def _states(self, host: str, at_positions: bool) -> Found | OnRequest | Missing:
-        kernel = self._kernel(host)
+        kernel = self.kernel(host)
         if kernel is None:
             return Missing(f"no gated delta-rule kernel call under '{host}'")
         if kernel.target is not STATES_OP:
-            return OnRequest(kernel, "state" if at_positions else "states")
+            return OnRequest(kernel, SwapForStates(at_positions))
         if (kernel.args[6] is not None) != at_positions:
             return Missing(f"this program computes '{host}' states {'at every token' if at_positions else 'at positions'}")
         return Found(_output_item(self.graph, kernel, 1))
@@ -144,7 +145,7 @@ class Locator:
         if not convs:
             return Missing(f"no causal conv under '{host}'")
         if len(convs) == 1:  # the conv pads its own context: open it first (passes.swap.open_conv_context)
-            return OnRequest(convs[0], "conv_context")
+            return OnRequest(convs[0], OpenConvContext())
         context = convs[1].args[0].args[0][0]  # the second conv reads cat(context, zeros)
         if side == "input":
             return Found(context)
@@ -158,7 +159,7 @@ class Locator:
         if part == "head_outputs":
             return Found(_heads_last(core.output))
         node = getattr(core, part)
-        return OnRequest(core.output, part) if node is None else Found(node)  # None: a fused sdpa
+        return OnRequest(core.output, DecomposeSdpa()) if node is None else Found(node)  # None: a fused sdpa
 
     def _varlen_attention(self, host: str, part: str) -> Found | Missing:
         calls = [n for n in self.scopes.get(host, ()) if n.target is VARLEN_ATTENTION_OP]

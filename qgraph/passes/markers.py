@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch.fx import Graph
 
 from ..kernels.ops import MARK_OP
+from .base import GraphPass, PassResult
 
 
 def strip_markers(graph: Graph) -> Graph:
@@ -13,3 +14,11 @@ def strip_markers(graph: Graph) -> Graph:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     return graph
+
+
+class StripMarkers(GraphPass):
+    """``strip_markers`` as a pass (the last rewrite before a program runs)."""
+
+    def call(self, graph_module) -> PassResult:
+        strip_markers(graph_module.graph)
+        return PassResult(graph_module, True)

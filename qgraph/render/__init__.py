@@ -44,7 +44,7 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
     family = family_for(model)
     mixers = family.block_mixers(model.config)
     if what == "vision_block":
-        depth = family.vision_blocks(model.config) if hasattr(family, "vision_blocks") else 0
+        depth = family.vision_blocks(model.config)
         if not depth:
             raise NoVisionEncoder(f"the model has no vision encoder: {type(model).__name__} is text-only, so there "
                                   f"is no vision block to draw (draw what='block' or what='model' instead)")
@@ -53,7 +53,7 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
             raise IndexError(f"vision block {layer}: the vision encoder has blocks 0 to {depth - 1}")
     if what == "block":
         if layer is None:
-            layer = next((i for i, m in enumerate(mixers) if m == "self_attn"), 0)
+            layer = next((i for i, m in enumerate(mixers) if not family.mixer(m).recurrent), 0)
         if not -len(mixers) <= layer < len(mixers):
             raise IndexError(f"block {layer}: the model has blocks 0 to {len(mixers) - 1}")
 
@@ -61,10 +61,9 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
     view = GraphView(model, exported, requested=list(marks))
     marks = dict(marks)
     if highlight:
-        from ..names import resolve
-        vision = family.vision_blocks(model.config) if hasattr(family, "vision_blocks") else 0
+        from ..values.names import resolve
         for name in resolve([highlight] if isinstance(highlight, str) else list(highlight),
-                            view.catalogue, view.block_mixers, *((vision,) if vision else ())):
+                            view.catalogue, family, model.config):
             marks.setdefault(name, "value")
     if what == "model":
         return model_diagram(view, highlight=marks)

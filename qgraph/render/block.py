@@ -25,9 +25,12 @@ from .labels import BlockLabels
 from .skeleton import Drawing
 from .taps import BlockTaps
 
-__all__ = ["MIXER_KIND", "block_diagram", "is_core"]
+__all__ = ["block_diagram", "is_core", "mixer_style"]
 
-MIXER_KIND = {"linear_attn": "gated DeltaNet", "self_attn": "gated attention"}
+
+def mixer_style(family, module: str) -> str:
+    """The drawing style of a mixer's cluster: a recurrent one (a carried state) or an attention."""
+    return "mixer_recurrent" if family.mixer(module).recurrent else "mixer_attention"
 
 
 def block_diagram(view: GraphView, layer: int, *, detail: str = "modules",
@@ -43,15 +46,15 @@ class _Block(BlockGrouping, BlockLabels, BlockTaps, Drawing):
     def __init__(self, view: GraphView, layer: int, highlight: dict[str, str], detail: str, vision: bool = False):
         self.view, self.layer, self.highlight, self.detail, self.vision = view, layer, highlight, detail, vision
         self.prefix = f"vision.layers.{layer}" if vision else f"layers.{layer}"
-        self.mixer = "self_attn" if vision else view.block_mixers[layer]
+        self.mixer = view.family.vision_mixer if vision else view.block_mixers[layer]
         self._build(self._block_nodes())
 
     def _title(self) -> str:
         model = type(self.view.model).__name__
         if self.vision:
             return f"{self.prefix}  ·  vision encoder block  ·  {model}  ·  detail={self.detail}"
-        kind = MIXER_KIND.get(self.mixer, self.mixer)
-        layer_type = self.view.config.get_text_config().layer_types[self.layer]
+        kind = self.view.family.title(self.mixer)
+        layer_type = self.view.family.kinds(self.view.config)[self.layer]
         return f"{self.prefix}  ·  {kind} block ({layer_type})  ·  {model}  ·  detail={self.detail}"
 
     def _cluster_of(self, scope: str) -> str | None:
@@ -116,8 +119,9 @@ class _Block(BlockGrouping, BlockLabels, BlockTaps, Drawing):
             if scope == self.prefix:
                 kind, label = "block", f"{scope}  ·  {view.types.get(scope, '').rsplit('.', 1)[-1]}"
             elif scope == f"{self.prefix}.{self.mixer}":
-                what = "attention" if self.vision else MIXER_KIND.get(relative, "")
-                kind, label = "mixer_" + self.mixer, f"{relative}  ·  {what}  ·  {type_name}"
+                what = "attention" if self.vision else self.view.family.title(relative)
+                style = "mixer_attention" if self.vision else mixer_style(self.view.family, self.mixer)
+                kind, label = style, f"{relative}  ·  {what}  ·  {type_name}"
             elif scope.endswith(".mlp"):
                 kind, label = "mlp", f"{relative}  ·  {type_name}"
             else:

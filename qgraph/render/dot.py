@@ -62,8 +62,8 @@ WIRE_STYLES = {
 }
 CLUSTER_STYLES = {
     "block": dict(style="rounded,filled", fillcolor="#FBFBFB", color="#9A9A9A", penwidth="1.4", fontsize="13"),
-    "mixer_self_attn": dict(style="rounded,filled", fillcolor="#F4F0FF", color="#9C86D9", fontsize="12"),
-    "mixer_linear_attn": dict(style="rounded,filled", fillcolor="#EEF5FF", color="#7FA2DD", fontsize="12"),
+    "mixer_attention": dict(style="rounded,filled", fillcolor="#F4F0FF", color="#9C86D9", fontsize="12"),
+    "mixer_recurrent": dict(style="rounded,filled", fillcolor="#EEF5FF", color="#7FA2DD", fontsize="12"),
     "mlp": dict(style="rounded,filled", fillcolor="#FFF6EB", color="#E0A860", fontsize="12"),
     "scope": dict(style="rounded", color="#C8C8C8", fontsize="9", fontcolor="#666666"),
     "vision": dict(style="rounded,filled", fillcolor="#FFF3F7", color="#D98AA8", fontsize="12"),

@@ -1,7 +1,8 @@
 """Reading an exported graph for drawing: module scopes, what each node does, where each value sits.
 
-``GraphView`` copies the exported graph with its port markers still in place (so module ports and
-scopes are there), locates every value on that copy, and answers the questions the diagrams ask:
+``GraphView`` draws the program builder's graph (``qgraph.program.Program``, with the on-request
+values asked for made and the port markers still in place, so module ports and scopes are there),
+and answers the questions the diagrams ask:
 which module scope a node runs in, whether it only re-views a tensor, whether it is computed from
 parameters alone, and what a node outside a block feeds into it.
 """
@@ -12,10 +13,9 @@ import re
 import torch
 from torch.fx import Graph, Node
 
-from ..catalogue import Entry, build_catalogue
 from ..export import ExportedModel
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP
-from ..passes import Locator
+from ..program import Program
 
 aten = torch.ops.aten
 
@@ -94,21 +94,15 @@ class GraphView:
     def __init__(self, model, exported: ExportedModel, *, requested=()):
         self.model, self.exported, self.family = model, exported, exported.family
         self.config = model.config
-        self.graph = Graph()
-        self.graph.output(self.graph.graph_copy(exported.graph, {}))
-        self.module_names = [name for _, name in self.family.ported_modules(model)]
-        self._locate()
         # the values a pass makes when asked for (a block's pattern under sdpa, the DeltaNet's states, its
-        # conv context): make them as the program does, so the picture shows the program that runs
-        pending = {}
-        for name in requested:
-            location = self.catalogue[name].location if name in self.catalogue else None
-            if type(location).__name__ == "OnRequest":
-                pending.setdefault(location.node, location.part)
-        if pending:
-            for node, part in pending.items():
-                _make_on_request(self.graph, node, part)
-            self._locate()
+        # conv context) are made by the program builder, so the picture shows the program that runs
+        program = Program(model, exported).make(requested)
+        self.graph: Graph = program.graph
+        self.catalogue, self.locator = program.catalogue, program.locator
+        for node in self.graph.nodes:  # an output read the locator added runs where its op runs
+            if node.target is operator.getitem and "nn_module_stack" not in node.meta and isinstance(node.args[0], Node):
+                if "nn_module_stack" in node.args[0].meta:
+                    node.meta["nn_module_stack"] = node.args[0].meta["nn_module_stack"]
 
         self.index = {node: i for i, node in enumerate(self.graph.nodes)}
         self.params: dict[str, str] = {}  # placeholder name -> the parameter's spec name ("layers.0.linear_attn.A_log")
@@ -134,14 +128,6 @@ class GraphView:
         self.block_mixers = self.family.block_mixers(self.config)
         batch, seq = self.graph.find_nodes(op="placeholder", target="input_ids")[0].meta["val"].shape
         self._symbols = {str(batch): "batch", str(seq): "seq"}
-
-    def _locate(self):
-        self.locator = Locator(self.graph, self.family, self.config)
-        self.catalogue: dict[str, Entry] = build_catalogue(self.family, self.config, self.locator, self.module_names)
-        for node in self.graph.nodes:  # an output read the locator added runs where its op runs
-            if node.target is operator.getitem and "nn_module_stack" not in node.meta and isinstance(node.args[0], Node):
-                if "nn_module_stack" in node.args[0].meta:
-                    node.meta["nn_module_stack"] = node.args[0].meta["nn_module_stack"]
 
     # -- scopes ----------------------------------------------------------------------------------
     def scopes(self, node: Node) -> list[str]:
@@ -191,16 +177,3 @@ class GraphView:
                 found.add(current.name)
             stack.extend(n for n in current.all_input_nodes if n not in seen)
         return found
-
-
-def _make_on_request(graph: Graph, node: Node, part: str) -> None:
-    """The rewrite the program runs to make ``part`` at ``node`` (as ``qgraph.program`` does)."""
-    from .. import passes
-    if part in ("scores", "probabilities"):
-        passes.decompose_sdpa(graph, node)
-        return
-    from ..passes import swap
-    if part in ("states", "state"):
-        swap.swap_for_states(graph, node, None, None, torch.float32)
-    elif part == "conv_context":
-        swap.open_conv_context(graph, node)

@@ -8,6 +8,7 @@ import operator
 import torch
 from torch.fx import Node
 
+from ..compat import op_argument_names
 from .diagram import Box, bold, esc, port_table, small
 from .graph import SDPA, SHAPE_ONLY, is_pass_through, is_tensorish, op_name, short_class, tensor_inputs
 from .grouping import MULTI_OUTPUT, is_core
@@ -105,8 +106,8 @@ class BlockLabels:
             sub = f"{getattr(core.target, 'namespace', 'aten')}::{name}"
             if core.target is SDPA and core.kwargs.get("scale"):
                 sub += f"  ·  scale {core.kwargs['scale']:.4g}"
-            schema = core.target._schema.arguments
-            inputs = [(f"i{i}", schema[i].name) for i, arg in enumerate(core.args)
+            schema = op_argument_names(core.target)
+            inputs = [(f"i{i}", schema[i]) for i, arg in enumerate(core.args)
                       if isinstance(arg, Node) and i < len(schema)]
             outputs = [(f"o{j}", text) for j, text in enumerate(_CORE_OUTPUTS.get(name, ()))]
             body = bold(_CORE_TITLE.get(name, name)) + "<BR/>" + small(sub)

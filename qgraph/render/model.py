@@ -15,7 +15,6 @@ import torch
 from torch.fx import Node
 
 from ..kernels.ops import MARK_OP
-from .block import MIXER_KIND
 from .diagram import Box, Cluster, Diagram, bold, esc, small
 from .flow import absorbed_descendants
 from .graph import GraphView, is_pass_through, is_tensorish, op_name, short_class
@@ -51,15 +50,16 @@ class _Model(Drawing):
         self._build([n for n in view.graph.nodes if n.op != "output"])
 
     def _title(self) -> str:
-        return (f"{type(self.view.model).__name__}  ·  {len(self.mixers)} blocks  ·  "
-                f"{self.mixers.count('linear_attn')} gated DeltaNet, {self.mixers.count('self_attn')} gated attention")
+        family = self.view.family
+        counts = ", ".join(f"{self.mixers.count(mixer.module)} {mixer.title}" for mixer in family.mixers.values())
+        return f"{type(self.view.model).__name__}  ·  {len(self.mixers)} blocks  ·  {counts}"
 
     # -- groups ----------------------------------------------------------------------------------
     def _runs(self) -> dict[str, str]:
         """``layers.i`` -> the box it is drawn in (itself, or its run of same-kind blocks on big models)."""
         boxes = {}
         family = self.view.family
-        depth = family.vision_blocks(self.view.config) if hasattr(family, "vision_blocks") else 0
+        depth = family.vision_blocks(self.view.config)
         for prefix, kinds in (("layers", self.mixers), ("vision.layers", ["vision"] * depth)):
             boxes.update({f"{prefix}.{i}": f"{prefix}.{i}" for i in range(len(kinds))})
             if len(kinds) <= _COMPRESS_OVER:
@@ -118,7 +118,8 @@ class _Model(Drawing):
         return ("output", "output") if user.op == "output" else None
 
     def _on_a_wire(self, entry) -> bool:
-        return located(entry) is not None and not re.match(r"layers\.\d+\.(self_attn|linear_attn|mlp)", entry.name)
+        inside = "|".join([*(mixer.module for mixer in self.view.family.mixers.values()), "mlp"])
+        return located(entry) is not None and not re.match(rf"layers\.\d+\.({inside})", entry.name)
 
     def _tap_list(self, flows):
         by_node = defaultdict(list)
@@ -183,8 +184,8 @@ class _Model(Drawing):
                 anchor_id = anchor if isinstance(anchor, str) else ids.get(anchor)
                 if anchor_id in d.boxes:
                     d.connect(anchor_id, box.id, "ghost")
-        d.legend = legend(d, (("block_delta", "gated DeltaNet block (linear_attn)"),
-                              ("block_attn", "gated attention block (self_attn)"))
+        d.legend = legend(d, tuple((_block_style(mixer), f"{mixer.title} block ({mixer.module})")
+                                   for mixer in self.view.family.mixers.values())
                           + TAPS + (("tap_ghost", "derived from a value after the run"),))
 
     def _main_path(self, flows) -> set:
@@ -266,7 +267,7 @@ class _Model(Drawing):
         blocks = range(int(first), int(last or first) + 1)
         mixer = self.mixers[blocks[0]]
         title = name if len(blocks) == 1 else f"layers.{blocks[0]} – {blocks[-1]}  (× {len(blocks)})"
-        sub = f"{MIXER_KIND.get(mixer, mixer)}  ·  {mixer}"
+        sub = f"{self.view.family.title(mixer)}  ·  {mixer}"
         marked = [n for n in self.highlight if any(n.startswith(f"layers.{b}.") for b in blocks) and n not in self.values]
         label = bold(title) + "<BR/>" + small(sub, 9, "#333333")
         if marked:
@@ -274,8 +275,8 @@ class _Model(Drawing):
             text = ", ".join(p for p in (f"{len(marked) - edits} captured" if len(marked) > edits else "",
                                          f"{edits} edited" if edits else "") if p)
             label += "<BR/>" + small("● " + text, 9, "#B85C00" if not edits else "#A0154C")
-        kind = "block_attn" if mixer == "self_attn" else "block_delta"
-        return Box(box_id, label, kind, None, f"{name}: {MIXER_KIND.get(mixer, mixer)} block", {"group": "main"})
+        kind = _block_style(self.view.family.mixer(mixer))
+        return Box(box_id, label, kind, None, f"{name}: {self.view.family.title(mixer)} block", {"group": "main"})
 
     def _tap_box(self, tap_id: str, names: list[str]) -> Box:
         rows, tips = [], []
@@ -287,3 +288,8 @@ class _Model(Drawing):
             self.values[n].host == "vision" for n in names) and not any(n.endswith("image_features") for n in names) else None
         return Box(tap_id, "<BR/>".join(rows), self._tap_kind(names), cluster, " | ".join(tips),
                    {"values": list(names), "id": "+".join(names), "group": "main"})
+
+
+def _block_style(mixer) -> str:
+    """A block's style in the model diagram: by whether its mixer carries a recurrent state."""
+    return "block_delta" if mixer.recurrent else "block_attn"

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..passes.locate import Found
 from .diagram import Diagram
 from .flow import build_flows, splice_taps
 
 def located(entry):
     """The graph node a catalogue entry's value is at, or None (made on request, derived, unavailable)."""
     location = entry.location
-    return location.node if type(location).__name__ == "Found" else None
+    return location.node if isinstance(location, Found) else None
 
 
 def derived_sources(entry) -> list[str]:

@@ -5,18 +5,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..passes.locate import attention_core
+from ..passes.locate import OnRequest, attention_core
 from .diagram import Box, esc, small
 from .legend import TAPS, legend
 from .skeleton import derived_sources, dims, located
 
-_ON_REQUEST = {
-    "scores": "asking for it decomposes the fused sdpa into q·kᵀ, softmax and ·v (this block only)",
-    "probabilities": "asking for it decomposes the fused sdpa into q·kᵀ, softmax and ·v (this block only)",
-    "states": "asking for it swaps the kernel for one that returns the state after every token",
-    "state": "asking for it swaps the kernel for one that returns the state at the positions asked for",
-    "conv_context": "asking for it opens the causal conv to read the context it pads with",
-}
 
 
 def tap_row(short: str, layout: str, style: str | None, value_color: str = "#5A3A00") -> str:
@@ -88,8 +81,8 @@ class BlockTaps:
             sources = derived_sources(entry)
             anchors = [tap_id for tap_id, names in self.tap_ids.items() if set(names) & set(sources)]
             note, tip = "derived after the run", "computed after the run from " + ", ".join(sources)
-        elif type(location).__name__ == "OnRequest":
-            note, tip = "made on request", _ON_REQUEST.get(location.part, "a pass makes it when it is asked for")
+        elif isinstance(location, OnRequest):
+            note, tip = "made on request", location.rewrite.note
         else:
             reason = getattr(location, "reason", "") or ""
             note = "needs the eager load" if "eager" in reason else "unavailable here"

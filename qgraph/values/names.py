@@ -55,7 +55,7 @@ def patterns_of(patterns) -> list[str]:
         return [patterns]
     if isinstance(patterns, (bytes, torch.Tensor)) or not isinstance(patterns, Iterable):
         raise TypeError(f"{type(patterns).__name__} {patterns!r} is not a value name or a list of them: give names "
-                        f"as strings, e.g. ['layers.*.layer_output', 'layers.3.self_attn.attention_gate'] "
+                        f"as strings, e.g. ['layers.*.layer_output', 'layers.3.mlp.mlp_neurons'] "
                         f"(values= also takes a dict {{name: options}})")
     patterns = list(patterns)  # a dict gives its keys
     bad = [pattern for pattern in patterns if not isinstance(pattern, str)]
@@ -65,7 +65,7 @@ def patterns_of(patterns) -> list[str]:
     return patterns
 
 
-def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str], vision_blocks: int = 0) -> list[str]:
+def resolve(patterns, catalogue: dict[str, Entry], family, config) -> list[str]:
     """The concrete, available value names that ``patterns`` select, in catalogue order.
 
     An exact name must exist and be available; a glob must select at least one available value
@@ -73,7 +73,7 @@ def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str], visi
     """
     selected: dict[str, None] = {}
     for raw in patterns_of(patterns):
-        pattern = canonical(raw, len(block_mixers))
+        pattern = canonical(raw, len(family.kinds(config)))
         if "*" in pattern or "?" in pattern:
             regex = _glob(pattern)
             # a module's ports are matched only by a pattern that asks for ports (or crosses parts)
@@ -89,23 +89,23 @@ def resolve(patterns, catalogue: dict[str, Entry], block_mixers: list[str], visi
                 if matches:
                     reasons = sorted({catalogue[name].reason for name in matches})
                     raise UnavailableValue(f"'{raw}' matches only unavailable values: " + "; ".join(reasons))
-                raise UnknownValue(_unknown_message(raw, pattern, catalogue, block_mixers, vision_blocks))
+                raise UnknownValue(_unknown_message(raw, pattern, catalogue, family, config))
             selected.update(dict.fromkeys(available))
             continue
         entry = catalogue.get(pattern)
         if entry is None:
-            raise UnknownValue(_unknown_message(raw, pattern, catalogue, block_mixers, vision_blocks))
+            raise UnknownValue(_unknown_message(raw, pattern, catalogue, family, config))
         if not entry.available:
             raise UnavailableValue(f"'{raw}' is unavailable: {entry.reason}")
         selected[pattern] = None
     return list(selected)
 
 
-def _unknown_message(raw: str, pattern: str, catalogue: dict[str, Entry], block_mixers: list[str],
-                     vision_blocks: int) -> str:
-    if not vision_blocks and pattern.split(".")[0] in ("vision", "projector"):
+def _unknown_message(raw: str, pattern: str, catalogue: dict[str, Entry], family, config) -> str:
+    block_mixers = family.block_mixers(config)
+    if not family.vision_blocks(config) and pattern.split(".")[0] in ("vision", "projector"):
         return (f"'{raw}': this model has no vision encoder (it is text-only); vision values need the image-text "
-                f"model, Qwen3_5ForConditionalGeneration")
+                f"model (one of {family.classes})")
     wrong_kind = re.match(r"layers\.(-?\d+)\.(\w+)", pattern)
     if wrong_kind:
         block, module = int(wrong_kind.group(1)), wrong_kind.group(2)
@@ -113,7 +113,7 @@ def _unknown_message(raw: str, pattern: str, catalogue: dict[str, Entry], block_
             return f"'{raw}': there is no block {block}; the model has blocks 0 to {len(block_mixers) - 1}."
         mixers = set(block_mixers)
         if module in mixers and block_mixers[block] != module:
-            kind = "linear_attention (a gated DeltaNet)" if block_mixers[block] == "linear_attn" else "full_attention"
+            kind = f"{family.kinds(config)[block]} ({family.title(block_mixers[block])})"
             blocks = [i for i, mixer in enumerate(block_mixers) if mixer == module]
             return (f"'{raw}': block {block} is a {kind} block: its mixer is layers.{block}.{block_mixers[block]}, "
                     f"not {module}. Blocks with {module}: {blocks}.")

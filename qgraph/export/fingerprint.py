@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import compat
+
 
 def structure(model: torch.nn.Module) -> tuple:
     """Module classes, parameter and buffer shapes / dtypes / devices, tied parameters (each
@@ -21,7 +23,7 @@ def structure(model: torch.nn.Module) -> tuple:
     modules = tuple((path, f"{type(m).__module__}.{type(m).__qualname__}") for path, m in model.named_modules())
     config = model.config
     vision = getattr(config, "vision_config", None)
-    attention = (config._attn_implementation, getattr(vision, "_attn_implementation", None))
+    attention = (compat.attn_implementation(config), compat.attn_implementation(vision))
     return attention, modules, parameters, buffers
 
 

@@ -23,7 +23,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputSpec, TensorArgument
 from torch.fx import Node
 
-from .kernels import ops
+from .. import compat
+from ..kernels import ops
 
 
 @dataclass(frozen=True)
@@ -48,17 +49,17 @@ class Blocks:
 
 def repeated_blocks(model: torch.nn.Module, family, images: bool) -> list[Blocks]:
     """The block lists of ``model`` that the export of its (image-text if ``images``) program can
-    trace once per kind, per the family's ``REPEATED_BLOCKS``."""
+    trace once per kind, per the family's ``repeated_blocks``."""
     modules = dict(model.named_modules())
     text = model.config.get_text_config()
     found = []
-    for path, kinds_attribute, image_only in family.data.REPEATED_BLOCKS:
-        layers = modules.get(path)
-        if not isinstance(layers, torch.nn.ModuleList) or (image_only and not images):
+    for listed in family.repeated_blocks:
+        layers = modules.get(listed.path)
+        if not isinstance(layers, torch.nn.ModuleList) or (listed.image_only and not images):
             continue
-        kinds = (tuple(getattr(text, kinds_attribute)[: text.num_hidden_layers]) if kinds_attribute
+        kinds = (tuple(getattr(text, listed.kinds_attribute)[: text.num_hidden_layers]) if listed.kinds_attribute
                  else ("block",) * len(layers))
-        blocks = Blocks(path, kinds, kinds_attribute)
+        blocks = Blocks(listed.path, kinds, listed.kinds_attribute)
         if blocks.worth_repeating():
             found.append(blocks)
     return found
@@ -70,15 +71,11 @@ def seeded(twin: torch.nn.Module, blocks: Blocks) -> torch.nn.Module:
     the model is not touched."""
     owner_path, _, attribute = blocks.path.rpartition(".")
     parts = owner_path.split(".") if owner_path else []
-    parent = twin
-    parent._modules = dict(parent._modules)  # the twin's own module dict, not the model's
+    parent = compat.own_children(twin)  # the twin's own module dict, not the model's
     for name in parts:
-        child = copy.copy(parent._modules[name])
-        child._modules = dict(child._modules)
-        parent._modules[name] = child
-        parent = child
-    layers = parent._modules[attribute]
-    parent._modules[attribute] = torch.nn.ModuleList([layers[index] for index in blocks.seed])
+        parent = compat.replace_child(parent, name, compat.shallow_twin)
+    compat.replace_child(parent, attribute,
+                         lambda layers: torch.nn.ModuleList([layers[index] for index in blocks.seed]))
     if blocks.kinds_attribute:  # the text model loops over config.num_hidden_layers / layer_types
         config = copy.copy(parent.config)
         config.num_hidden_layers = len(blocks.seed)
@@ -275,11 +272,9 @@ class _Repeater:
             elif spec.kind == InputKind.BUFFER:
                 buffer = self.model.get_buffer(spec.target)
                 (state_dict if spec.persistent else constants)[spec.target] = buffer
-        return ExportedProgram(
-            root=torch.fx.GraphModule(seed.graph_module, graph), graph=graph,
-            graph_signature=ExportGraphSignature(specs, output_specs), state_dict=state_dict,
-            range_constraints=seed.range_constraints, module_call_graph=module_call_graph,
-            example_inputs=None, constants=constants, verifiers=[seed.verifier])
+        return compat.exported_program(
+            torch.fx.GraphModule(seed.graph_module, graph), graph, ExportGraphSignature(specs, output_specs),
+            state_dict, seed.range_constraints, module_call_graph, constants, seed.verifier)
 
 
 def _copy_placeholder(graph: torch.fx.Graph, node: Node, name: str) -> Node:

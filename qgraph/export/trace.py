@@ -7,11 +7,10 @@ Two things happen only while ``torch.export`` traces, and are undone right after
 * every submodule gets a pre-hook and a hook that wrap its first input and its output in a
   ``qgraph::mark`` node naming the port (``layers.3.mlp.input``). The ports are then exactly what
   forward hooks would read; ``passes.markers`` removes the markers before anything runs;
-* for the image-text program, the vision attention runs as one ``qgraph::varlen_attention`` node
-  over all images and the image features stay packed. What depends on the image grids in Python
-  (M-RoPE position ids, the vision rotary positions and pos_embed resampling, ``cu_seqlens``) is
-  computed outside the program by ``qgraph.inputs`` and passed in, so one program serves every
-  number and size of images.
+* for the image-text program, the family's image patches (``Images.patches``: for the Qwen ViT,
+  one varlen attention node over all images and packed image features). What depends on the image
+  grids in Python is computed before each call (``Images.prepare``) and passed in, so one program
+  serves every number and size of images.
 
 The user's model is never modified: hooks are removed, module functions restored, and the program
 reads the model's own parameter tensors at call time. The user's own hooks are set aside while
@@ -30,22 +29,18 @@ from dataclasses import dataclass
 
 import torch
 from torch.export import Dim, ExportedProgram
-from transformers import AttentionInterface
-from transformers.utils.generic import accepts_precomputed_kwargs
 
-from . import cache as disk_cache
-from .kernels import ops
-from .compat import hooks_set_aside
-from .families import Family, family_for
-from .progress import progress
+from . import disk_cache
+from ..kernels import ops
+from ..compat import hooks_set_aside
+from ..families import Family, family_for
+from ..progress import progress
 from .fingerprint import structure
 from .repeat import Blocks, repeat_blocks, repeated_blocks, seeded
 
 # Example sizes for the trace: distinct and > 1, so no dim is specialised or unified with another.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 9
 TEXT_INPUTS = ("input_ids", "attention_mask")
-IMAGE_INPUTS = TEXT_INPUTS + ("position_ids", "pixel_values", "image_grid_thw", "image_cu_seqlens",
-                              "image_position_ids", "image_interp_indices", "image_interp_weights")
 
 
 @dataclass
@@ -56,8 +51,8 @@ class ExportedModel:
     family: Family
     seconds: float  # wall time of the export (or of loading it from the disk cache)
     key: tuple  # what the program was specialised on (see ``_cache_key``)
-    inputs: tuple[str, ...]  # the program's user inputs, in order (TEXT_INPUTS or IMAGE_INPUTS)
-    from_cache: bool = False  # loaded from the disk cache (``qgraph.cache``) instead of exported
+    inputs: tuple[str, ...]  # the program's user inputs, in order (TEXT_INPUTS, then the family's image inputs)
+    from_cache: bool = False  # loaded from the disk cache (``qgraph.export.disk_cache``) instead of exported
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -65,7 +60,7 @@ class ExportedModel:
 
     @property
     def images(self) -> bool:
-        return "pixel_values" in self.inputs
+        return self.inputs != TEXT_INPUTS
 
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -77,7 +72,7 @@ def _cache_key(model: torch.nn.Module) -> tuple:
 
 def has_vision(model: torch.nn.Module) -> bool:
     """Whether the model is the image-text wrapper (it has a vision tower)."""
-    return getattr(model.config, "vision_config", None) is not None
+    return family_for(model).vision_blocks(model.config) > 0
 
 
 def export_model(model: torch.nn.Module, images: bool | None = None) -> ExportedModel:
@@ -85,7 +80,7 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
 
     ``images`` picks the image-text program (the default for the image-text model) or the
     text-only one (``images=False``: what a text-only call to that model runs). A model exported
-    in an earlier process (same config, dtype, versions: see ``qgraph.cache``) loads its program
+    in an earlier process (same config, dtype, versions: see ``qgraph.export.disk_cache``) loads its program
     from the disk cache instead of exporting again.
     """
     family = family_for(model)
@@ -96,7 +91,7 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         _use_kernels(family)  # the ops run this family's kernels (another family's export may have come between)
         return cached
     start = time.perf_counter()
-    names = IMAGE_INPUTS if images else TEXT_INPUTS
+    names = TEXT_INPUTS + family.images.inputs if images else TEXT_INPUTS
     blocks = repeated_blocks(model, family, images)
 
     def full(program: ExportedProgram) -> ExportedProgram | None:
@@ -106,7 +101,7 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
                 return None
         return program
 
-    # an export of the same model in an earlier process (its seed: see qgraph.repeat)
+    # an export of the same model in an earlier process (its seed: see qgraph.export.repeat)
     program = disk_cache.load(model, images, names, full)
     if program is not None:
         _use_kernels(family)
@@ -128,22 +123,22 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
 
 def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks]) -> ExportedProgram:
     """``torch.export`` of the model's twin, whose block lists in ``blocks`` hold their seed blocks only."""
-    example, dynamic = (_image_example if images else _text_example)(model)
-    twin = _with_signature(model, names)
+    example, dynamic = family.images.example(model) if images else _text_example(model)
+    twin = _with_signature(model, names, family.images.forward_kwargs if images else {})
     for listed in blocks:
         twin = seeded(twin, listed)
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)
-    with hooks_set_aside(model), _delta_rule_ops(family), _port_markers(model, family), \
-            _packed_vision(model, family, images):
+    patches = family.images.patches(model) if images else contextlib.nullcontext()
+    with hooks_set_aside(model), _delta_rule_ops(family), _port_markers(model, family), patches:
         return torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
 
 
-def _with_signature(model: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
+def _with_signature(model: torch.nn.Module, names: tuple[str, ...], forward_kwargs: dict) -> torch.nn.Module:
     """A shallow twin of ``model`` (same submodules, parameters and hooks) whose forward takes
-    exactly ``names`` as tensors; the model itself is not touched."""
+    exactly ``names`` as tensors (and ``forward_kwargs``); the model itself is not touched."""
     twin = copy.copy(model)
     model_forward = type(model).forward
-    extra = {"use_cache": False, "image_max_seqlen": 1} if "pixel_values" in names else {"use_cache": False}
+    extra = {"use_cache": False, **forward_kwargs}
 
     def forward(self, *args, **kwargs):
         return model_forward(self, **dict(zip(names, args)), **kwargs, **extra)
@@ -161,71 +156,6 @@ def _text_example(model):
     batch, seq = Dim("batch", min=1), Dim("seq", min=1)
     example = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     return example, {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
-
-
-def _image_example(model):
-    """Two prompts with two images each, of different grids, through the real input preparation."""
-    from .inputs import prepare
-    config = model.config
-    merge = config.vision_config.spatial_merge_size
-    grid = torch.tensor([[1, 2 * merge, 2 * merge], [1, merge, 3 * merge]] * _EXAMPLE_BATCH)
-    tokens = (grid.prod(-1) // merge**2).tolist()
-    row = []
-    for count in tokens[:2]:
-        row += [1, 2] + [config.image_token_id] * count + [3]
-    input_ids = torch.tensor([row + [4, 5]] * _EXAMPLE_BATCH)
-    pixel_values = torch.zeros(int(grid.prod(-1).sum()), _patch_width(config.vision_config))
-    example = prepare(model, True, input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid)
-    batch, seq = Dim("batch", min=1), Dim("seq", min=1)
-    images, blocks = Dim("images", min=1), Dim("merge_blocks", min=1)
-    patches = merge**2 * blocks
-    dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq},
-               "position_ids": {1: batch, 2: seq}, "pixel_values": {0: patches}, "image_grid_thw": {0: images},
-               "image_cu_seqlens": {0: images + 1}, "image_position_ids": {0: patches},
-               "image_interp_indices": {0: patches}, "image_interp_weights": {0: patches}}
-    return example, dynamic
-
-
-def _patch_width(vision_config) -> int:
-    return vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
-
-
-@contextlib.contextmanager
-def _packed_vision(model, family: Family, images: bool):
-    """While exporting the image-text program: the vision attention runs once over all patches
-    (``qgraph::varlen_attention``, through transformers' varlen path), and the image features stay
-    packed instead of being split per image with ``tolist()``."""
-    if not images:
-        yield
-        return
-    module = importlib.import_module(family.kernel_module)
-    image_model = getattr(module, family.data.IMAGE_MODEL_CLASS)
-    original_features = image_model.get_image_features
-    vision_config = model.model.visual.config
-    original_attention = vision_config._attn_implementation_internal
-    AttentionInterface.register(_VARLEN, _varlen_attention)
-    vision_config._attn_implementation_internal = _VARLEN
-    image_model.get_image_features = _packed_image_features
-    try:
-        yield
-    finally:
-        image_model.get_image_features = original_features
-        vision_config._attn_implementation_internal = original_attention
-
-
-# transformers takes its varlen (cu_seqlens) path for implementations named *flash*
-_VARLEN = "qgraph_flash_varlen"
-
-
-def _varlen_attention(module, query, key, value, attention_mask=None, scaling=None, cu_seq_lens_q=None, **kwargs):
-    return torch.ops.qgraph.varlen_attention(query, key, value, cu_seq_lens_q, scaling), None
-
-
-@accepts_precomputed_kwargs(modality="image")
-def _packed_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
-    outputs = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw, **kwargs)
-    outputs.pooler_output = (outputs.pooler_output,)  # one packed tensor: the caller concatenates
-    return outputs
 
 
 @contextlib.contextmanager

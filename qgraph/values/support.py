@@ -28,7 +28,7 @@ class SupportTable:
     included); ``table.ports`` lists the module ports; ``str(table)`` is a readable table.
     """
 
-    def __init__(self, catalogue: dict[str, Entry], block_mixers: list[str]):
+    def __init__(self, catalogue: dict[str, Entry], family, config):
         self.catalogue = catalogue
         rows: dict[str, Row] = {}
         for entry in catalogue.values():
@@ -38,11 +38,13 @@ class SupportTable:
             row = rows.setdefault(generic, Row(generic, entry.layout, entry.shape, entry.description, {}))
             block = re.match(r"^(?:vision\.)?layers\.(\d+)", entry.name)
             row.blocks[int(block.group(1)) if block else None] = entry.reason
+        block_mixers, kinds = family.block_mixers(config), family.kinds(config)
         for row in rows.values():  # mixer values on the other kind's blocks
             mixer = row.name.split(".")[2] if row.name.startswith("layers.{i}.") else None
-            for block, kind in enumerate(block_mixers):
-                if mixer in set(block_mixers) and kind != mixer:
-                    row.blocks[block] = f"block {block} is {_KIND[kind]}: it has {kind}, not {mixer}"
+            for block, has in enumerate(block_mixers):
+                if mixer in set(block_mixers) and has != mixer:
+                    row.blocks[block] = (f"block {block} is a {kinds[block]} ({family.title(has)}) block: it has "
+                                         f"{has}, not {mixer}")
         self.rows = list(rows.values())
         self.ports = [entry for entry in catalogue.values() if entry.spec is None]
 
@@ -101,9 +103,6 @@ def plain_text(renderable) -> str:
     return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
 
 
-_KIND = {"linear_attn": "a linear_attention (DeltaNet) block", "self_attn": "a full_attention block"}
-
-
 def _availability(row: Row) -> str:
     if list(row.blocks) == [None]:
         reason = row.blocks[None]
@@ -126,12 +125,12 @@ def _ranges(blocks: list[int]) -> str:
 def support(model: torch.nn.Module) -> SupportTable:
     """The support table of ``model``: every standard value, its layout and shape, and per block
     whether it is available here, with the reason where it is not."""
-    from .export import export_model
-    from .families import family_for
-    from .program import Program
+    from ..export import export_model
+    from ..families import family_for
+    from ..program import Program
     family_for(model)  # not a model qgraph knows: named before exporting
     exported = export_model(model)
-    return SupportTable(Program(model, exported).catalogue, exported.family.block_mixers(model.config))
+    return SupportTable(Program(model, exported).catalogue, exported.family, model.config)
 
 
 def annotated_tree(model: torch.nn.Module, catalogue: dict[str, Entry], highlight=frozenset()) -> str:
@@ -139,7 +138,7 @@ def annotated_tree(model: torch.nn.Module, catalogue: dict[str, Entry], highligh
 
     Values in ``highlight`` (the instrumented ones) are marked with ``*``.
     """
-    from .families import family_for
+    from ..families import family_for
     family = family_for(model)
     by_host: dict[str, list[Entry]] = {}
     for entry in catalogue.values():

@@ -33,10 +33,11 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from .. import compat
 from .fingerprint import structure
 
 # The qgraph sources whose changes change what export produces (markers, ops, example inputs).
-_EXPORT_SOURCES = ("export.py", "repeat.py", "kernels/ops.py", "inputs.py", "compat.py", "families")
+_EXPORT_SOURCES = ("export", "kernels/ops.py", "inputs.py", "compat.py", "families")
 
 
 def enabled() -> bool:
@@ -86,10 +87,10 @@ def key(model: torch.nn.Module, images: bool) -> str:
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "dtype": str(parameter.dtype),
         "device": parameter.device.type,
-        "attn_implementation": model.config._attn_implementation,
-        "vision_attn_implementation": getattr(vision, "_attn_implementation", None),
+        "attn_implementation": compat.attn_implementation(model.config),
+        "vision_attn_implementation": compat.attn_implementation(vision),
         "images": bool(images),
-        "structure": structure(model),  # module classes, parameter shapes, tied weights (qgraph.fingerprint)
+        "structure": structure(model),  # module classes, parameter shapes, tied weights (qgraph.export.fingerprint)
         "training": model.training,
         "torch": torch.__version__,
         "transformers": _version("transformers"),
@@ -106,7 +107,7 @@ def path_for(model: torch.nn.Module, images: bool) -> Path:
 def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=None) -> ExportedProgram | None:
     """The cached program of ``model`` (None when there is none, or it cannot be used); ``finish``
     turns the file's program into the model's (the export's seed into the full program: see
-    ``qgraph.repeat``), None when it cannot."""
+    ``qgraph.export.repeat``), None when it cannot."""
     if not usable():
         return None
     path = path_for(model, images)
@@ -154,11 +155,9 @@ def without_weights(program: ExportedProgram) -> ExportedProgram:
     """The same program whose state_dict holds storage-less placeholders of each tensor's shape and
     dtype (one element, expanded): what ``torch.export.save`` writes of it is the graph."""
     state_dict = {name: _placeholder(tensor) for name, tensor in program.state_dict.items()}
-    return ExportedProgram(
-        root=program.graph_module, graph=program.graph, graph_signature=program.graph_signature,
-        state_dict=state_dict, range_constraints=program.range_constraints,
-        module_call_graph=program.module_call_graph, example_inputs=None, constants=program.constants,
-        verifiers=[program.verifier])
+    return compat.exported_program(
+        program.graph_module, program.graph, program.graph_signature, state_dict, program.range_constraints,
+        program.module_call_graph, program.constants, program.verifier)
 
 
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
@@ -204,7 +203,7 @@ def _version(distribution: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _source_digest() -> str:
-    package = Path(__file__).parent
+    package = Path(__file__).parent.parent
     digest = hashlib.sha256()
     for name in _EXPORT_SOURCES:
         location = package / name

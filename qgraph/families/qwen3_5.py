@@ -1,18 +1,14 @@
-"""Qwen3.5 / Qwen3.6 text (``Qwen3_5ForCausalLM``; the text of ``Qwen3_5ForConditionalGeneration``).
+"""Qwen3.5 / Qwen3.6 (``Qwen3_5ForCausalLM``, and the image-text ``Qwen3_5ForConditionalGeneration``).
 
 Llama's pre-norm block with a hybrid mixer: three blocks in four carry a gated DeltaNet
 (``linear_attn``), the fourth gated attention (``self_attn``), as ``config.layer_types`` says.
-Every RMSNorm but the DeltaNet's own multiplies by ``1 + weight``.
+Every RMSNorm but the DeltaNet's own multiplies by ``1 + weight``. The image-text model adds the
+Qwen ViT (``qwen_vision``) and M-RoPE position ids (three rows: time, height, width).
 """
-from .rules import (BATCH1, HEADS, Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
-                    ScatterSource, ValueSpec, VarlenAttention)
-
-NAME = "qwen3_5_text"
-MODEL_TYPES = ("qwen3_5_text",)
-
-# Where the export finds the delta-rule kernels (module-level functions the mixer calls).
-KERNEL_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-DELTA_RULE_KERNELS = {"chunk": "torch_chunk_gated_delta_rule", "recurrent": "torch_recurrent_gated_delta_rule"}
+from .base import Family, Memory, Mixer, RepeatedBlocks
+from .qwen_vision import IMAGES
+from .rules import (BATCH1, HEADS, Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput,
+                    ProgramOutput, ProjectionHalf, ScatterSource, ValueSpec, VarlenAttention)
 
 # Module paths as the spec names them: the text stack's prefix drops, the vision tower is "vision"
 # with its blocks' modules named like the text blocks', its merger is "projector". The first
@@ -28,18 +24,18 @@ MODULE_RENAMES = (
     (r"^model\.visual$", "vision"),
     (r"^model\.", ""),
 )
-NO_PORTS = ("", "model", "model.language_model")  # the model itself and its wrappers
-# Block lists whose blocks of one kind trace to the same graph, so the export traces the first block
-# of each kind and repeats it (qgraph.repeat): (path, the text config's list of block kinds or None
-# when all blocks are alike, whether only the image-text program runs them).
-REPEATED_BLOCKS = (
-    ("model.layers", "layer_types", False),
-    ("model.language_model.layers", "layer_types", False),
-    ("model.visual.blocks", None, True),
-)
 
-# config.layer_types entry -> the mixer module a block of that kind carries
-MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
+# config.layer_types entry -> the mixer a block of that kind carries, and what it carries from one
+# decoding step to the next: the attention's keys and values grow; the DeltaNet carries its
+# recurrent state and its causal conv's left context
+MIXERS = {
+    "linear_attention": Mixer("linear_attn", "gated DeltaNet", (
+        Memory("state", ("value_heads", "key_dim", "value_dim"), ("state_input", "state_output"), float32=True),
+        Memory("conv", ("conv_dim", "conv_context"), ("conv_state_input", "conv_state_output")))),
+    "full_attention": Mixer("self_attn", "gated attention", (
+        Memory("keys", ("num_kv_heads", "past", "head_dim")),
+        Memory("values", ("num_kv_heads", "past", "head_dim")))),
+}
 # Where each kind of host lives: {i} runs over the text blocks (a mixer only on blocks that have it),
 # {j} over the vision blocks; hosts named vision* exist only on the image-text model.
 HOSTS = {
@@ -53,12 +49,6 @@ HOSTS = {
     "vision_self_attn": "vision.layers.{j}.self_attn",
     "vision_mlp": "vision.layers.{j}.mlp",
 }
-# The final norm and the unembedding, by their spec names (project_on_vocab)
-READOUT = ("norm", "lm_head")
-
-# The image-text model: the class whose get_image_features splits per image (replaced during
-# export by one that keeps the packed features), and the processor-side tensors the program takes.
-IMAGE_MODEL_CLASS = "Qwen3_5Model"
 
 # Layout dim -> config attribute of the text config, or a function of the model's config
 # (batch, seq, query, key, patches and image_tokens are the call's own sizes)
@@ -81,7 +71,6 @@ DIMS = {
     "vision_head_dim": lambda config: config.vision_config.hidden_size // config.vision_config.num_heads,
     "vision_intermediate_size": lambda config: config.vision_config.intermediate_size,
 }
-
 
 
 def _conv_dim(text) -> int:
@@ -226,4 +215,29 @@ VALUES = (
               "What the second projection receives", Port("linear_fc2", "input", BATCH1)),
     ValueSpec("mlp_output", "vision_mlp", "Patches [1 patches vision_hidden_size]",
               "What the MLP adds to the tower's stream", Port("", "output", BATCH1)),
+)
+
+
+QWEN3_5 = Family(
+    name="qwen3_5_text",
+    model_types=("qwen3_5_text",),
+    classes="Qwen3_5ForCausalLM and Qwen3_5ForConditionalGeneration",
+    values=VALUES,
+    hosts=HOSTS,
+    mixers=MIXERS,
+    block_kinds="layer_types",
+    dims=DIMS,
+    module_renames=MODULE_RENAMES,
+    no_ports=("", "model", "model.language_model"),
+    readout=("norm", "lm_head"),
+    rotary="rotary_emb",
+    position_rows=3,
+    # the delta-rule kernels: module-level functions the DeltaNet calls, routed through custom ops
+    kernel_module="transformers.models.qwen3_5.modeling_qwen3_5",
+    delta_rule_kernels={"chunk": "torch_chunk_gated_delta_rule", "recurrent": "torch_recurrent_gated_delta_rule"},
+    repeated_blocks=(RepeatedBlocks("model.layers", "layer_types"),
+                     RepeatedBlocks("model.language_model.layers", "layer_types"),
+                     RepeatedBlocks("model.visual.blocks", None, image_only=True)),
+    images=IMAGES,
+    vision_mixer="self_attn",
 )

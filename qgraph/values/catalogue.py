@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import re
 
-from .families import Family
-from .families.rules import ConvContext, DeltaRuleStates, Derived, ProgramInput, ValueSpec
-from .passes.locate import Found, Locator, Missing, OnRequest
+from ..families import Family
+from ..families.rules import ConvContext, DeltaRuleStates, Derived, ProgramInput, ValueSpec
+from ..passes.locate import Found, Locator, Missing, OnRequest
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
     """Every value of the model: the model's, then block by block, then the vision tower's, then ports."""
     placed = []
     for order, spec in enumerate(family.values):
-        for host in family.hosts(spec.host, config):
+        for host in family.hosts_of(spec.host, config):
             name = f"{host}.{spec.name}" if host else spec.name
             shape = tuple(int(dim) if dim.isdigit() else family.dim(config, dim) or dim for dim in spec.dims)
             location = Missing("derived") if isinstance(spec.rule, Derived) else locator.locate(host, spec.rule)

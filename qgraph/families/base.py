@@ -1,0 +1,160 @@
+"""The schema a model family fills in: everything qgraph knows about one kind of model, as data.
+
+A family file (``qwen3_5.py``) builds one ``Family``. The rest of qgraph asks the family, never the
+model's config or module names: which rule finds which value (``values``), how module paths are
+named (``module_renames``), which mixer each block carries (``mixers``), what a decoding step
+carries from one token to the next (``Mixer.memory``), where the rotary reads its position ids,
+which blocks trace alike (``repeated_blocks``), and, for an image-text model, its image inputs and
+the patches its export needs (``Images``).
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .rules import ValueSpec
+
+
+class UnsupportedModel(TypeError):
+    """The model is not of a family qgraph knows."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One piece of memory a decoding step hands to the next, per block of a mixer kind.
+
+    ``carries`` names the values a carried state enters and leaves by (``("state_input",
+    "state_output")``): the decode pass feeds the first from the cache and taps the second. Without
+    it the memory is the attention's keys or values (``name`` is ``"keys"`` or ``"values"``), grown
+    by concatenating the new tokens'. ``dims`` are layout dims after the batch; ``past`` is the
+    number of cached tokens (0 before the first step)."""
+
+    name: str
+    dims: tuple[str, ...]
+    carries: tuple[str, str] | None = None
+    float32: bool = False  # kept in float32 whatever the model's dtype (a recurrent state)
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """A kind of token mixer a block can carry."""
+
+    module: str  # the module a block of this kind carries, by its spec name ("linear_attn")
+    title: str  # what diagrams and messages call it ("gated DeltaNet")
+    memory: tuple[Memory, ...]  # what a decoding step carries, per block
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether its memory is a carried state (not a growing key/value cache)."""
+        return any(piece.carries for piece in self.memory)
+
+
+@dataclass(frozen=True)
+class RepeatedBlocks:
+    """A block list whose blocks of one kind trace to the same graph: the export traces the first
+    block of each kind and repeats it (``qgraph.export.repeat``)."""
+
+    path: str  # the ModuleList's path in the model
+    kinds_attribute: str | None  # the text config's list of block kinds; None when all blocks are alike
+    image_only: bool = False  # only the image-text program runs them
+
+
+@dataclass(frozen=True)
+class Images:
+    """An image-text model's inputs and export patches."""
+
+    keys: tuple[str, ...]  # what a call takes beyond the text (the processor's outputs)
+    inputs: tuple[str, ...]  # what the image-text program takes beyond the text inputs
+    prepare: Callable  # (model, input_ids, attention_mask, **keys) -> {program input: tensor}, checked
+    example: Callable  # (model) -> (example program inputs, their dynamic dims) for the export
+    patches: Callable  # (model) -> a context manager active while the image-text program is exported
+    forward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the exported forward
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """One model family: its value table and the facts the pipeline asks about its models."""
+
+    name: str
+    model_types: tuple[str, ...]  # the text config's model_type values that load as this family
+    classes: str  # the model classes, as messages name them
+    values: tuple[ValueSpec, ...]  # the standard values and the rule that finds each
+    hosts: dict[str, str]  # value host kind -> module path template ({i}: text block, {j}: vision block)
+    mixers: dict[str, Mixer]  # block kind (an entry of the text config's block_kinds list) -> its mixer
+    block_kinds: str  # the text config's attribute listing each block's kind
+    dims: dict  # layout dim -> text config attribute, or a function of the model's config
+    module_renames: tuple[tuple[str, str], ...]  # module path -> spec name; the first matching pattern renames
+    no_ports: tuple[str, ...]  # the model itself and its wrappers: no ports, spec name ""
+    readout: tuple[str, str]  # the final norm and the unembedding, by spec name
+    rotary: str  # the text rotary's spec name (the decode pass feeds its position ids)
+    position_rows: int  # rows of the position ids the rotary reads ([rows, batch, seq]; 3 for M-RoPE)
+    kernel_module: str  # the module whose functions are the delta-rule kernels
+    delta_rule_kernels: dict[str, str]  # "chunk" / "recurrent" -> function name in kernel_module
+    repeated_blocks: tuple[RepeatedBlocks, ...] = ()
+    images: Images | None = None
+    vision_mixer: str | None = None  # the vision blocks' attention module, by its name in the block
+
+    def title(self, module: str) -> str:
+        """What diagrams and messages call a mixer module (``gated DeltaNet``)."""
+        return next((mixer.title for mixer in self.mixers.values() if mixer.module == module), module)
+
+    @functools.lru_cache(maxsize=None)  # asked for every node's module scopes when locating values
+    def module_name(self, path: str) -> str:
+        """The spec's name of a module path (``model.layers.3.mlp`` -> ``layers.3.mlp``); "" for the
+        model itself and its wrappers (``model``, ``model.language_model``)."""
+        if path in self.no_ports:
+            return ""
+        for pattern, replacement in self.module_renames:
+            renamed, count = re.subn(pattern, replacement, path)
+            if count:
+                return renamed
+        return path
+
+    def ported_modules(self, model) -> list[tuple[str, str]]:
+        """(path, spec name) of every module that gets ports (``<name>.input``/``.output``)."""
+        return [(path, self.module_name(path)) for path, _ in model.named_modules() if path not in self.no_ports]
+
+    def kinds(self, config) -> list[str]:
+        """Each text block's kind (``linear_attention``, ``full_attention``), by block index."""
+        text = config.get_text_config()
+        return list(getattr(text, self.block_kinds)[: text.num_hidden_layers])
+
+    def block_mixers(self, config) -> list[str]:
+        """The mixer module each text block carries, by block index."""
+        return [self.mixers[kind].module for kind in self.kinds(config)]
+
+    def mixer(self, module: str) -> Mixer:
+        """The mixer whose module is ``module``."""
+        return next(mixer for mixer in self.mixers.values() if mixer.module == module)
+
+    def vision_blocks(self, config) -> int:
+        """How many blocks the vision tower has (0 for a text-only model)."""
+        vision = getattr(config, "vision_config", None)
+        return vision.depth if vision is not None and self.images is not None else 0
+
+    def hosts_of(self, spec_host: str, config) -> list[str]:
+        """Every module path hosting values of kind ``spec_host`` on this model."""
+        template = self.hosts[spec_host]
+        if spec_host.startswith("vision") and not self.vision_blocks(config):
+            return []
+        if "{i}" in template:
+            mixers = self.block_mixers(config)
+            is_mixer = spec_host in {mixer.module for mixer in self.mixers.values()}
+            return [template.format(i=i) for i, mixer in enumerate(mixers) if not is_mixer or mixer == spec_host]
+        if "{j}" in template:
+            return [template.format(j=j) for j in range(self.vision_blocks(config))]
+        return [template]
+
+    def memory_hosts(self, config) -> list[tuple[str, Mixer]]:
+        """(host, mixer) of every text block's mixer, in block order: what a decoding step carries."""
+        return [(self.hosts[self.mixers[kind].module].format(i=i), self.mixers[kind])
+                for i, kind in enumerate(self.kinds(config))]
+
+    def dim(self, config, name: str) -> int | None:
+        """The size of a layout dim on this model (None for the call's own sizes, like ``seq``)."""
+        source = self.dims.get(name)
+        if source is None:
+            return None
+        return source(config) if callable(source) else getattr(config.get_text_config(), source)

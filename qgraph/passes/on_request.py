@@ -1,0 +1,115 @@
+"""The rewrites that make a value the exported graph does not hold as a node, as typed objects.
+
+``Locator`` answers ``OnRequest(node, rewrite)`` for such a value; ``MakeOnRequest`` (the pass the
+program builder runs for every value asked for) calls ``rewrite.apply``. Each rewrite says, in
+``note``, what asking for the value does (the diagrams show it).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from .base import GraphPass, PassResult
+from .decompose import decompose_sdpa
+from .swap import open_conv_context, swap_for_states
+
+
+class Rewrite:
+    """Makes a value by rewriting the graph around ``node``; one rewrite per node serves every value
+    it makes (a block's scores and probabilities)."""
+
+    note = "a pass makes it when it is asked for"
+
+    def apply(self, program, node: Node, name: str, option: dict) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DecomposeSdpa(Rewrite):
+    """A block's attention pattern under sdpa: its sdpa node becomes explicit ops (``passes.decompose``)."""
+
+    note = "asking for it decomposes the fused sdpa into q·kᵀ, softmax and ·v (this block only)"
+
+    def apply(self, program, node, name, option):
+        decompose_sdpa(program.graph, node)
+
+
+@dataclass(frozen=True)
+class SwapForStates(Rewrite):
+    """A DeltaNet block's states: its kernel becomes the state-emitting one (``passes.swap``), at
+    every token or at the ``positions`` option's tokens, for the ``heads`` option's heads."""
+
+    at_positions: bool
+
+    @property
+    def note(self):
+        return ("asking for it swaps the kernel for one that returns the state at the positions asked for"
+                if self.at_positions else "asking for it swaps the kernel for one that returns the state after "
+                                          "every token")
+
+    def apply(self, program, node, name, option):
+        positions, heads = option.get("positions"), option.get("heads")
+        if positions is not None:
+            positions = program.add_input(f"{name}.positions", _positions(name, positions),
+                                          torch.zeros(len(positions), dtype=torch.long))
+        if heads is not None:
+            heads = program.add_input(f"{name}.heads", lambda inputs, h=torch.tensor(heads): h, torch.tensor(heads))
+        swap_for_states(program.graph, node, positions, heads, option.get("dtype", torch.float32))
+
+
+@dataclass(frozen=True)
+class OpenConvContext(Rewrite):
+    """A DeltaNet block's conv context: its causal conv gets an explicit left context (``passes.swap``)."""
+
+    note = "asking for it opens the causal conv to read the context it pads with"
+
+    def apply(self, program, node, name, option):
+        open_conv_context(program.graph, node)
+
+
+class MakeOnRequest(GraphPass):
+    """Apply the rewrite of each requested on-request value, once per node: ``requests`` is
+    ``{name: OnRequest}``, ``options`` the values' options (states' positions, heads, dtype)."""
+
+    def __init__(self, program, requests: dict, options: dict[str, dict]):
+        self.program, self.requests, self.options = program, requests, options
+
+    def __repr__(self) -> str:
+        return f"MakeOnRequest({', '.join(self.requests)})"
+
+    def requires(self, graph_module) -> None:
+        by_node = {}
+        for name, request in self.requests.items():
+            other = by_node.setdefault(request.node, name)
+            if other != name and isinstance(request.rewrite, SwapForStates):
+                raise ValueError(f"'{other}' and '{name}': ask a block for states (every token) or state (at "
+                                 f"positions), not both; states[:, positions] is the same")
+
+    def call(self, graph_module) -> PassResult:
+        done = set()
+        for name, request in self.requests.items():
+            if request.node not in done:  # scores and probabilities (or both conv sides) of one block: one rewrite
+                done.add(request.node)
+                request.rewrite.apply(self.program, request.node, name, self.options.get(name, {}))
+        return PassResult(graph_module, bool(done))
+
+
+def input_name(name: str) -> str:
+    """A program input's placeholder name for a value's option (``layers.0.linear_attn.state.positions``)."""
+    return re.sub(r"\W", "_", name)
+
+
+def _positions(name: str, positions):
+    """A function of the call's inputs giving ``positions`` as indices into its tokens."""
+    positions = [int(p) for p in positions]
+
+    def source(inputs):
+        seq = inputs["input_ids"].shape[1]
+        bad = [p for p in positions if not -seq <= p < seq]
+        if bad:
+            raise IndexError(f"'{name}' positions {bad} are out of range for a call of {seq} tokens")
+        return torch.tensor([p % seq for p in positions])
+    return source
