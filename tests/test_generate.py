@@ -106,6 +106,20 @@ def test_attention_pattern_and_states_per_step(eager_model, prompt):
                                    fresh["layers.2.linear_attn.states"][:, -1], atol=1e-5, rtol=1e-4)
 
 
+def test_a_pattern_under_sdpa_generates_as_hf_on_a_padded_batch(sdpa_model, padded):
+    # the pattern decomposes that block's sdpa, whose mask reads add 4-D boolean nodes inside the block:
+    # the decode pass must still find the one mask outside the blocks
+    ig = qgraph.instrument(sdpa_model, values=["layers.3.self_attn.attention_probabilities"])
+    ids, mask = padded
+    out = ig.generate(ids, mask, max_new_tokens=NEW)
+    assert torch.equal(out.sequences, hf_generate(sdpa_model, ids, mask))
+    last = out.steps[-1]["layers.3.self_attn.attention_probabilities"]
+    full = torch.cat([mask, torch.ones(2, out.sequences.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    fresh = ig(out.sequences[:, :last.shape[-1]], full[:, :last.shape[-1]])
+    torch.testing.assert_close(last[:, :, -1], fresh["layers.3.self_attn.attention_probabilities"][:, :, -1],
+                               atol=1e-5, rtol=0)
+
+
 def _hooked(model, layer, vector, calls=None):
     """HF generate with a forward hook adding ``vector`` to a block's output (on the forward calls in
     ``calls``, every call if None)."""
