@@ -6,6 +6,7 @@
 """
 from .kernels import grad as _autograd  # noqa: F401  (registers the custom ops' autograd)
 from .compat import check_versions
+from .capture import capture, load_capture
 from .edits import Add, Edit, EditError, Replace, Scale, Zero
 from .families import UnsupportedModel
 from .generate import GenerateOutput, chat_prompt
@@ -15,7 +16,7 @@ from .recipes import attribution_patch, patch, skip_layers, steer
 from .render import render
 from .values.support import SupportTable, support
 
-__all__ = ["Add", "attribution_patch", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
+__all__ = ["Add", "attribution_patch", "capture", "load_capture", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
            "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "patch", "render",
            "skip_layers", "steer", "support"]
 

@@ -65,6 +65,14 @@ def build_parser() -> Parser:
     add_model_arguments(support, attn_default="sdpa")
     support.set_defaults(handler=run_support)
     add_render_command(commands)
+    capture = commands.add_parser(
+        "capture", help="capture values over a dataset to sharded safetensors (resumable; torchrun splits it)",
+        description="Capture values over a dataset into --out (manifest.json and shards/); rerun the same command "
+                    "to resume. Under 'torchrun --nproc_per_node N -m qgraph capture ...' each rank takes its share.",
+        formatter_class=HelpFormatter)
+    from .capture.cli import add_arguments, main as run_capture
+    add_arguments(capture)
+    capture.set_defaults(handler=run_capture)
     return parser
 
 

@@ -51,7 +51,8 @@ BASH = [pytest.param(heading, source, id=block_id(i, heading, source))
 
 def test_the_readme_has_the_blocks_we_run():
     headings = {heading for _, heading, _ in BLOCKS}
-    assert {"Reading values", "Editing values", "DeltaNet states", "Images", "Diagrams", "Generation"} <= headings
+    assert {"Reading values", "Editing values", "DeltaNet states", "Images", "Diagrams", "Generation",
+            "Capturing a dataset"} <= headings
     assert len(PYTHON) >= 8 and len(BASH) >= 2
     assert all(language in ("python", "bash") for language, _, _ in BLOCKS), "a block in an unchecked language"
 
@@ -201,6 +202,19 @@ def generation(ns):
     assert out.steps[5]["layers.3.layer_output"].shape[1] == 1
 
 
+def capturing(ns):
+    run, cap, model, tokenizer = ns["run"], ns["cap"], ns["model"], ns["tokenizer"]
+    # "which document each token comes from": the texts' tokens, each ended by eos, in order
+    stream = [token for text in ns["texts"] for token in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    mask = cap.values("attention_mask").bool()
+    assert run.tokens == len(stream) and torch.equal(cap.values("input_ids")[mask], torch.tensor(stream))
+    assert cap.values("doc_id")[mask].unique().tolist() == list(range(len(ns["texts"])))
+    # row 0's [context, hidden_size]: the instrumented call's value, cast to bfloat16
+    ig = qgraph.instrument(model, values=["layers.3.layer_output"], logits=False)
+    rows = ig(input_ids=cap.values("input_ids")[:2], attention_mask=cap.values("attention_mask")[:2])
+    assert torch.equal(cap[0]["layers.3.layer_output"], rows["layers.3.layer_output"][0].to(torch.bfloat16))
+
+
 CLAIMS = {  # the section and a line of its block -> the check of what the README says it gives
     ("Reading values", "out.logits"): reading_values,
     ("Editing values", "Zero(heads=[2])"): editing_values,
@@ -210,6 +224,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("Images", "AutoModelForImageTextToText"): images,
     ("Diagrams", "qgraph.render("): diagrams,
     ("Generation", "ig.generate("): generation,
+    ("Capturing a dataset", "qgraph.capture("): capturing,
 }
 
 

@@ -1,0 +1,46 @@
+"""Ranks under torchrun: which rows are this process's, and waiting for the others.
+
+When ``torch.distributed`` is initialised, capture uses it as it is. Otherwise, under torchrun
+(``WORLD_SIZE`` > 1 in the environment) it initialises the default group itself, ``nccl`` when the
+model is on a GPU and ``gloo`` on CPU, and destroys it at the end. Rank ``r`` of ``w`` takes the
+rows ``r, r + w, r + 2w, ...`` of the packed stream (by row index, so the split never depends on
+timing), writes ``shards/r{r}-*.safetensors``, and rank 0 writes the manifest after a barrier.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    owned: bool = False  # whether capture initialised the group (and so destroys it)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        if self.owned and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def join(device: torch.device) -> World:
+    """This process's rank and the world size, initialising the group under torchrun if needed."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size())
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE > 1 but this torch has no torch.distributed")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return World(dist.get_rank(), dist.get_world_size(), owned=True)

@@ -1,0 +1,126 @@
+"""Reading a capture back: ``load_capture("acts/")`` is a ``torch.utils.data.Dataset`` over rows.
+
+Rows are in global row order (a torchrun capture's ranks interleave back into the order of a
+one-process run). Shards are opened with ``safetensors.safe_open`` and read a row at a time, so
+nothing is loaded whole.
+
+    cap = load_capture("acts/")
+    len(cap)                               # rows
+    cap[0]["layers.3.layer_output"]        # one row's tensors, by name, with input_ids, doc_id, ...
+    cap.values("layers.3.layer_output")    # one tensor across all rows
+    cap.to_datasets("acts-hf/")            # a datasets.Dataset SAELens's ActivationsStore reads
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+
+import torch
+
+
+class Capture(torch.utils.data.Dataset):
+    """The rows of a finished capture (see the module doc)."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        path = self.out / "manifest.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.out}: no manifest.json, not a capture dir")
+        self.manifest = json.loads(path.read_text())
+        if not self.manifest.get("complete"):
+            raise ValueError(f"{self.out}: the capture is not finished (rerun the same capture to complete it)")
+        self.names = [value["name"] for value in self.manifest["identity"]["values"]]
+        # global row -> (shard, row within it), in global row order
+        located = sorted((shard["row_start"] + k * shard["row_step"], position, k)
+                         for position, shard in enumerate(self.manifest["shards"]) for k in range(shard["rows"]))
+        self._rows = [row for row, _, _ in located]
+        self._where = [(position, k) for _, position, k in located]
+        self._files = {}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} of a capture of {len(self)} rows")
+        position, k = self._where[index]
+        file = self._open(position)
+        return {name: file.get_slice(name)[k] for name in file.keys()}
+
+    def row_index(self, index: int) -> int:
+        """The global row index of the ``index``-th row (equal to ``index`` when no row is missing)."""
+        return self._rows[index]
+
+    def find(self, row: int) -> int:
+        """The position of global row ``row``."""
+        position = bisect.bisect_left(self._rows, row)
+        if position == len(self._rows) or self._rows[position] != row:
+            raise KeyError(f"row {row} is not in this capture")
+        return position
+
+    def values(self, name: str) -> torch.Tensor:
+        """``name`` (a value or input_ids, attention_mask, doc_id, position) over every row, in row order."""
+        return torch.stack([self[index][name] for index in range(len(self))]) if len(self) else torch.empty(0)
+
+    def to_datasets(self, path: str | Path | None = None, names=None):
+        """The capture as a Hugging Face ``datasets.Dataset`` of rows, one ``Array2D [context, width]``
+        column per value, named as SAELens names its hook (``saelens_name``), and ``token_ids``
+        (int32): the columns SAELens's ``ActivationsStore`` reads from ``cached_activations_path``.
+        Written with ``save_to_disk(path)`` when ``path`` is given. bfloat16 values are stored as
+        float32 (Arrow has no bfloat16)."""
+        from datasets import Array2D, Dataset, Features, Sequence, Value
+
+        names = list(names or self.names)
+        first = self[0] if len(self) else {}
+        columns, features = {}, {}
+        for name in names:
+            if name not in first:
+                raise KeyError(f"'{name}' is not in this capture; it holds {self.names}")
+            if first[name].dim() != 2:
+                raise ValueError(f"'{name}' is {tuple(first[name].shape)} per row; a datasets column for SAELens "
+                                 f"holds [context, width] per row: read it with cap.values('{name}') instead")
+            dtype = torch.float32 if first[name].dtype == torch.bfloat16 else first[name].dtype
+            columns[name] = saelens_name(name)
+            features[columns[name]] = Array2D(shape=tuple(first[name].shape), dtype=str(dtype).removeprefix("torch."))
+        features["token_ids"] = Sequence(Value("int32"), length=first["input_ids"].shape[0])
+
+        dataset = Dataset.from_generator(_saelens_rows, features=Features(features),
+                                         gen_kwargs={"out": str(self.out), "columns": columns},
+                                         cache_dir=str(self.out / ".datasets-cache"))
+        if path is not None:
+            dataset.save_to_disk(str(path))
+        return dataset
+
+    def _open(self, position: int):
+        from safetensors import safe_open
+        if position not in self._files:
+            self._files[position] = safe_open(str(self.out / self.manifest["shards"][position]["file"]), "pt")
+        return self._files[position]
+
+
+# qgraph's block values -> TransformerLens / SAELens hook names (the rest keep their qgraph names)
+_HOOKS = {"layer_input": "hook_resid_pre", "layer_mid": "hook_resid_mid", "layer_output": "hook_resid_post",
+          "attention_output": "hook_attn_out", "mlp_output": "hook_mlp_out", "mlp_neurons": "mlp.hook_post"}
+
+
+def saelens_name(name: str) -> str:
+    """The SAELens hook name of a value (``layers.3.layer_output`` -> ``blocks.3.hook_resid_post``)."""
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) in (3, 4) and parts[1].isdigit() and parts[-1] in _HOOKS:
+        return f"blocks.{parts[1]}.{_HOOKS[parts[-1]]}"
+    return name
+
+
+def _saelens_rows(out: str, columns: dict[str, str]):
+    """The rows of ``to_datasets`` (a function of plain arguments: ``datasets`` hashes it)."""
+    capture = Capture(out)
+    for index in range(len(capture)):
+        row = capture[index]
+        yield {**{column: (row[name].float() if row[name].dtype == torch.bfloat16 else row[name]).numpy()
+                  for name, column in columns.items()}, "token_ids": row["input_ids"].int().numpy()}
+
+
+def load_capture(out: str | Path) -> Capture:
+    """The rows of the capture in ``out`` as a ``torch.utils.data.Dataset`` (see ``Capture``)."""
+    return Capture(out)
