@@ -37,6 +37,7 @@ class Program:
         self.catalogue: dict[str, Entry] = self._catalogue()
         self.extra_inputs: list[tuple[str, object]] = []  # (placeholder name, function of the call's inputs)
         self.slots: dict[str, EditSlot] = {}
+        self.passes_run: list[str] = []  # every pass run on this program, in order (for failures to name)
         self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
         self.buffers = BufferPool()  # big state buffers kept for the next call (kernels.buffers.BufferPool)
 
@@ -61,7 +62,7 @@ class Program:
         requests = {name: self.catalogue[name].location for name in names
                     if name in self.catalogue and isinstance(self.catalogue[name].location, OnRequest)}
         if requests:
-            run_passes(self.module, [MakeOnRequest(self, requests, options or {})])
+            run_passes(self.module, [MakeOnRequest(self, requests, options or {})], self.passes_run)
             self.catalogue = self._catalogue()
         return self
 
@@ -77,10 +78,10 @@ class Program:
         self.slots = dict(slots)
         self.make([*values, *slots, *make], options)
         if rewrite is not None:
-            run_passes(self.module, [rewrite])
+            run_passes(self.module, [rewrite], self.passes_run)
         slotted = InsertEditSlots({name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
                                    for name, slot in slots.items()})
-        run_passes(self.module, [slotted])
+        run_passes(self.module, [slotted], self.passes_run)
         self.derived = {name: self.catalogue[name] for name in values if self.catalogue[name].derived}
         wanted = [name for name in values if name not in self.derived]
         for entry in self.derived.values():
@@ -94,7 +95,7 @@ class Program:
                 found[grad_tap(name)] = Found(found[name].node)
         found.update(getattr(rewrite, "taps", {}))
         tap = Tap(found, logits)
-        run_passes(self.module, [tap, StripMarkers(), Prune()])
+        run_passes(self.module, [tap, StripMarkers(), Prune()], self.passes_run)
         self.tapped, self.returns_logits = tap.tapped, logits
         self.module.recompile()
         self.inputs = _input_sources(self.model, self.exported) + [source for _, source in self.extra_inputs]

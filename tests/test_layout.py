@@ -112,10 +112,17 @@ def test_the_diagram_reads_the_program_the_builder_makes(sdpa_model):
     ops = lambda graph: [str(node.target) for node in graph.nodes]  # noqa: E731
     assert ops(view.graph) == ops(made.graph)
     assert STATES_OP in [node.target for node in view.graph.nodes]
-    assert view.catalogue["layers.0.linear_attn.states"].location.node.target is not None
+    assert view.catalogue["layers.0.linear_attn.states"].location.node.args[0].target is STATES_OP
 
 
 def test_the_architecture_picture_is_valid_dot():
     source = (ROOT / "docs" / "pipeline.dot").read_text()
     svg = graphviz.Source(source).pipe(format="svg").decode()
     assert "program.py" in svg and "families/" in svg
+
+
+def test_a_program_keeps_the_passes_it_ran_in_order(sdpa_model):
+    program = Program(sdpa_model, export_model(sdpa_model, images=False)).build(
+        ["layers.0.linear_attn.states"], {}, True)
+    assert program.passes_run == ["MakeOnRequest(layers.0.linear_attn.states)", "InsertEditSlots", "Tap",
+                                  "StripMarkers", "Prune"]

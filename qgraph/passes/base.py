@@ -21,9 +21,11 @@ class GraphPass(PassBase):
         return type(self).__name__
 
 
-def run_passes(module: GraphModule, passes: list[PassBase]) -> GraphModule:
-    """Run ``passes`` in order on ``module``, linting after each; return the final graph module."""
-    done: list[str] = []
+def run_passes(module: GraphModule, passes: list[PassBase], done: list[str] | None = None) -> GraphModule:
+    """Run ``passes`` in order on ``module``, linting after each; return the final graph module.
+    ``done`` is the history of passes already run on ``module`` (a builder that runs its passes in
+    steps passes its own list, so a failure names every pass before it); each pass run is added."""
+    done = [] if done is None else done
     for graph_pass in passes:
         try:
             result = graph_pass(module)
