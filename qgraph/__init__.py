@@ -13,10 +13,11 @@ from .generate import GenerateOutput, chat_prompt
 from .instrument import InstrumentedModel, Output, instrument
 from .values.names import UnavailableValue, UnknownValue
 from .recipes import attribution_patch, patch, skip_layers, steer
+from .saes import SAE
 from .render import render
 from .values.support import SupportTable, support
 
-__all__ = ["Add", "attribution_patch", "capture", "load_capture", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "Scale", "SupportTable",
+__all__ = ["Add", "attribution_patch", "capture", "load_capture", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "SAE", "Scale", "SupportTable",
            "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "patch", "render",
            "skip_layers", "steer", "support"]
 

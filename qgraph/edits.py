@@ -24,7 +24,7 @@ _AXES = {
     "batch": ("batch",),
     "positions": ("seq", "query", "image_tokens", "patches"),
     "heads": ("num_heads", "num_kv_heads", "key_heads", "value_heads", "heads"),
-    "neurons": ("intermediate_size",),
+    "neurons": ("intermediate_size", "d_sae"),
 }
 
 

@@ -109,7 +109,7 @@ class Decoder:
         self.values = [name for name in values if name in self.present]
 
     def _build(self, ig, exported, values, options, slots, recurrent) -> Program:
-        program = Program(ig.model, exported)
+        program = Program(ig.model, exported, saes=ig.saes)
         present = self.present = program.present
         return program.build([name for name in values if name in present],
                              {name: slot for name, slot in slots.items() if name in present}, True,

@@ -21,9 +21,8 @@ from .values.names import canonical, resolve
 from .passes import views
 from .passes.edit import EditSlot, applying
 from .program import Program, grad_tap
-
-# The options a value takes in ``values={name: {...}}`` (every value takes ``grad``)
-_OPTIONS = {"states": ("dtype", "heads"), "state": ("positions", "dtype", "heads")}
+from .values.options import check_options
+from .saes.splice import check_saes
 
 _READ_ONLY_HINT = {
     "next_token_probs": "edit 'logits' instead",
@@ -94,8 +93,8 @@ class Output:
         return canonical(name, self.blocks) in self.values
 
 
-def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True,
-               compile=False) -> "InstrumentedModel":
+def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True, compile=False,
+               saes=None, splice: str = "error") -> "InstrumentedModel":
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
     ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
@@ -106,9 +105,12 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     or a dict ``{name: edit}`` of edits fixed into the program. With ``logits=False`` the program
     returns only the captured values, and what only the logits needed (``lm_head``, blocks past the
     last value) is not computed. ``compile=True`` (or a dict of ``torch.compile`` options) runs the
-    program under ``torch.compile`` (see ``InstrumentedModel.compile``).
+    program under ``torch.compile`` (see ``InstrumentedModel.compile``). ``saes={value: sae}`` splices
+    sparse autoencoders (``qgraph.SAE``) at values, with values ``<host>.sae.features`` /
+    ``.reconstruction`` / ``.error``; ``splice="reconstruction"`` makes the model read the
+    reconstruction instead of the value (the default, "error", keeps the value exact).
     """
-    instrumented = InstrumentedModel(model, values, edits=edits, logits=logits)
+    instrumented = InstrumentedModel(model, values, edits=edits, logits=logits, saes=saes, splice=splice)
     options = compile_options(compile)
     return instrumented if options is None else instrumented.compile(**options)
 
@@ -125,12 +127,13 @@ class InstrumentedModel:
     another dtype or device, another attention implementation), the next call rebuilds the programs.
     """
 
-    def __init__(self, model: torch.nn.Module, values=(), *, edits=(), logits=True):
+    def __init__(self, model: torch.nn.Module, values=(), *, edits=(), logits=True, saes=None, splice="error"):
         family_for(model)  # an unsupported model (or not a model at all) is named before anything else
         if not isinstance(logits, bool):
             raise TypeError(f"logits= takes True or False, not {logits!r}")
         self.model, self.config = model, model.config
         self._request, self._logits, self._compile = (values, edits), logits, None
+        self._sae_request = (saes or {}, splice)
         self._lock = threading.RLock()  # builds programs; calls themselves run unlocked
         self._build()
         hooked = [self.family.module_name(path) or path for path in hooked_modules(model)]
@@ -144,8 +147,13 @@ class InstrumentedModel:
         self._fingerprint = fingerprint(self.model)
         self.exported = export_model(self.model)
         self.family = self.exported.family
+        self.saes = {}
         main = Program(self.model, self.exported)
         self.catalogue: dict[str, Entry] = main.catalogue
+        self.saes = check_saes(self._sae_request, self.resolve, main.catalogue)
+        if self.saes:
+            main = self._program(self.exported)
+            self.catalogue = main.catalogue
         values, edits = self._request
         self.values = self.resolve(values)
         self.options = self.check_options(values)
@@ -177,48 +185,8 @@ class InstrumentedModel:
         return images, frozenset(self.slots) | frozenset(extra)
 
     def check_options(self, values) -> dict[str, dict]:
-        """Per-value options from ``values={name: {option: ...}}``, checked against what each value takes."""
-        from .edits import indices
-        given = {}
-        if isinstance(values, Mapping):
-            for pattern, option in values.items():
-                if option is not None and not isinstance(option, Mapping):
-                    raise TypeError(f"values={{'{pattern}': {option!r}}}: a value's options are a dict, e.g. "
-                                    f"{{'grad': True}} or {{'positions': [0, -1]}} (or {{}} for none)")
-                given.update(dict.fromkeys(self.resolve(pattern), dict(option or {})))
-        options = {}
-        for name in self.values:
-            kind = self.catalogue[name].spec.name if self.catalogue[name].spec else ""
-            option, allowed = given.get(name, {}), _OPTIONS.get(kind, ()) + ("grad",)
-            if option.get("grad") and self.catalogue[name].derived:
-                raise ValueError(f"'{name}' is computed after the run from other values, so it has no gradient "
-                                 f"of its own: ask 'grad' of the values it comes from")
-            unknown = set(option) - set(allowed)
-            if unknown:
-                raise ValueError(f"'{name}' takes no option {sorted(unknown)}"
-                                 + (f"; it takes {list(allowed)}" if allowed else ""))
-            if kind == "state" and "positions" not in option:
-                raise ValueError(f"'{name}' needs positions: ask values={{'{name}': {{'positions': [...]}}}}, the "
-                                 f"tokens after which to read the state (or ask for 'states', every token)")
-            option = dict(option)
-            for selector in ("positions", "heads"):
-                if selector in option:
-                    option[selector] = indices(option[selector], selector, f"'{name}' option {selector}")
-            if "heads" in option:
-                entry = self.catalogue[name]
-                heads = entry.shape[entry.spec.dims.index("value_heads")]
-                bad = [head for head in option["heads"] if not -heads <= head < heads]
-                if bad:
-                    raise ValueError(f"'{name}' option heads: {bad} out of range; it has {heads} heads (0 to "
-                                     f"{heads - 1}, or negative from the end)")
-                option["heads"] = [head % heads for head in option["heads"]]
-            dtype = option.get("dtype", torch.float32)
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise TypeError(f"'{name}' option dtype: {dtype!r} is not a floating torch dtype; give one such as "
-                                f"torch.float32 or torch.bfloat16")
-            if option:
-                options[name] = option
-        return options
+        """Per-value options from ``values={name: {option: ...}}``, checked (``values.options``)."""
+        return check_options(values, self.resolve, self.catalogue, self.values)
 
     def resolve(self, patterns) -> list[str]:
         """The value names that ``patterns`` (names, globs, bracket forms; a list or one string) select."""
@@ -243,7 +211,7 @@ class InstrumentedModel:
             return program
         with self._lock:
             if key not in self._programs:
-                program = Program(self.model, export_model(self.model, images=images))
+                program = self._program(export_model(self.model, images=images))
                 present = program.present
                 slots = {name: self._slot(name) for name in key[1] if name in present}
                 self._programs[key] = program.build([n for n in self.values if n in present], slots, self._logits,
@@ -251,6 +219,10 @@ class InstrumentedModel:
                 if self._compile is not None and not extra:
                     compile_program(self._programs[key], **self._compile)
             return self._programs[key]
+
+    def _program(self, exported) -> Program:
+        """A program builder for ``exported``, with this model's SAEs."""
+        return Program(self.model, exported, saes=self.saes)
 
     def _slot(self, name: str) -> EditSlot:
         """The slot at ``name``: declared, or made for per-call edits (once, then reused)."""
@@ -349,6 +321,12 @@ class InstrumentedModel:
         return generate(self, input_ids, attention_mask, **kwargs)
 
     # -- reading the stream -------------------------------------------------------------------
+    def top_features(self, input_ids, layer: int, k: int = 10, attention_mask=None):
+        """``(activations, features)`` ``[batch, seq, k]``: each token's ``k`` most active features of
+        the SAE spliced at block ``layer`` (see ``instrument(..., saes=...)``), largest first."""
+        from .saes.read import top_features
+        return top_features(self, input_ids, layer, k, attention_mask)
+
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a residual-stream tensor: the model's final norm (its ``1 + weight`` gain), then
         its lm_head, so ``project_on_vocab(layers[-1].layer_output) == logits``."""

@@ -13,6 +13,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from .values.catalogue import Entry, build_catalogue
+from .values.saes import prefix_of, sae_entries
 from .export import ExportedModel
 from .kernels.buffers import BufferPool, reusing
 from .passes import Found, Locator, OnRequest
@@ -26,8 +27,10 @@ from .passes.tap import Prune, Tap
 class Program:
     """A copy of an exported graph with its catalogue; ``build`` runs the passes for a request."""
 
-    def __init__(self, model: torch.nn.Module, exported: ExportedModel):
+    def __init__(self, model: torch.nn.Module, exported: ExportedModel, saes: dict | None = None):
         self.model, self.exported, self.family = model, exported, exported.family
+        self.saes = saes or {}  # {hook value: (SAE, splice)}: their values are made on request (values.saes)
+        self.spliced: dict[str, dict] = {}  # the splices made: {prefix: {part: node}}
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(exported.graph, {}))
         attributes = {node.target: getattr(exported.program.graph_module, node.target)
@@ -54,7 +57,8 @@ class Program:
 
     def _catalogue(self) -> dict[str, Entry]:
         self.locator = Locator(self.graph, self.family, self.model.config)  # ports and scopes, for the diagrams
-        return build_catalogue(self.family, self.model.config, self.locator, self.module_names)
+        entries = build_catalogue(self.family, self.model.config, self.locator, self.module_names)
+        return {**entries, **sae_entries(entries, self.saes, self.spliced)} if self.saes else entries
 
     def make(self, names, options: dict[str, dict] | None = None) -> "Program":
         """Run the rewrites that make the on-request values among ``names`` (``passes.on_request``)
@@ -76,7 +80,8 @@ class Program:
         readers read, so its gradient can be read after a backward."""
         options = options or {}
         self.slots = dict(slots)
-        self.make([*values, *slots, *make], options)
+        spliced = [f"{prefix_of(hook)}.sae.features" for hook, (_, splice) in self.saes.items() if splice != "error"]
+        self.make([*values, *slots, *make, *spliced], options)
         if rewrite is not None:
             run_passes(self.module, [rewrite], self.passes_run)
         slotted = InsertEditSlots({name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .saes.fixtures import write_qwen_scope, write_saelens, write_sparsify  # noqa: F401  (tiny random SAEs)
+
 # A byte-level vocabulary: 256 byte tokens, then the specials the chat template uses.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]

@@ -52,7 +52,7 @@ BASH = [pytest.param(heading, source, id=block_id(i, heading, source))
 def test_the_readme_has_the_blocks_we_run():
     headings = {heading for _, heading, _ in BLOCKS}
     assert {"Reading values", "Editing values", "DeltaNet states", "Images", "Diagrams", "Generation",
-            "Capturing a dataset"} <= headings
+            "Capturing a dataset", "Sparse autoencoders"} <= headings
     assert len(PYTHON) >= 8 and len(BASH) >= 2
     assert all(language in ("python", "bash") for language, _, _ in BLOCKS), "a block in an unchecked language"
 
@@ -215,6 +215,25 @@ def capturing(ns):
     assert torch.equal(cap[0]["layers.3.layer_output"], rows["layers.3.layer_output"][0].to(torch.bfloat16))
 
 
+def saes(ns):
+    ig, sae, out, model, ids = ns["ig"], ns["sae"], ns["out"], ns["model"], ns["ids"]
+    # "the model's own": the error term is added back
+    torch.testing.assert_close(out.logits, hf_logits(model, ids), rtol=0, atol=0)
+    x = out["layers.1.sae.error"] + out["layers.1.sae.reconstruction"]
+    torch.testing.assert_close(out["layers.1.sae.features"], sae.encode(x), rtol=0, atol=1e-5)
+    top = out["layers.1.sae.features"].topk(sae.k, dim=-1)
+    assert torch.equal(out["layers.1.sae.indices"], top.indices.int())
+    assert torch.equal(ns["activations"], top.values[..., :5]) and torch.equal(ns["features"], top.indices[..., :5])
+    assert not torch.allclose(ns["steered"].logits, out.logits)
+    # Zero(neurons=[4]) moves the stream by the decoded change (feature 4 is active here)
+    assert (out["layers.1.sae.features"][..., 4] > 0).all()
+    zeroed = out["layers.1.sae.features"].clone()
+    zeroed[..., 4] = 0
+    moved = sae.decode(zeroed) - sae.decode(out["layers.1.sae.features"])
+    torch.testing.assert_close(ns["ablated"]["layers.1.sae.reconstruction"] - out["layers.1.sae.reconstruction"],
+                               moved, rtol=0, atol=1e-5)
+
+
 CLAIMS = {  # the section and a line of its block -> the check of what the README says it gives
     ("Reading values", "out.logits"): reading_values,
     ("Editing values", "Zero(heads=[2])"): editing_values,
@@ -225,6 +244,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("Diagrams", "qgraph.render("): diagrams,
     ("Generation", "ig.generate("): generation,
     ("Capturing a dataset", "qgraph.capture("): capturing,
+    ("Sparse autoencoders", "qgraph.SAE.load("): saes,
 }
 
 

@@ -1,7 +1,8 @@
 """``qgraph capture``: the command line of ``qgraph.capture``.
 
     qgraph capture --model PATH --data FILE_OR_DIR --values 'layers.*.layer_output' --out acts/ \\
-        --context 1024 --batch-size 8 --dtype bfloat16 --max-tokens 1e7 [--shard-rows N] [--text-column text]
+        --context 1024 --batch-size 8 --dtype bfloat16 --max-tokens 1e7 [--shard-rows N] [--text-column text] \\
+        [--sae layers.5.layer_output=SAE_PATH --values 'layers.5.sae.indices' 'layers.5.sae.activations']
 
 Under ``torchrun --nproc_per_node N -m qgraph capture ...`` each rank loads the model (on GPU
 ``LOCAL_RANK`` when CUDA is there) and captures its share of the rows.
@@ -33,6 +34,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--text-column", default="text", help="the dataset's text column")
     parser.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
     parser.add_argument("--compile", action="store_true", help="run the program under torch.compile")
+    parser.add_argument("--sae", action="append", default=[], metavar="VALUE=PATH",
+                        help="splice the SAE at PATH (Qwen-Scope, SAELens or sparsify; a folder of layers is read "
+                             "at VALUE's block) at VALUE, so its values (layers.i.sae.*) can be captured; repeatable")
 
 
 def main(args) -> int:
@@ -53,6 +57,7 @@ def main(args) -> int:
     if args.shard_rows is not None and (args.shard_rows < 1 or args.shard_rows % args.batch_size):
         raise ValueError(f"--shard-rows must be a positive multiple of --batch-size ({args.batch_size}), "
                          f"got {args.shard_rows}")
+    saes = _saes(args.sae)
     import transformers
     transformers.logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
@@ -61,11 +66,29 @@ def main(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     run = capture(model, tokenizer, data, args.values, args.out, context=args.context, batch_size=args.batch_size,
                   dtype=DTYPES[args.dtype], max_tokens=args.max_tokens, shard_rows=args.shard_rows,
-                  text_column=args.text_column, chat_template=args.chat_template, compile=args.compile)
+                  text_column=args.text_column, chat_template=args.chat_template, compile=args.compile,
+                  saes=saes)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"captured {run.rows} rows ({run.tokens} tokens) in {run.shards} shard(s), "
               f"{run.bytes / 1e6:.1f} MB, to {run.out} ({run.seconds:.1f} s, {run.skipped} shards already done)")
     return 0
+
+
+def _saes(specs: list[str]) -> dict:
+    """``{value: SAE}`` from ``--sae VALUE=PATH`` options (the layer of a folder of layers is VALUE's block)."""
+    import re
+
+    from ..saes import SAE
+    saes = {}
+    for spec in specs:
+        value, _, path = spec.partition("=")
+        if not value or not path:
+            raise ValueError(f"--sae {spec}: give VALUE=PATH, e.g. --sae layers.5.layer_output=sae_dir/")
+        if not Path(path).expanduser().exists():
+            raise FileNotFoundError(f"--sae {spec}: no such file or directory: {path}")
+        block = re.match(r"layers\.(\d+)\.", value)
+        saes[value] = SAE.load(Path(path).expanduser(), layer=int(block.group(1)) if block else None)
+    return saes
 
 
 def _count(text: str) -> int:

@@ -32,15 +32,25 @@ def model_identity(model: torch.nn.Module) -> dict:
     config = model.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "_attn_implementation_autoset"):
         config.pop(key, None)
+    return {"class": type(model).__name__, "name": str(getattr(model.config, "_name_or_path", "") or ""),
+            "config_sha256": _sha(json.dumps(config, sort_keys=True, default=str)),
+            "weights_sha256": _weights_sha256(model)}
+
+
+def saes_identity(saes: dict) -> dict:
+    """For each spliced SAE (``{hook: (sae, splice)}``): where it came from, its form and a hash of its weights."""
+    return {hook: {"source": sae.source, "splice": splice, "form": sae.extra_repr(), "weights_sha256": _weights_sha256(sae)}
+            for hook, (sae, splice) in sorted(saes.items())}
+
+
+def _weights_sha256(module: torch.nn.Module) -> str:
     weights = hashlib.sha256()
-    for name, parameter in model.state_dict().items():
+    for name, parameter in module.state_dict().items():
         flat = parameter.detach().reshape(-1)
         sample = flat[::max(1, flat.numel() // _SAMPLE)][:_SAMPLE].to("cpu").contiguous()
         weights.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}".encode())
         weights.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
-    return {"class": type(model).__name__, "name": str(getattr(model.config, "_name_or_path", "") or ""),
-            "config_sha256": _sha(json.dumps(config, sort_keys=True, default=str)),
-            "weights_sha256": weights.hexdigest()}
+    return weights.hexdigest()
 
 
 def tokenizer_identity(tokenizer) -> dict | None:

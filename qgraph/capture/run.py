@@ -21,7 +21,7 @@ from ..instrument import instrument
 from .data import documents, open_dataset, pack
 from .distributed import join
 from .manifest import CaptureMismatch, check, done_shards, merge, model_identity, new_manifest, recorded_shard_rows, \
-    tokenizer_identity, write_json
+    saes_identity, tokenizer_identity, write_json
 from .writer import ShardJob, ShardWriter
 
 META = ("input_ids", "attention_mask", "doc_id", "position")  # int64 [rows, context] in every shard
@@ -44,7 +44,8 @@ class CaptureRun:
 
 def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_size: int = 8,
             dtype: torch.dtype = torch.bfloat16, max_tokens: int | None = None, shard_rows: int | None = None,
-            text_column: str = "text", chat_template: bool = False, compile=False, progress: bool = True) -> CaptureRun:
+            text_column: str = "text", chat_template: bool = False, compile=False, progress: bool = True,
+            saes=None, splice: str = "error") -> CaptureRun:
     """Capture ``values`` (names, globs, or ``{name: options}``) of ``model`` over ``dataset`` into
     ``out``: ``manifest.json`` and ``shards/r{rank}-{index:05d}.safetensors``, one tensor per value
     (``[rows, ...]`` in the value's layout, floats cast to ``dtype``) plus ``input_ids``,
@@ -54,6 +55,10 @@ def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_s
     parquet, jsonl or text file), a list of texts or token id lists, or a ``[documents, tokens]``
     tensor. Rerunning the same call resumes; another setup in the same ``out`` is refused
     (``CaptureMismatch``). Under torchrun each rank captures rows ``rank::world``.
+
+    ``saes={value: sae}`` splices SAEs as ``qgraph.instrument`` does, so their values can be captured:
+    ``layers.5.sae.activations`` and ``layers.5.sae.indices`` (int32) are a TopK SAE's features in
+    sparse form, ``[rows, context, k]``, where ``layers.5.sae.features`` would be ``d_sae`` wide.
     """
     started = time.perf_counter()
     if isinstance(max_tokens, float) and max_tokens.is_integer():
@@ -66,10 +71,11 @@ def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_s
         examples, source = open_dataset(dataset, text_column)
         request = {values: {}} if isinstance(values, str) else values
         request = dict(request) if isinstance(request, Mapping) else dict.fromkeys(request, {})
-        ig = instrument(model, values=request, logits=False, compile=compile)
+        ig = instrument(model, values=request, logits=False, compile=compile, saes=saes, splice=splice)
         names, records = _values(ig, model, request, context, dtype)
         shard_rows = shard_rows or recorded_shard_rows(out) or _default_shard_rows(records, context, batch_size)
-        identity = {"model": model_identity(model), "values": [{k: r[k] for k in ("name", "layout", "options")}
+        identity = {"model": model_identity(model), **({"saes": saes_identity(ig.saes)} if ig.saes else {}),
+                    "values": [{k: r[k] for k in ("name", "layout", "options")}
                                                                 for r in records],
                     "dtype": str(dtype).removeprefix("torch."), "context": context, "batch_size": batch_size,
                     "shard_rows": shard_rows, "max_tokens": max_tokens, "world_size": world.size,

@@ -107,6 +107,14 @@ class Derived:
 
 
 @dataclass(frozen=True)
+class SAEPart:
+    """A value of a sparse autoencoder spliced at another value (``qgraph.saes``): its ``features``,
+    ``reconstruction`` or ``error``. Not in a family's table: ``values.saes`` makes these entries."""
+
+    part: str
+
+
+@dataclass(frozen=True)
 class ValueSpec:
     """One standard value: its name on its host, layout, description and the rule that finds it."""
 
@@ -123,4 +131,5 @@ class ValueSpec:
 
     @property
     def read_only(self) -> bool:
-        return isinstance(self.rule, (ProgramInput, Derived, DeltaRuleStates))
+        return isinstance(self.rule, (ProgramInput, Derived, DeltaRuleStates)) or \
+            (isinstance(self.rule, SAEPart) and self.rule.part != "features")

@@ -6,25 +6,40 @@ import torch
 from torch.fx import Graph, Node
 
 
-def fake_result(op, args):
+def fake_result(op, args, kwargs=None):
     """The op's output on the arguments' fake values (shapes stay symbolic, nothing is computed)."""
     fakes = torch.fx.node.map_arg(args, lambda node: node.meta["val"])
+    kwargs = kwargs or {}
     tensors = []
     torch.fx.node.map_aggregate(fakes, lambda value: tensors.append(value) if hasattr(value, "fake_mode") else None)
     if not tensors:  # arithmetic on symbolic sizes
-        return op(*fakes)
+        return op(*fakes, **kwargs)
     with tensors[0].fake_mode:
-        return op(*fakes)
+        return op(*fakes, **kwargs)
 
 
 def emitter(graph: Graph, scope: Node):
-    """A function ``emit(op, *args) -> Node`` adding calls that carry ``scope``'s module scope."""
-    meta = {key: scope.meta[key] for key in ("nn_module_stack", "stack_trace") if key in scope.meta}
+    """A function ``emit(op, *args, **kwargs) -> Node`` adding calls that carry ``scope``'s module scope."""
+    meta = _scope(scope)
 
-    def emit(op, *args) -> Node:
-        node = graph.call_function(op, args)
+    def emit(op, *args, **kwargs) -> Node:
+        node = graph.call_function(op, args, kwargs or None)
         node.meta.update(meta)
-        node.meta["val"] = fake_result(op, args)
+        node.meta["val"] = fake_result(op, args, kwargs)
         return node
 
     return emit
+
+
+def emit_module(graph: Graph, scope: Node, target: str, args: tuple, like: torch.Tensor) -> Node:
+    """A call of the submodule ``target`` carrying ``scope``'s module scope, whose output is shaped
+    like the fake tensor ``like`` (a submodule's output is not computed on fakes: its weights are real)."""
+    node = graph.call_module(target, args)
+    node.meta.update(_scope(scope))
+    with like.fake_mode:
+        node.meta["val"] = like.new_empty(like.shape)
+    return node
+
+
+def _scope(node: Node) -> dict:
+    return {key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta}

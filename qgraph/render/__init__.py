@@ -58,7 +58,7 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
             raise IndexError(f"block {layer}: the model has blocks 0 to {len(mixers) - 1}")
 
     exported = model_or_ig.exported if isinstance(model_or_ig, InstrumentedModel) else export_model(model)
-    view = GraphView(model, exported, requested=list(marks))
+    view = GraphView(model, exported, requested=list(marks), saes=getattr(model_or_ig, "saes", None))
     marks = dict(marks)
     if highlight:
         from ..values.names import resolve

@@ -1,0 +1,75 @@
+"""Tiny random SAEs written in each format, for tests: ``write_qwen_scope``, ``write_saelens``,
+``write_sparsify``. With the same ``seed`` (and sizes) they hold the same weights, each in its own
+layout, so they load to the same record tensor for tensor; what differs is each format's conventions
+(Qwen-Scope does not subtract b_dec and keeps raw top-k values; SAELens and sparsify subtract b_dec
+and relu them)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def weights(d_in: int, d_sae: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The record's weights of a seed: ``W_enc [d_in, d_sae]``, ``b_enc``, ``W_dec [d_sae, d_in]``,
+    ``b_dec``, and a positive JumpReLU ``threshold``, float32."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, scale):
+        return torch.randn(*shape, generator=generator) * scale
+
+    return {"W_enc": normal(d_in, d_sae, scale=d_in ** -0.5), "b_enc": normal(d_sae, scale=0.1),
+            "W_dec": normal(d_sae, d_in, scale=d_sae ** -0.5), "b_dec": normal(d_in, scale=0.1),
+            "threshold": torch.rand(d_sae, generator=generator) * 0.5}
+
+
+def write_qwen_scope(dir, layer: int, d_in: int, d_sae: int, seed: int = 0, k: int | None = None) -> Path:
+    """``layer{layer}.sae.pt`` as Qwen-Scope ships it (``W_enc [d_sae, d_in]``, ``W_dec [d_in, d_sae]``),
+    in ``dir`` or, given ``k``, in ``dir/SAE-Res-Tiny-W{d_sae}-L0_{k}`` (k is read from that name).
+    Returns the folder; load it with ``SAE.load(folder, layer=layer)``."""
+    folder = Path(dir) / f"SAE-Res-Tiny-W{d_sae}-L0_{k}" if k is not None else Path(dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    w = weights(d_in, d_sae, seed)
+    torch.save({"W_enc": w["W_enc"].T.contiguous(), "b_enc": w["b_enc"], "W_dec": w["W_dec"].T.contiguous(),
+                "b_dec": w["b_dec"]}, folder / f"layer{layer}.sae.pt")
+    return folder
+
+
+def write_saelens(dir, d_in: int, d_sae: int, architecture: str = "topk", k: int | None = None,
+                  hook_name: str = "blocks.0.hook_resid_post", seed: int = 0) -> Path:
+    """``cfg.json`` + ``sae_weights.safetensors`` as SAELens 6 saves them (``apply_b_dec_to_input``,
+    the hook name under ``metadata``); ``architecture`` "topk" (needs ``k``), "jumprelu" or "standard".
+    Returns the folder."""
+    from safetensors.torch import save_file
+    if (architecture == "topk") != (k is not None):
+        raise ValueError(f"write_saelens: k={k!r} with architecture={architecture!r}: give k for topk only")
+    folder = Path(dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    w = weights(d_in, d_sae, seed)
+    keep = ["W_enc", "b_enc", "W_dec", "b_dec"] + (["threshold"] if architecture == "jumprelu" else [])
+    save_file({name: w[name].contiguous() for name in keep}, str(folder / "sae_weights.safetensors"))
+    cfg = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae, "dtype": "float32", "device": "cpu",
+           "apply_b_dec_to_input": True, "normalize_activations": "none", "reshape_activations": "none",
+           "metadata": {"hook_name": hook_name, "model_name": "tiny", "sae_lens_version": "6.0.0"}}
+    if k is not None:
+        cfg["k"] = k
+    (folder / "cfg.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+def write_sparsify(dir, d_in: int, d_sae: int, k: int, seed: int = 0, layer: int | None = None) -> Path:
+    """``cfg.json`` + ``sae.safetensors`` as sparsify saves them (``encoder.weight [d_sae, d_in]``), in
+    ``dir`` or, given ``layer``, in ``dir/layers.{layer}`` (sparsify's folder of a block's output).
+    Returns the SAE's folder."""
+    from safetensors.torch import save_file
+    folder = Path(dir) / f"layers.{layer}" if layer is not None else Path(dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    w = weights(d_in, d_sae, seed)
+    save_file({"encoder.weight": w["W_enc"].T.contiguous(), "encoder.bias": w["b_enc"], "W_dec": w["W_dec"],
+               "b_dec": w["b_dec"]}, str(folder / "sae.safetensors"))
+    cfg = {"activation": "topk", "expansion_factor": d_sae // d_in, "normalize_decoder": True,
+           "num_latents": d_sae, "k": k, "multi_topk": False, "skip_connection": False, "transcode": False,
+           "d_in": d_in}
+    (folder / "cfg.json").write_text(json.dumps(cfg, indent=2))
+    return folder
