@@ -5,6 +5,7 @@
     out.logits, out["layers.3.layer_output"]
 """
 from .kernels import grad as _autograd  # noqa: F401  (registers the custom ops' autograd)
+from .kernels import experts as _experts  # noqa: F401  (registers qgraph::moe_experts, which MoE programs call)
 from .compat import check_versions
 from .capture import capture, load_capture
 from .edits import Add, Edit, EditError, Replace, Scale, Zero

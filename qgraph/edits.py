@@ -2,8 +2,9 @@
 value read downstream of it sees the edited tensor (and the value itself is captured as edited).
 
 Each tensor edit can select a region by the value's layout axes: ``batch=``, ``positions=`` (the
-``seq`` axis, the ``query`` axis of a pattern, the rows of a vision value), ``heads=`` (any heads axis) and ``neurons=``
-(an ``intermediate_size`` axis). A selection is an index or a non-empty list of indices (negative
+``seq`` axis, the ``query`` axis of a pattern, the rows of a vision value), ``heads=`` (any heads axis), ``neurons=``
+(an ``intermediate_size`` or SAE features axis) and ``experts=`` (a ``num_experts`` axis: a MoE block's
+``expert_weights`` or ``router_logits``). A selection is an index or a non-empty list of indices (negative
 ones count from the end). Any callable ``f(tensor) -> tensor`` is an edit too; it sees and returns
 the whole value.
 
@@ -24,7 +25,8 @@ _AXES = {
     "batch": ("batch",),
     "positions": ("seq", "query", "image_tokens", "patches"),
     "heads": ("num_heads", "num_kv_heads", "key_heads", "value_heads", "heads"),
-    "neurons": ("intermediate_size", "d_sae"),
+    "neurons": ("intermediate_size", "shared_intermediate_size", "d_sae"),
+    "experts": ("num_experts",),
 }
 
 
@@ -52,6 +54,7 @@ class Edit:
     positions: Sequence[int] | None = field(default=None, kw_only=True)
     heads: Sequence[int] | None = field(default=None, kw_only=True)
     neurons: Sequence[int] | None = field(default=None, kw_only=True)
+    experts: Sequence[int] | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
         for selector in _AXES:

@@ -124,6 +124,72 @@ def tiny_qwen3_5_vl(path: str | os.PathLike, seed: int = 0) -> Path:
     return path
 
 
+# The tiny MoE block: 8 experts, top-2, each expert and the shared expert narrower than the dense MLP
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def tiny_qwen3_5_moe(path: str | os.PathLike, seed: int = 0, images: bool = False) -> Path:
+    """Build the tiny random ``Qwen3_5MoeForCausalLM`` (the tiny text model's blocks with the MoE
+    block of ``TINY_MOE``), or with ``images=True`` the image-text ``Qwen3_5MoeForConditionalGeneration``
+    (plus the tiny vision tower and its image processor), and save it at ``path``."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, \
+        Qwen3_5MoeTextConfig
+    tokenizer = tiny_tokenizer()
+    settings = {key: value for key, value in tiny_text_config().to_dict().items()
+                if key in Qwen3_5MoeTextConfig().to_dict() and key not in ("model_type", "architectures", "dtype")}
+    text = Qwen3_5MoeTextConfig(**{**settings, **TINY_MOE, "eos_token_id": tokenizer.eos_token_id,
+                                   "pad_token_id": tokenizer.pad_token_id})
+    if not images:
+        return _save(Qwen3_5MoeForCausalLM, text, path, seed, tokenizer)
+    config = Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=tiny_vision_config(), tie_word_embeddings=True,
+                              **_image_token_ids(tokenizer))
+    return _save(Qwen3_5MoeForConditionalGeneration, config, path, seed, tokenizer, image_processor=True)
+
+
+def tiny_qwen3_next(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Build the tiny random ``Qwen3NextForCausalLM`` (the tiny text model's sizes, a 1-D rotary, the
+    MoE block of ``TINY_MOE`` on every block) and save it at ``path``."""
+    from transformers import Qwen3NextConfig
+    from transformers import Qwen3NextForCausalLM
+    tokenizer = tiny_tokenizer()
+    dense = tiny_text_config()
+    rope = {key: dense.rope_parameters[key] for key in ("rope_type", "rope_theta", "partial_rotary_factor")}
+    config = Qwen3NextConfig(**{key: getattr(dense, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim", "layer_types", "max_position_embeddings",
+        "tie_word_embeddings")}, **TINY_MOE, rope_parameters=rope, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    return _save(Qwen3NextForCausalLM, config, path, seed, tokenizer)
+
+
+def _image_token_ids(tokenizer) -> dict:
+    return {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+
+
+def _save(model_class, config, path, seed: int, tokenizer, image_processor: bool = False) -> Path:
+    """Build ``model_class(config)`` seeded, with its text norm gains off zero and its routers spread
+    (at their init std 0.02 every token would route nearly alike), and save it with ``tokenizer``."""
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "visual" not in name and (name.endswith("norm.weight") or name.endswith("layernorm.weight")):
+                parameter.normal_(0.0, 0.3)
+            if name.endswith("mlp.gate.weight"):
+                parameter.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if image_processor:
+        from transformers import Qwen2VLImageProcessorPil
+        Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                 size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}).save_pretrained(path)
+    return path
+
+
 def load_processor(path: str | os.PathLike):
     """The checkpoint's processor: ``AutoProcessor.from_pretrained``, or where that cannot load (its
     video processor needs torchvision), ``ImageTextProcessor`` over the checkpoint's own image

@@ -129,7 +129,8 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
         twin = seeded(twin, listed)
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)
     patches = family.images.patches(model) if images else contextlib.nullcontext()
-    with hooks_set_aside(model), _delta_rule_ops(family), _port_markers(model, family), patches:
+    family_patches = family.export_patches(model) if family.export_patches else contextlib.nullcontext()
+    with hooks_set_aside(model), _delta_rule_ops(family), _port_markers(model, family), family_patches, patches:
         return torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from .base import Family, Images, Memory, Mixer, RepeatedBlocks, UnsupportedModel
 from .qwen3_5 import QWEN3_5
+from .qwen3_5_moe import QWEN3_5_MOE
+from .qwen3_next import QWEN3_NEXT
 
-FAMILIES = (QWEN3_5,)
+FAMILIES = (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)
 
 __all__ = ["FAMILIES", "Family", "Images", "Memory", "Mixer", "RepeatedBlocks", "UnsupportedModel", "family_for"]
 
@@ -25,6 +27,9 @@ def family_for(model) -> Family:
                     f"{type(model).__name__} is the inner model, without the lm_head that makes logits (an "
                     f"instrumented call would return its last hidden state as logits): instrument the whole "
                     f"model, e.g. the AutoModelForCausalLM you loaded, not model.model")
+            problem = family.check(config) if family.check else None
+            if problem:
+                raise UnsupportedModel(f"{type(model).__name__}: {problem}")
             return family
     supported = ", ".join(f"{f.name} ({', '.join(f.model_types)}: {f.classes})" for f in FAMILIES)
     raise UnsupportedModel(

@@ -95,6 +95,8 @@ class Family:
     repeated_blocks: tuple[RepeatedBlocks, ...] = ()
     images: Images | None = None
     vision_mixer: str | None = None  # the vision blocks' attention module, by its name in the block
+    export_patches: Callable | None = None  # (model) -> a context manager active while any program is exported
+    check: Callable | None = None  # (config) -> why a model of the family cannot be served, or None
 
     def title(self, module: str) -> str:
         """What diagrams and messages call a mixer module (``gated DeltaNet``)."""

@@ -63,6 +63,15 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """A routing tensor of the host's sparse MoE block, found from its ``qgraph::moe_experts`` call:
+    ``indices`` and ``expert_weights`` are the op's arguments, ``weights`` the top-k weights spread
+    into ``expert_weights``, ``logits`` what the router's softmax reads."""
+
+    part: str  # logits weights indices expert_weights
+
+
+@dataclass(frozen=True)
 class ProjectionHalf:
     """One half of the per-head split of a projection's output (q_proj's query | gate halves)."""
 
@@ -132,4 +141,4 @@ class ValueSpec:
     @property
     def read_only(self) -> bool:
         return isinstance(self.rule, (ProgramInput, Derived, DeltaRuleStates)) or \
-            (isinstance(self.rule, SAEPart) and self.rule.part != "features")
+            (isinstance(self.rule, SAEPart) and self.rule.part != "features") or self.rule == Routing("indices")

@@ -14,8 +14,9 @@ import torch
 from torch.fx import Graph, Node
 
 from ..families import Family
-from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf,
-                              ScatterSource, VarlenAttention)
+from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput,
+                              ProjectionHalf, Routing, ScatterSource, VarlenAttention)
+from ..kernels.experts import MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from . import views
 from .on_request import DecomposeSdpa, OpenConvContext, Rewrite, SwapForStates
@@ -95,6 +96,8 @@ class Locator:
             return self._attention(host, rule.part)
         if isinstance(rule, ProjectionHalf):
             return self._projection_half(host, rule)
+        if isinstance(rule, Routing):
+            return self._routing(host, rule.part)
         if isinstance(rule, VarlenAttention):
             return self._varlen_attention(host, rule.part)
         if isinstance(rule, ScatterSource):
@@ -168,6 +171,19 @@ class Locator:
         if part in VarlenAttention.ARGUMENTS:
             return Found(calls[0].args[VarlenAttention.ARGUMENTS.index(part)])
         return Found(calls[0])
+
+    def _routing(self, host: str, part: str) -> Found | Missing:
+        call = next((n for n in self.scopes.get(host, ()) if n.target is MOE_EXPERTS_OP), None)
+        if call is None:
+            return Missing(f"no routed experts call under '{host}'")
+        if part == "logits":
+            softmax = next((n for n in self.scopes[host] if n.target in _SOFTMAX), None)
+            return Found(softmax.args[0]) if softmax is not None else Missing(f"no router softmax under '{host}'")
+        expert_weights = call.args[2]
+        if part == "weights":  # expert_weights = zeros.scatter(-1, indices, weights)
+            return Found(expert_weights.args[3]) if expert_weights.target is aten.scatter.src else \
+                Missing(f"the expert weights under '{host}' are not a scatter of the top-k weights")
+        return Found(call.args[1] if part == "indices" else expert_weights)
 
     def _projection_half(self, host: str, rule: ProjectionHalf) -> Found | Missing:
         projection = ".".join(part for part in (host, rule.projection) if part)
