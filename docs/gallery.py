@@ -14,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "gallery"
 
 # (file stem, what, layer, detail, which model (False: the tiny model, True: it instrumented, "vl": the
-# image-text one), caption)
+# image-text one, "moe": the tiny mixture of experts), caption)
 PICTURES = [
     ("block3-attention", "block", 3, "modules", False,
      "Block 3, gated attention: q_proj splits per head into the query and the gate; the query is normed "
@@ -36,6 +36,11 @@ PICTURES = [
     ("vision-block0", "vision_block", 0, "modules", "vl",
      "Vision block 0: LayerNorm pre-norm, qkv unbound per head, the 2D rotary, attention per image "
      "(one packed varlen node over every image), proj, and the GELU MLP."),
+    ("moe-block1", "block", 1, "modules", "moe",
+     "Block 1 of the tiny Qwen3.5 mixture of experts (8 experts, top-2): the router (mlp.gate: linear, "
+     "softmax, top-k, renormalised weights), the top-k weights spread over the experts (expert_weights), "
+     "the routed experts as one qgraph::moe_experts node, and the shared expert with its sigmoid gate, "
+     "summed into mlp_output."),
     ("block3-ops", "block", 3, "ops", False,
      "Block 3, every graph node, clustered by module scope."),
     ("block0-ops", "block", 0, "ops", False,
@@ -63,16 +68,19 @@ def main() -> int:
     from qgraph.testing import tiny_qwen3_5_vl
     image_text = AutoModelForImageTextToText.from_pretrained(
         tiny_qwen3_5_vl(Path(tempfile.mkdtemp()) / "tiny-qwen3_5-vl")).eval()
+    from qgraph.testing import tiny_qwen3_5_moe
+    moe = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_moe(Path(tempfile.mkdtemp()) / "tiny-qwen3_5-moe")).eval()
     OUT.mkdir(exist_ok=True)
     lines = ["# Gallery", "",
              "Diagrams of the tiny Qwen3.5 (`qgraph.testing.cached_tiny_qwen3_5`: 3 gated DeltaNet blocks and "
-             "one gated attention block) and of its image-text version (`qgraph.testing.tiny_qwen3_5_vl`), drawn "
+             "one gated attention block), of its image-text version (`qgraph.testing.tiny_qwen3_5_vl`) and of the "
+             "tiny mixture of experts (`qgraph.testing.tiny_qwen3_5_moe`), drawn "
              "by `qgraph.render` from the exported graph: boxes are module scopes and the ops between them, "
              "yellow tap points are the standard values, each labelled `name [layout]`. Click a picture for "
              "its SVG (hover a part for its full name and description). Regenerate with "
              "`python docs/gallery.py` (needs Graphviz's `dot`).", ""]
     for stem, what, layer, detail, marked, caption in PICTURES:
-        subject = image_text if marked == "vl" else (instrumented if marked else model)
+        subject = {"vl": image_text, "moe": moe, True: instrumented}.get(marked, model)
         for suffix, dpi in ((".svg", None), (".png", 60 if detail == "ops" else 96)):
             path = OUT / f"{stem}{suffix}"
             render(subject, what=what, layer=layer, path=path, detail=detail, **({"dpi": dpi} if dpi else {}))

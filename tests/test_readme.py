@@ -52,7 +52,7 @@ BASH = [pytest.param(heading, source, id=block_id(i, heading, source))
 def test_the_readme_has_the_blocks_we_run():
     headings = {heading for _, heading, _ in BLOCKS}
     assert {"Reading values", "Editing values", "DeltaNet states", "Images", "Diagrams", "Generation",
-            "Capturing a dataset", "Sparse autoencoders"} <= headings
+            "Capturing a dataset", "Sparse autoencoders", "Mixtures of experts"} <= headings
     assert len(PYTHON) >= 8 and len(BASH) >= 2
     assert all(language in ("python", "bash") for language, _, _ in BLOCKS), "a block in an unchecked language"
 
@@ -215,6 +215,18 @@ def capturing(ns):
     assert torch.equal(cap[0]["layers.3.layer_output"], rows["layers.3.layer_output"][0].to(torch.bfloat16))
 
 
+def mixtures_of_experts(ns):
+    moe, out, ids = ns["moe"], ns["out"], ns["ids"]
+    torch.testing.assert_close(out.logits, hf_logits(moe, ids), rtol=0, atol=1e-5)
+    ablated = ns["ablated"]
+    # "expert 3's contribution, gone": nothing rerouted, its weight zero, the experts' sum changed where it was routed
+    assert torch.equal(ablated["layers.1.mlp.router_indices"], out["layers.1.mlp.router_indices"])
+    routed = (out["layers.1.mlp.router_indices"] == 3).any(-1)
+    assert routed.any() and (ablated["layers.1.mlp.expert_weights"][..., 3] == 0).all()
+    changed = (ablated["layers.1.mlp.experts_output"] != out["layers.1.mlp.experts_output"]).any(-1)
+    assert torch.equal(changed, routed)
+
+
 def saes(ns):
     ig, sae, out, model, ids = ns["ig"], ns["sae"], ns["out"], ns["model"], ns["ids"]
     # "the model's own": the error term is added back
@@ -245,6 +257,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("Generation", "ig.generate("): generation,
     ("Capturing a dataset", "qgraph.capture("): capturing,
     ("Sparse autoencoders", "qgraph.SAE.load("): saes,
+    ("Mixtures of experts", "tiny_qwen3_5_moe("): mixtures_of_experts,
 }
 
 

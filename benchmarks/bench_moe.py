@@ -1,0 +1,181 @@
+"""Mixture-of-experts: exporting a 35B-A3B-shaped twin on the meta device, and the forward's overhead.
+
+    python benchmarks/bench_moe.py [--tokens 128] [--skip-meta] [--skip-forward]
+
+1. Export (``qgraph.export.export_model``) of a ``Qwen3_5MoeForCausalLM`` built under
+   ``torch.device("meta")`` (no weights) with Qwen3.5-35B-A3B's text shape: wall time, node count of the
+   program's graph (and its ``qgraph::moe_experts`` / ``qgraph::mark`` nodes) and the peak resident
+   memory (``ru_maxrss``) before and after. The shape: hidden 2048, 40 blocks (3 Gated DeltaNet + 1
+   full attention, repeated), 16 query / 2 key-value heads of 256, DeltaNet 16 key / 32 value heads of
+   128, conv kernel 4, 256 experts, top-8, expert inner 512, shared expert inner 512, vocab 248320,
+   partial rotary 0.25 with mrope_section [11, 11, 10] interleaved. The spec (/work/shared/spec) names
+   35B-A3B as ``qwen3_5_moe_text`` but lists no config values; these are the values the issue gave,
+   and they agree with transformers 5.24's ``Qwen3_5MoeTextConfig()`` defaults, whose docstring names
+   Qwen/Qwen3.5-35B-A3B. rope_theta 10,000,000 and 262,144 positions as Qwen3.5's released configs
+   (``common.qwen3_5_0_8b_config``); untied embeddings (the config's default).
+2. Forward on a small MoE shape (hidden 512, 8 blocks, 32 experts, top-4, expert inner 256, shared
+   inner 256, vocab 32000; random weights, float32, sdpa), batch 1, under ``torch.no_grad()``: the HF
+   forward (its default experts implementation, and ``"eager"`` on a deep copy) against
+   ``qgraph.instrument(model)`` and an instrument of every block's layer_output and routing values.
+   Interleaved, median of 5 after a warm-up.
+
+Exports go to a temporary ``$QGRAPH_CACHE`` (removed at the end), so the export is cold and no
+program is left in the user's cache.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import resource
+import tempfile
+import time
+import traceback
+
+import torch
+
+from common import interleaved
+
+ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+
+
+def maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def config_35b_a3b():
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        rope_parameters=dict(ROPE), max_position_embeddings=262144, rms_norm_eps=1e-6)
+
+
+def config_small():
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(
+        vocab_size=32000, hidden_size=512, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+        rope_parameters={**ROPE, "mrope_section": [6, 5, 5]},  # 0.25 x 128 = 32 rotary dims: 16 pairs
+        max_position_embeddings=262144, rms_norm_eps=1e-6)
+
+
+def count(graph, name: str) -> int:
+    return sum(1 for node in graph.nodes if node.op == "call_function" and name in str(node.target))
+
+
+def meta_export() -> None:
+    from transformers import Qwen3_5MoeForCausalLM
+    from qgraph.export import export_model
+    print("== export of the 35B-A3B-shaped twin on meta ==")
+    rss0, peak0 = rss_mib(), maxrss_mib()
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(config_35b_a3b()).eval()
+    build = time.perf_counter() - start
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"built on meta in {build:.1f} s: {parameters / 1e9:.2f} B parameters "
+          f"({parameters * 2 / 2**30:.0f} GiB in bf16, none allocated), "
+          f"experts implementation {model.config._experts_implementation!r}")
+    rss1, peak1 = rss_mib(), maxrss_mib()
+    print(f"RSS before export: {rss1:.0f} MiB (at start {rss0:.0f}), peak RSS before export: {peak1:.0f} MiB "
+          f"(at start {peak0:.0f})")
+    start = time.perf_counter()
+    try:
+        exported = export_model(model)
+    except Exception:
+        print(f"export FAILED after {time.perf_counter() - start:.1f} s:")
+        traceback.print_exc()
+        print(f"RSS after: {rss_mib():.0f} MiB, peak RSS after: {maxrss_mib():.0f} MiB")
+        return
+    seconds = time.perf_counter() - start
+    graph = exported.graph
+    nodes = len(graph.nodes)
+    print(f"export: {seconds:.1f} s (ExportedModel.seconds {exported.seconds:.1f}, from cache {exported.from_cache})")
+    print(f"graph: {nodes} nodes, {count(graph, 'moe_experts')} qgraph::moe_experts, "
+          f"{count(graph, 'qgraph.mark')} qgraph::mark, "
+          f"{count(graph, 'chunk_gated_delta_rule')} qgraph::chunk_gated_delta_rule")
+    print(f"RSS after export: {rss_mib():.0f} MiB, peak RSS after export: {maxrss_mib():.0f} MiB "
+          f"(+{maxrss_mib() - peak1:.0f} MiB over the peak before)")
+    from qgraph.export import disk_cache
+    cached = list(disk_cache.directory().glob("*.pt2")) if disk_cache.directory().is_dir() else []
+    print(f"disk cache: {len(cached)} file(s), {sum(f.stat().st_size for f in cached) / 2**20:.1f} MiB")
+
+
+def forward(tokens: int) -> None:
+    import qgraph
+    from transformers import Qwen3_5MoeForCausalLM
+    print(f"== forward, small MoE shape, {tokens} tokens ==")
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForCausalLM(config_small()).eval()
+    default = model.config._experts_implementation
+    eager = copy.deepcopy(model)
+    eager.set_experts_implementation("eager")
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"{parameters / 1e6:.0f} M parameters; HF default experts implementation {default!r}, "
+          f"the copy's {eager.config._experts_implementation!r}; torch threads {torch.get_num_threads()}")
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    values = ["layers.*.layer_output", "layers.*.mlp.router_logits", "layers.*.mlp.router_weights",
+              "layers.*.mlp.router_indices", "layers.*.mlp.expert_weights"]
+    start = time.perf_counter()
+    plain = qgraph.instrument(model)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    routed = qgraph.instrument(model, values=values)
+    warm = time.perf_counter() - start
+    print(f"instrument(): {cold:.1f} s cold (export), {warm:.2f} s warm with the values")
+    runs = {f"HF forward ({default})": lambda: model(input_ids=ids)}
+    if default != "eager":
+        runs["HF forward (eager experts)"] = lambda: eager(input_ids=ids)
+    runs["qgraph, no values"] = lambda: plain(ids)
+    runs["qgraph, layer_output + routing"] = lambda: routed(ids)
+    with torch.no_grad():
+        hf = model(input_ids=ids).logits
+        hf_eager = eager(input_ids=ids).logits
+        out = routed(ids)
+        print(f"max abs logits diff: qgraph vs HF ({default}) {(out.logits - hf).abs().max().item():.1e}, "
+              f"qgraph vs HF (eager) {(out.logits - hf_eager).abs().max().item():.1e}, "
+              f"HF {default} vs eager {(hf - hf_eager).abs().max().item():.1e}, "
+              f"qgraph no values vs with {(plain(ids).logits - out.logits).abs().max().item():.1e}")
+        captured = sum(t.numel() * t.element_size() for t in out.values.values()) if hasattr(out, "values") else 0
+        print(f"values captured: {len(out.values) if hasattr(out, 'values') else '?'} "
+              f"({captured / 2**20:.1f} MiB)")
+        load = os.getloadavg()
+        times = interleaved(runs, repeats=5)
+    base = times[f"HF forward ({default})"]
+    for name, seconds in times.items():
+        print(f"{name:34s} {seconds * 1000:8.1f} ms  {seconds / base:5.3f}x")
+    print(f"load average before timing {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--skip-meta", action="store_true")
+    parser.add_argument("--skip-forward", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["QGRAPH_CACHE"] = cache
+        if not args.skip_meta:
+            meta_export()
+        if not args.skip_forward:
+            forward(args.tokens)
+
+
+if __name__ == "__main__":
+    main()
