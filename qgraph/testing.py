@@ -72,19 +72,10 @@ def tiny_qwen3_5(path: str | os.PathLike, seed: int = 0, **config_overrides) -> 
     seed always gives the same checkpoint. Returns the path, ready for ``from_pretrained``.
     """
     from transformers import Qwen3_5ForCausalLM
-    path = Path(path)
     tokenizer = tiny_tokenizer()
     config = tiny_text_config(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                               **config_overrides)
-    torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                parameter.normal_(0.0, 0.3)  # the gain is 1 + weight (the gated norm's is weight)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save(Qwen3_5ForCausalLM, config, path, seed, tokenizer)
 
 
 def tiny_vision_config(**overrides) -> dict:
@@ -102,26 +93,12 @@ def tiny_qwen3_5_vl(path: str | os.PathLike, seed: int = 0) -> Path:
 
     Load the processor with ``load_processor(path)``.
     """
-    from transformers import Qwen2VLImageProcessorPil, Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    path = Path(path)
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
     tokenizer = tiny_tokenizer()
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     text = tiny_text_config(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = Qwen3_5Config(text_config=text.to_dict(), vision_config=tiny_vision_config(), tie_word_embeddings=True,
-                           **ids)
-    torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "visual" not in name and (name.endswith("norm.weight") or name.endswith("layernorm.weight")):
-                parameter.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
-                             size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}).save_pretrained(path)
-    return path
+                           **_image_token_ids(tokenizer))
+    return _save(Qwen3_5ForConditionalGeneration, config, path, seed, tokenizer, image_processor=True)
 
 
 # The tiny MoE block: 8 experts, top-2, each expert and the shared expert narrower than the dense MLP
