@@ -25,7 +25,7 @@ _AXES = {
     "batch": ("batch",),
     "positions": ("seq", "query", "image_tokens", "patches"),
     "heads": ("num_heads", "num_kv_heads", "key_heads", "value_heads", "heads"),
-    "neurons": ("intermediate_size", "shared_intermediate_size", "d_sae"),
+    "neurons": ("intermediate_size", "shared_intermediate_size", "expert_intermediate_size", "d_sae"),
     "experts": ("num_experts",),
 }
 

@@ -242,3 +242,23 @@ def test_the_image_text_moe_model_with_images(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(out.logits, model(**inputs).logits, rtol=0, atol=1e-5)
     assert out["layers.1.mlp.router_indices"].shape == (*inputs["input_ids"].shape, 2)
+
+
+def test_the_experts_neurons_are_each_routed_experts_act_gate_times_up(family, padded):
+    _, model, _ = family
+    ids, mask = padded
+    ig = qgraph.instrument(model, values=["layers.1.mlp.experts_neurons", "layers.1.mlp.router_indices",
+                                          "layers.1.mlp_input", "layers.1.mlp.experts_output"],
+                           edits=["layers.1.mlp.experts_neurons"])
+    out = ig(ids, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits, model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
+        experts = model.model.layers[1].mlp.experts
+        for j in range(model.config.num_experts):
+            routed = out["layers.1.mlp.router_indices"] == j  # [batch seq top_k]: at most one slot per token
+            gate, up = (out["layers.1.mlp_input"][routed.any(-1)] @ experts.gate_up_proj[j].T).chunk(2, dim=-1)
+            torch.testing.assert_close(out["layers.1.mlp.experts_neurons"][routed],
+                                       torch.nn.functional.silu(gate) * up, rtol=0, atol=1e-6)
+    # zeroing every neuron of every expert leaves nothing of the routed experts
+    zeroed = ig(ids, mask, edits={"layers.1.mlp.experts_neurons": qgraph.Zero()})
+    assert torch.equal(zeroed["layers.1.mlp.experts_output"], torch.zeros_like(out["layers.1.mlp.experts_output"]))

@@ -46,6 +46,10 @@ VALUES = (
               "Each expert's weight for each token: router_weights spread over the experts, zero where not "
               "routed (Zero(experts=[j]) removes expert j's contribution, rerouting nothing)",
               Routing("expert_weights")),
+    ValueSpec("experts_neurons", "mlp", "ExpertNeurons [batch seq top_k expert_intermediate_size]",
+              "What each of a token's top-k experts' down projection receives, act(gate) * up, in router_indices' "
+              "order (expert j's tokens: experts_neurons[router_indices == j]); asking splits the experts op",
+              Routing("neurons")),
     ValueSpec("experts_output", "mlp", RESIDUAL, "The routed experts' weighted sum", Port("experts", "output")),
     ValueSpec("shared_expert_output", "mlp", RESIDUAL, "The shared expert's output, before its gate",
               Port("shared_expert", "output")),

@@ -66,9 +66,10 @@ class Attention:
 class Routing:
     """A routing tensor of the host's sparse MoE block, found from its ``qgraph::moe_experts`` call:
     ``indices`` and ``expert_weights`` are the op's arguments, ``weights`` the top-k weights spread
-    into ``expert_weights``, ``logits`` what the router's softmax reads."""
+    into ``expert_weights``, ``logits`` what the router's softmax reads, ``neurons`` the experts'
+    neurons (made on request by splitting the op)."""
 
-    part: str  # logits weights indices expert_weights
+    part: str  # logits weights indices expert_weights neurons
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ op the program stays one graph for every prompt, and the op's arguments are the 
 not pick (editing it scales or removes an expert's contribution; it reroutes nothing). The kernel is
 transformers' eager loop (ascending experts, ``index_add_``), so the sum is the model's bit for bit.
 Its backward is an opaque op too, recomputing the loop under autograd (``grad.recompute_grads``).
+
+Asking for the experts' neurons splits the op in two (``passes.on_request.SplitExperts``):
+``moe_expert_neurons`` (each token's ``act(gate) * up`` in each of its top-k experts, ``[batch seq top_k
+inner]``) and ``moe_experts_down`` (their down projections, weighted and summed): the same loops, so
+the same numbers, with the neurons a value in between that edits can change.
 """
 from __future__ import annotations
 
@@ -23,22 +28,39 @@ from .grad import recompute_grads
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
+def _routed(indices):
+    """Each expert some token picked, ascending, with the (token, slot) pairs routed to it."""
+    with torch.no_grad():
+        hit = torch.unique(indices).tolist()
+    return [(expert, torch.where(indices == expert)) for expert in hit]
+
+
+def expert_neurons(hidden, indices, gate_up_proj, activation: str):
+    """``act(gate) * up`` of each token in each of its top-k experts: ``[..., top_k, inner]``."""
+    flat, top = hidden.reshape(-1, hidden.shape[-1]), indices.reshape(-1, indices.shape[-1])
+    act = ACTIVATIONS[activation]
+    out = flat.new_zeros(*top.shape, gate_up_proj.shape[1] // 2)
+    for expert, (token, slot) in _routed(top):
+        gate, up = F.linear(flat[token], gate_up_proj[expert]).chunk(2, dim=-1)
+        out = out.index_put((token, slot), act(gate) * up)
+    return out.reshape(*indices.shape, -1)
+
+
+def experts_down(neurons, indices, expert_weights, down_proj):
+    """The routed experts' weighted sum ``[..., hidden]`` from their neurons, expert by expert ascending."""
+    top = indices.reshape(-1, indices.shape[-1])
+    flat = neurons.reshape(*top.shape, neurons.shape[-1])
+    weights = expert_weights.reshape(top.shape[0], -1).gather(-1, top)
+    out = flat.new_zeros(top.shape[0], down_proj.shape[1])
+    for expert, (token, slot) in _routed(top):
+        current = F.linear(flat[token, slot], down_proj[expert]) * weights[token, slot, None]
+        out = out.index_add(0, token, current.to(out.dtype))
+    return out.reshape(*indices.shape[:-1], -1)
+
+
 def experts_loop(hidden, indices, expert_weights, gate_up_proj, down_proj, activation: str):
     """The routed experts' weighted sum ``[batch seq hidden]``, as transformers' eager experts compute it."""
-    shape = hidden.shape
-    flat = hidden.reshape(-1, shape[-1])
-    top_k_index = indices.reshape(-1, indices.shape[-1])
-    top_k_weights = expert_weights.reshape(-1, expert_weights.shape[-1]).gather(-1, top_k_index)
-    act = ACTIVATIONS[activation]
-    out = torch.zeros_like(flat)
-    with torch.no_grad():
-        hit = F.one_hot(top_k_index, num_classes=gate_up_proj.shape[0]).sum(dim=(0, 1)).nonzero().flatten().tolist()
-    for expert in hit:
-        token, slot = torch.where(top_k_index == expert)
-        gate, up = F.linear(flat[token], gate_up_proj[expert]).chunk(2, dim=-1)
-        current = F.linear(act(gate) * up, down_proj[expert]) * top_k_weights[token, slot, None]
-        out = out.index_add(0, token, current.to(out.dtype))
-    return out.reshape(shape)
+    return experts_down(expert_neurons(hidden, indices, gate_up_proj, activation), indices, expert_weights, down_proj)
 
 
 @torch.library.custom_op("qgraph::moe_experts", mutates_args=())
@@ -53,34 +75,66 @@ def _(hidden, indices, expert_weights, gate_up_proj, down_proj, activation):
     return hidden.new_empty(hidden.shape)
 
 
-@torch.library.custom_op("qgraph::moe_experts_backward", mutates_args=())
-def moe_experts_backward(hidden: torch.Tensor, indices: torch.Tensor, expert_weights: torch.Tensor,
-                         gate_up_proj: torch.Tensor, down_proj: torch.Tensor, activation: str,
-                         grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for hidden, expert_weights, gate_up_proj and down_proj (the loop recomputed under autograd)."""
-    def forward(hidden, expert_weights, gate_up_proj, down_proj):
-        return (experts_loop(hidden, indices, expert_weights, gate_up_proj, down_proj, activation),)
+@torch.library.custom_op("qgraph::moe_expert_neurons", mutates_args=())
+def moe_expert_neurons(hidden: torch.Tensor, indices: torch.Tensor, gate_up_proj: torch.Tensor,
+                       activation: str) -> torch.Tensor:
+    return expert_neurons(hidden, indices, gate_up_proj, activation)
 
-    return tuple(recompute_grads(forward, (hidden, expert_weights, gate_up_proj, down_proj), (grad_output,)))
+
+@moe_expert_neurons.register_fake
+def _(hidden, indices, gate_up_proj, activation):
+    return hidden.new_empty(*indices.shape, gate_up_proj.shape[1] // 2)
+
+
+@torch.library.custom_op("qgraph::moe_experts_down", mutates_args=())
+def moe_experts_down(neurons: torch.Tensor, indices: torch.Tensor, expert_weights: torch.Tensor,
+                     down_proj: torch.Tensor) -> torch.Tensor:
+    return experts_down(neurons, indices, expert_weights, down_proj)
+
+
+@moe_experts_down.register_fake
+def _(neurons, indices, expert_weights, down_proj):
+    return neurons.new_empty(*indices.shape[:-1], down_proj.shape[1])
+
+
+# -- autograd: each op's backward is an opaque op recomputing its loop under autograd ------------------------
+@torch.library.custom_op("qgraph::moe_experts_backward", mutates_args=())
+def moe_experts_backward(kind: str, tensors: list[torch.Tensor], activation: str,
+                         grad_output: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of the ``kind`` op (``moe_experts``, ``moe_expert_neurons``, ``moe_experts_down``) for
+    its tensor arguments, in order (zeros for the integer ``indices``)."""
+    function = _FUNCTIONS[kind]
+    args = (*tensors, activation) if kind != "moe_experts_down" else tuple(tensors)
+    grads = recompute_grads(lambda *xs: (function(*xs),), args, (grad_output,))
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(tensors, grads)]
 
 
 @moe_experts_backward.register_fake
-def _(hidden, indices, expert_weights, gate_up_proj, down_proj, activation, grad_output):
-    return tuple(x.new_empty(x.shape) for x in (hidden, expert_weights, gate_up_proj, down_proj))
+def _(kind, tensors, activation, grad_output):
+    return [x.new_empty(x.shape) for x in tensors]
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:5])
-    ctx.activation = inputs[5]
+_FUNCTIONS = {"moe_experts": experts_loop, "moe_expert_neurons": expert_neurons, "moe_experts_down": experts_down}
 
 
-def _backward(ctx, grad_output):
-    hidden, indices, expert_weights, gate_up_proj, down_proj = ctx.saved_tensors
-    grads = torch.ops.qgraph.moe_experts_backward(hidden, indices, expert_weights, gate_up_proj, down_proj,
-                                                  ctx.activation, grad_output.contiguous())
-    return grads[0], None, grads[1], grads[2], grads[3], None
+def _autograd(op, kind: str, tensors: int):
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:tensors])
+        ctx.activation = inputs[tensors] if len(inputs) > tensors else ""
+
+    def backward(ctx, grad_output):
+        grads = torch.ops.qgraph.moe_experts_backward(kind, list(ctx.saved_tensors), ctx.activation,
+                                                      grad_output.contiguous())
+        return (*(None if i == 1 else grad for i, grad in enumerate(grads)), *([None] * (op_arity[kind] - tensors)))
+
+    op_arity = {"moe_experts": 6, "moe_expert_neurons": 4, "moe_experts_down": 4}
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-moe_experts.register_autograd(_backward, setup_context=_setup_context)
+_autograd(moe_experts, "moe_experts", 5)
+_autograd(moe_expert_neurons, "moe_expert_neurons", 3)
+_autograd(moe_experts_down, "moe_experts_down", 4)
 
 MOE_EXPERTS_OP = torch.ops.qgraph.moe_experts.default
+NEURONS_OP = torch.ops.qgraph.moe_expert_neurons.default
+DOWN_OP = torch.ops.qgraph.moe_experts_down.default

@@ -16,10 +16,10 @@ from torch.fx import Graph, Node
 from ..families import Family
 from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput,
                               ProjectionHalf, Routing, ScatterSource, VarlenAttention)
-from ..kernels.experts import MOE_EXPERTS_OP
+from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from . import views
-from .on_request import DecomposeSdpa, OpenConvContext, Rewrite, SwapForStates
+from .on_request import DecomposeSdpa, OpenConvContext, Rewrite, SplitExperts, SwapForStates
 
 aten = torch.ops.aten
 
@@ -172,10 +172,13 @@ class Locator:
             return Found(calls[0].args[VarlenAttention.ARGUMENTS.index(part)])
         return Found(calls[0])
 
-    def _routing(self, host: str, part: str) -> Found | Missing:
-        call = next((n for n in self.scopes.get(host, ()) if n.target is MOE_EXPERTS_OP), None)
+    def _routing(self, host: str, part: str) -> Found | OnRequest | Missing:
+        # the experts op, or once split for the neurons its down projection: both read (x, indices, expert_weights)
+        call = next((n for n in self.scopes.get(host, ()) if n.target in (MOE_EXPERTS_OP, DOWN_OP)), None)
         if call is None:
             return Missing(f"no routed experts call under '{host}'")
+        if part == "neurons":
+            return Found(call.args[0]) if call.target is DOWN_OP else OnRequest(call, SplitExperts())
         if part == "logits":
             softmax = next((n for n in self.scopes[host] if n.target in _SOFTMAX), None)
             return Found(softmax.args[0]) if softmax is not None else Missing(f"no router softmax under '{host}'")

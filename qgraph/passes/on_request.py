@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from ..kernels.experts import DOWN_OP, NEURONS_OP
 from .base import GraphPass, PassResult
 from .decompose import decompose_sdpa
+from .emit import emitter
 from .swap import open_conv_context, swap_for_states
 
 
@@ -68,6 +70,23 @@ class OpenConvContext(Rewrite):
 
     def apply(self, program, node, name, option):
         open_conv_context(program.graph, node)
+
+
+@dataclass(frozen=True)
+class SplitExperts(Rewrite):
+    """A MoE block's experts' neurons: its ``qgraph::moe_experts`` call becomes the neurons op and the
+    down-projection op (``kernels.experts``), the neurons a node between them."""
+
+    note = "asking for it splits the experts op into neurons and their weighted down projections"
+
+    def apply(self, program, node, name, option):
+        hidden, indices, expert_weights, gate_up_proj, down_proj, activation = node.args
+        emit = emitter(program.graph, node)
+        with program.graph.inserting_before(node):
+            neurons = emit(NEURONS_OP, hidden, indices, gate_up_proj, activation)
+            out = emit(DOWN_OP, neurons, indices, expert_weights, down_proj)
+        node.replace_all_uses_with(out)
+        program.graph.erase_node(node)
 
 
 class MakeOnRequest(GraphPass):
