@@ -13,12 +13,12 @@ from .families import UnsupportedModel
 from .generate import GenerateOutput, chat_prompt
 from .instrument import InstrumentedModel, Output, instrument
 from .values.names import UnavailableValue, UnknownValue
-from .recipes import attribution_patch, patch, skip_layers, steer
+from .recipes import attribution_patch, expert_neurons, patch, skip_layers, steer
 from .saes import SAE
 from .render import render
 from .values.support import SupportTable, support
 
-__all__ = ["Add", "attribution_patch", "capture", "load_capture", "Edit", "EditError", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "SAE", "Scale", "SupportTable",
+__all__ = ["Add", "attribution_patch", "capture", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "Output", "Replace", "SAE", "Scale", "SupportTable",
            "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "patch", "render",
            "skip_layers", "steer", "support"]
 

@@ -102,3 +102,12 @@ def _pair(clean, corrupt, metric) -> tuple[dict, dict]:
 
 def _inputs(inputs) -> dict:
     return dict(inputs) if isinstance(inputs, Mapping) else {"input_ids": inputs}
+
+
+def expert_neurons(out, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``expert``'s neurons in block ``layer`` of a MoE model, only at the tokens routed to it:
+    ``(tokens [n, 2], neurons [n, expert_intermediate_size])``, each token as its ``(batch, seq)``
+    index. ``out`` is a call that captured ``layers.{layer}.mlp.experts_neurons`` and ``router_indices``."""
+    neurons, indices = (out[f"layers.{layer}.mlp.{name}"] for name in ("experts_neurons", "router_indices"))
+    routed = indices == expert  # [batch seq top_k]: a token picks an expert at most once
+    return routed.any(-1).nonzero(), neurons[routed]

@@ -158,6 +158,8 @@ def test_generation_steering_and_states_work_as_on_the_dense_family(family):
         expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(ig.generate(ids, max_new_tokens=6).sequences, expected)
     vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    skipped = ig(ids, edits=qgraph.skip_layers(1, 2))
+    assert torch.equal(skipped["layers.2.layer_output"], skipped["layers.0.layer_output"])
     steered = ig(ids, edits=qgraph.steer(1, vector, 2.0))
     torch.testing.assert_close(steered["layers.1.layer_output"], ig(ids)["layers.1.layer_output"] + 2.0 * vector,
                                rtol=0, atol=1e-5)
@@ -259,6 +261,14 @@ def test_the_experts_neurons_are_each_routed_experts_act_gate_times_up(family, p
             gate, up = (out["layers.1.mlp_input"][routed.any(-1)] @ experts.gate_up_proj[j].T).chunk(2, dim=-1)
             torch.testing.assert_close(out["layers.1.mlp.experts_neurons"][routed],
                                        torch.nn.functional.silu(gate) * up, rtol=0, atol=1e-6)
+    # one expert's neurons at the tokens routed to it, with those tokens' (batch, seq)
+    j = int(out["layers.1.mlp.router_indices"][0, -1, 0])
+    tokens, neurons = qgraph.expert_neurons(out, layer=1, expert=j)
+    assert torch.equal(tokens, (out["layers.1.mlp.router_indices"] == j).any(-1).nonzero()) and len(tokens) > 0
+    assert [0, ids.shape[1] - 1] in tokens.tolist()
+    for (b, s), row in zip(tokens.tolist(), neurons):
+        slot = out["layers.1.mlp.router_indices"][b, s].tolist().index(j)
+        assert torch.equal(row, out["layers.1.mlp.experts_neurons"][b, s, slot])
     # zeroing every neuron of every expert leaves nothing of the routed experts
     zeroed = ig(ids, mask, edits={"layers.1.mlp.experts_neurons": qgraph.Zero()})
     assert torch.equal(zeroed["layers.1.mlp.experts_output"], torch.zeros_like(out["layers.1.mlp.experts_output"]))
