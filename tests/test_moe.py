@@ -272,3 +272,18 @@ def test_the_experts_neurons_are_each_routed_experts_act_gate_times_up(family, p
     # zeroing every neuron of every expert leaves nothing of the routed experts
     zeroed = ig(ids, mask, edits={"layers.1.mlp.experts_neurons": qgraph.Zero()})
     assert torch.equal(zeroed["layers.1.mlp.experts_output"], torch.zeros_like(out["layers.1.mlp.experts_output"]))
+
+
+def test_compiled_and_with_a_config_that_asks_for_router_logits(family):
+    name, model, _ = family
+    if name != "qwen3_5_moe":
+        pytest.skip("one family is enough for the compiled program (the experts op is the same)")
+    from transformers import AutoModelForCausalLM
+    ids = random_ids(2, 7, seed=9)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    compiled = qgraph.instrument(model, values=["layers.1.mlp.router_weights"], compile=True)(ids)
+    torch.testing.assert_close(compiled.logits, expected, rtol=0, atol=1e-5)
+    # a config asking the forward for the load-balancing loss: the program still computes the logits alone
+    asking = AutoModelForCausalLM.from_pretrained(model.name_or_path, output_router_logits=True).eval()
+    torch.testing.assert_close(qgraph.instrument(asking)(ids).logits, expected, rtol=0, atol=0)

@@ -124,7 +124,7 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
 def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks]) -> ExportedProgram:
     """``torch.export`` of the model's twin, whose block lists in ``blocks`` hold their seed blocks only."""
     example, dynamic = family.images.example(model) if images else _text_example(model)
-    twin = _with_signature(model, names, family.images.forward_kwargs if images else {})
+    twin = _with_signature(model, names, {**family.forward_kwargs, **(family.images.forward_kwargs if images else {})})
     for listed in blocks:
         twin = seeded(twin, listed)
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)

@@ -96,6 +96,7 @@ class Family:
     images: Images | None = None
     vision_mixer: str | None = None  # the vision blocks' attention module, by its name in the block
     export_patches: Callable | None = None  # (model) -> a context manager active while any program is exported
+    forward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of every exported forward
     check: Callable | None = None  # (config) -> why a model of the family cannot be served, or None
 
     def title(self, module: str) -> str:

@@ -26,4 +26,5 @@ QWEN3_5_MOE = replace(
     dims=DIMS,
     kernel_module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     export_patches=qwen_moe.patches,
+    forward_kwargs=qwen_moe.FORWARD_KWARGS,
 )

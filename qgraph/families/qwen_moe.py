@@ -27,6 +27,9 @@ RESIDUAL = "Residual [batch seq hidden_size]"
 
 HOSTS = {"shared_expert": "layers.{i}.mlp.shared_expert"}
 
+# The program computes logits, not the router's load-balancing loss (a config may ask for it)
+FORWARD_KWARGS = {"output_router_logits": False}
+
 DIMS = {
     "num_experts": "num_experts",
     "top_k": "num_experts_per_tok",
