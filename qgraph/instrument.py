@@ -147,7 +147,6 @@ class InstrumentedModel:
         self._fingerprint = fingerprint(self.model)
         self.exported = export_model(self.model)
         self.family = self.exported.family
-        self.saes = {}
         main = Program(self.model, self.exported)
         self.catalogue: dict[str, Entry] = main.catalogue
         self.saes = check_saes(self._sae_request, self.resolve, main.catalogue)

@@ -35,24 +35,25 @@ def _routed(indices):
     return [(expert, torch.where(indices == expert)) for expert in hit]
 
 
-def expert_neurons(hidden, indices, gate_up_proj, activation: str):
-    """``act(gate) * up`` of each token in each of its top-k experts: ``[..., top_k, inner]``."""
+def expert_neurons(hidden, indices, gate_up_proj, activation: str, routes=None):
+    """``act(gate) * up`` of each token in each of its top-k experts: ``[..., top_k, inner]``
+    (``routes``: ``_routed`` of the flattened indices, where the caller has it already)."""
     flat, top = hidden.reshape(-1, hidden.shape[-1]), indices.reshape(-1, indices.shape[-1])
     act = ACTIVATIONS[activation]
     out = flat.new_zeros(*top.shape, gate_up_proj.shape[1] // 2)
-    for expert, (token, slot) in _routed(top):
+    for expert, (token, slot) in routes or _routed(top):
         gate, up = F.linear(flat[token], gate_up_proj[expert]).chunk(2, dim=-1)
         out = out.index_put((token, slot), act(gate) * up)
     return out.reshape(*indices.shape, -1)
 
 
-def experts_down(neurons, indices, expert_weights, down_proj):
+def experts_down(neurons, indices, expert_weights, down_proj, routes=None):
     """The routed experts' weighted sum ``[..., hidden]`` from their neurons, expert by expert ascending."""
     top = indices.reshape(-1, indices.shape[-1])
     flat = neurons.reshape(*top.shape, neurons.shape[-1])
     weights = expert_weights.reshape(top.shape[0], -1).gather(-1, top)
     out = flat.new_zeros(top.shape[0], down_proj.shape[1])
-    for expert, (token, slot) in _routed(top):
+    for expert, (token, slot) in routes or _routed(top):
         current = F.linear(flat[token, slot], down_proj[expert]) * weights[token, slot, None]
         out = out.index_add(0, token, current.to(out.dtype))
     return out.reshape(*indices.shape[:-1], -1)
@@ -60,7 +61,9 @@ def experts_down(neurons, indices, expert_weights, down_proj):
 
 def experts_loop(hidden, indices, expert_weights, gate_up_proj, down_proj, activation: str):
     """The routed experts' weighted sum ``[batch seq hidden]``, as transformers' eager experts compute it."""
-    return experts_down(expert_neurons(hidden, indices, gate_up_proj, activation), indices, expert_weights, down_proj)
+    routes = _routed(indices.reshape(-1, indices.shape[-1]))  # once for both halves
+    neurons = expert_neurons(hidden, indices, gate_up_proj, activation, routes)
+    return experts_down(neurons, indices, expert_weights, down_proj, routes)
 
 
 @torch.library.custom_op("qgraph::moe_experts", mutates_args=())
@@ -118,16 +121,18 @@ _FUNCTIONS = {"moe_experts": experts_loop, "moe_expert_neurons": expert_neurons,
 
 
 def _autograd(op, kind: str, tensors: int):
+    """Register ``op``'s backward: its first ``tensors`` arguments are tensors (the second, ``indices``,
+    gets no gradient), the rest (the activation's name) none."""
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:tensors])
         ctx.activation = inputs[tensors] if len(inputs) > tensors else ""
+        ctx.others = len(inputs) - tensors
 
     def backward(ctx, grad_output):
         grads = torch.ops.qgraph.moe_experts_backward(kind, list(ctx.saved_tensors), ctx.activation,
                                                       grad_output.contiguous())
-        return (*(None if i == 1 else grad for i, grad in enumerate(grads)), *([None] * (op_arity[kind] - tensors)))
+        return (*(None if i == 1 else grad for i, grad in enumerate(grads)), *([None] * ctx.others))
 
-    op_arity = {"moe_experts": 6, "moe_expert_neurons": 4, "moe_experts_down": 4}
     op.register_autograd(backward, setup_context=setup_context)
 
 
