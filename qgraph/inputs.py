@@ -48,9 +48,15 @@ def image_keys(family) -> tuple[str, ...]:
 
 
 def _text(model, input_ids, attention_mask):
+    embedding = model.get_input_embeddings()
+    return check_text(input_ids, attention_mask, embedding.num_embeddings, embedding.weight.device)
+
+
+def check_text(input_ids, attention_mask, rows: int, device: torch.device):
+    """``(input_ids, attention_mask)`` checked for an embedding of ``rows`` rows on ``device``."""
     input_ids = _ids(input_ids)
-    _check_device(model, input_ids)
-    _check_vocabulary(model, input_ids)
+    _check_device(device, input_ids)
+    _check_vocabulary(rows, input_ids)
     if attention_mask is None:
         return input_ids, torch.ones_like(input_ids)
     return input_ids, _mask(attention_mask, input_ids)
@@ -76,17 +82,15 @@ def _ids(input_ids) -> torch.Tensor:
     return input_ids.long()
 
 
-def _check_device(model, input_ids: torch.Tensor) -> None:
+def _check_device(device: torch.device, input_ids: torch.Tensor) -> None:
     """input_ids must be where the embedding is (a model on meta, not loaded yet, is not checked)."""
-    device = model.get_input_embeddings().weight.device
     if input_ids.device != device and device.type != "meta":
         raise ValueError(f"input_ids is on {input_ids.device} but the model's embedding is on {device}: pass "
                          f"input_ids.to('{device}') (and the attention_mask too)")
 
 
-def _check_vocabulary(model, input_ids: torch.Tensor) -> None:
+def _check_vocabulary(rows: int, input_ids: torch.Tensor) -> None:
     """Every id must index a row of the model's embedding (one min and max over the ids)."""
-    rows = model.get_input_embeddings().num_embeddings
     low, high = (int(v) for v in torch.aminmax(input_ids))
     if low < 0 or high >= rows:
         bad = low if low < 0 else high

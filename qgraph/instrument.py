@@ -308,6 +308,14 @@ class InstrumentedModel:
                 if fingerprint(self.model) != self._fingerprint:
                     self._build()
 
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self, path, weights: bool = False):
+        """Write the text program (its values, slots and fixed edits) to ``path`` (a ``.pt2``
+        ``torch.export`` file, without weights; ``weights=True`` writes them beside it as
+        ``.safetensors``). ``qgraph.load(path, weights=...)`` runs it with no model class."""
+        from .saved import save
+        return save(self, path, weights)
+
     # -- generating --------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  **kwargs):

@@ -38,7 +38,8 @@ class Program:
         self.module = GraphModule(attributes, graph)
         self.module_names = [name for _, name in self.family.ported_modules(model)]
         self.catalogue: dict[str, Entry] = self._catalogue()
-        self.extra_inputs: list[tuple[str, object]] = []  # (placeholder name, function of the call's inputs)
+        # (placeholder name, function of the call's inputs, how to rebuild it after saving: data or None)
+        self.extra_inputs: list[tuple[str, object, dict | None]] = []
         self.slots: dict[str, EditSlot] = {}
         self.passes_run: list[str] = []  # every pass run on this program, in order (for failures to name)
         self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
@@ -103,18 +104,19 @@ class Program:
         run_passes(self.module, [tap, StripMarkers(), Prune()], self.passes_run)
         self.tapped, self.returns_logits = tap.tapped, logits
         self.module.recompile()
-        self.inputs = _input_sources(self.model, self.exported) + [source for _, source in self.extra_inputs]
+        self.inputs = _input_sources(self.model, self.exported) + [source for _, source, _ in self.extra_inputs]
         return self
 
-    def add_input(self, name: str, source, example: torch.Tensor) -> Node:
+    def add_input(self, name: str, source, example: torch.Tensor, recipe: dict | None = None) -> Node:
         """A new program input after the existing ones, fed by ``source(call inputs)`` and shaped like
-        ``example`` (its fake value lets passes infer shapes)."""
+        ``example`` (its fake value lets passes infer shapes). ``recipe`` (JSON data) lets a saved
+        program rebuild ``source`` (``passes.on_request.input_source``); without one it cannot be saved."""
         with self.graph.inserting_after(self.graph.find_nodes(op="placeholder")[-1]):
             node = self.graph.placeholder(input_name(name))
         fake_mode = next(n.meta["val"].fake_mode for n in self.graph.find_nodes(op="placeholder")
                          if isinstance(n.meta.get("val"), torch.Tensor))
         node.meta["val"] = fake_mode.from_tensor(example)
-        self.extra_inputs.append((node.name, source))
+        self.extra_inputs.append((node.name, source, recipe))
         return node
 
     @staticmethod

@@ -151,10 +151,12 @@ def save(model: torch.nn.Module, images: bool, program: ExportedProgram) -> Path
     return path
 
 
-def without_weights(program: ExportedProgram) -> ExportedProgram:
+def without_weights(program: ExportedProgram, names=None) -> ExportedProgram:
     """The same program whose state_dict holds storage-less placeholders of each tensor's shape and
-    dtype (one element, expanded): what ``torch.export.save`` writes of it is the graph."""
-    state_dict = {name: _placeholder(tensor) for name, tensor in program.state_dict.items()}
+    dtype (one element, expanded) (of the ``names`` entries only, if given): what ``torch.export.save``
+    writes of it is the graph."""
+    state_dict = {name: _placeholder(tensor) if names is None or name in names else tensor
+                  for name, tensor in program.state_dict.items()}
     return compat.exported_program(
         program.graph_module, program.graph, program.graph_signature, state_dict, program.range_constraints,
         program.module_call_graph, program.constants, program.verifier)

@@ -123,7 +123,7 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
 
 def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks]) -> ExportedProgram:
     """``torch.export`` of the model's twin, whose block lists in ``blocks`` hold their seed blocks only."""
-    example, dynamic = family.images.example(model) if images else _text_example(model)
+    example, dynamic = family.images.example(model) if images else text_example(model)
     twin = _with_signature(model, names, {**family.forward_kwargs, **(family.images.forward_kwargs if images else {})})
     for listed in blocks:
         twin = seeded(twin, listed)
@@ -151,7 +151,7 @@ def _with_signature(model: torch.nn.Module, names: tuple[str, ...], forward_kwar
     return twin
 
 
-def _text_example(model):
+def text_example(model):
     device = next(model.parameters()).device
     input_ids = torch.zeros(_EXAMPLE_BATCH, _EXAMPLE_SEQ, dtype=torch.long, device=device)
     batch, seq = Dim("batch", min=1), Dim("seq", min=1)

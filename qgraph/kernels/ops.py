@@ -30,12 +30,21 @@ from .delta_states import chunk_gated_delta_rule_with_states
 
 # The kernels the ops run. ``qgraph.export`` fills these with the model module's own functions
 # (transformers' pure-torch kernels, or fla's when transformers picked them), so the op computes
-# exactly what the model computes.
+# exactly what the model computes. A program loaded in a process that exported nothing
+# (``qgraph.load``, which never imports a modeling file) runs qgraph's own chunked kernel.
 KERNELS: dict[str, Callable] = {}
 
 
+def _own_kernel(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    """The gated delta rule by ``kernels.delta_states`` (no per-token state): ``(output, final state)``."""
+    output, _, state = chunk_gated_delta_rule_with_states(
+        query, key, value, g, beta, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        positions=torch.empty(0, dtype=torch.long, device=query.device))
+    return output, state
+
+
 def _run_kernel(name, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel):
-    output, state = KERNELS[name](
+    output, state = KERNELS.get(name, _own_kernel)(
         query, key, value, g=g, beta=beta, initial_state=initial_state,
         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
     )

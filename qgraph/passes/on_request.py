@@ -55,10 +55,12 @@ class SwapForStates(Rewrite):
     def apply(self, program, node, name, option):
         positions, heads = option.get("positions"), option.get("heads")
         if positions is not None:
-            positions = program.add_input(f"{name}.positions", _positions(name, positions),
-                                          torch.zeros(len(positions), dtype=torch.long))
+            recipe = {"kind": "positions", "value": name, "positions": [int(p) for p in positions]}
+            positions = program.add_input(f"{name}.positions", input_source(recipe),
+                                          torch.zeros(len(positions), dtype=torch.long), recipe)
         if heads is not None:
-            heads = program.add_input(f"{name}.heads", lambda inputs, h=torch.tensor(heads): h, torch.tensor(heads))
+            recipe = {"kind": "heads", "heads": [int(h) for h in heads]}
+            heads = program.add_input(f"{name}.heads", input_source(recipe), torch.tensor(heads), recipe)
         swap_for_states(program.graph, node, positions, heads, option.get("dtype", torch.float32))
 
 
@@ -119,6 +121,15 @@ class MakeOnRequest(GraphPass):
 def input_name(name: str) -> str:
     """A program input's placeholder name for a value's option (``layers.0.linear_attn.state.positions``)."""
     return re.sub(r"\W", "_", name)
+
+
+def input_source(recipe: dict):
+    """The function of a call's inputs that an input added for a value's options computes (its
+    ``recipe``: states' positions, resolved against the call's length, or heads)."""
+    if recipe["kind"] == "positions":
+        return _positions(recipe["value"], recipe["positions"])
+    heads = torch.tensor(recipe["heads"])
+    return lambda inputs: heads
 
 
 def _positions(name: str, positions):

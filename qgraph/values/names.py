@@ -46,6 +46,12 @@ def _glob(pattern: str) -> re.Pattern:
     return re.compile("".join(wild.get(part) or re.escape(part) for part in parts) + r"\Z")
 
 
+def matching(pattern: str, names, blocks: int) -> list[str]:
+    """The ``names`` that one user pattern (a name, glob or bracket form) selects, in their order."""
+    regex = _glob(canonical(pattern, blocks))
+    return [name for name in names if regex.match(name)]
+
+
 def patterns_of(patterns) -> list[str]:
     """``patterns`` as a list of name strings: None is none, a string is one name (never its
     characters), a dict gives its keys; anything else that is not a name raises a TypeError."""

@@ -1,0 +1,192 @@
+"""``qgraph.load(path, weights=...)``: run a saved program with no model class and no modeling file.
+
+The loaded program is ``torch.export``'s graph of the instrumented call (``saved.write``), called with
+the weights (from the file beside it, a model, a safetensors file or a checkpoint folder), the
+buffers it holds, and the call's inputs. It answers calls as the instrumented model did: an
+``Output`` with the logits and the values it was saved with, and ``edits={name: edit}`` at its slots.
+A file from another torch or qgraph, or weights that do not fit it, is refused by name.
+"""
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch.export.graph_signature import InputKind
+
+from ..edits import EditError, Target
+from ..inputs import check_text
+from ..instrument import Output
+from ..kernels.slot import editing
+from ..passes.on_request import input_source
+from ..values import derive
+from ..values.names import matching, patterns_of
+from .write import FORMAT, META, read_meta, versions
+
+
+class SavedProgramError(ValueError):
+    """A saved program that cannot be loaded here, or weights that do not fit it."""
+
+
+def load(path, weights=None) -> "LoadedProgram":
+    """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` written beside
+    it by ``save(..., weights=True)``), a model (its parameters, read at each call), a safetensors
+    file, or a folder of them (a Hugging Face checkpoint)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no saved program at {path}: write one with ig.save({str(path)!r})")
+    try:
+        meta = read_meta(path)
+    except (zipfile.BadZipFile, ValueError) as error:
+        raise SavedProgramError(f"{path} is not a saved program ({type(error).__name__}: {error})") from None
+    if meta is None:
+        raise SavedProgramError(f"{path} is not a qgraph program (it has no {META}): a plain torch.export file "
+                                f"loads with torch.export.load")
+    _check_versions(path, meta)
+    tensors = _weights(path, meta, weights)  # checked before the (slower) program is read
+    try:
+        program = torch.export.load(path)
+    except Exception as error:
+        raise SavedProgramError(f"{path} cannot be loaded by torch {torch.__version__} "
+                                f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
+    return LoadedProgram(path, program, meta, tensors)
+
+
+def _check_versions(path: Path, meta: dict) -> None:
+    here = versions()
+    if meta.get("format") != FORMAT:
+        raise SavedProgramError(f"{path} is qgraph program format {meta.get('format')}; this qgraph reads format "
+                                f"{FORMAT}: save it again with this qgraph")
+    for package in ("torch", "qgraph"):
+        if meta["versions"][package] != here[package]:
+            raise SavedProgramError(f"{path} was saved by {package} {meta['versions'][package]}; this is {package} "
+                                    f"{here[package]}: load it with {package}=={meta['versions'][package]}, or save it "
+                                    f"again with this one (an exported program is tied to the versions that wrote it)")
+
+
+def _weights(path: Path, meta: dict, weights) -> dict[str, object]:
+    """``{parameter name: tensor, or a function giving it}`` for the program's model parameters, checked."""
+    wanted = meta["parameters"]
+    if weights is None:
+        if meta["weights"] is None:
+            raise SavedProgramError(f"{path} was saved without weights: load it with weights=model (the model it was "
+                                    f"saved from), a safetensors file or a checkpoint folder, or save it with "
+                                    f"ig.save(path, weights=True)")
+        weights = path.with_name(meta["weights"])
+    if isinstance(weights, torch.nn.Module):
+        found = {}
+        for target in wanted:
+            module_path, _, attribute = target.rpartition(".")
+            try:
+                module = weights.get_submodule(module_path)
+                getattr(module, attribute)
+            except AttributeError:
+                raise SavedProgramError(f"the weights do not fit {path.name}: the model has no {target}") from None
+            found[target] = lambda m=module, a=attribute: getattr(m, a)
+        _check_fit(path, wanted, {target: get() for target, get in found.items()})
+        return found
+    if not isinstance(weights, (str, Path)):
+        raise TypeError(f"weights= takes a model, a safetensors file or a checkpoint folder, not {type(weights).__name__}")
+    files = sorted(Path(weights).glob("*.safetensors")) if Path(weights).is_dir() else [Path(weights)]
+    if not files or not all(file.is_file() for file in files):
+        raise FileNotFoundError(f"no safetensors weights at {weights}")
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                if key in wanted:
+                    tensors[key] = handle.get_tensor(key)
+    for group in meta["tied"]:  # tied tensors are written once (a checkpoint may keep any one of them)
+        present = next((tensors[name] for name in group if name in tensors), None)
+        tensors.update({name: present for name in group if present is not None})
+    _check_fit(path, wanted, tensors, source=str(weights))
+    return tensors
+
+
+def _check_fit(path: Path, wanted: dict, tensors: dict, source: str = "the model") -> None:
+    missing = [target for target in wanted if target not in tensors]
+    if missing:
+        raise SavedProgramError(f"the weights do not fit {path.name}: {source} has no {', '.join(missing[:3])}"
+                                f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}")
+    for target, (shape, dtype) in wanted.items():
+        tensor = tensors[target]
+        if list(tensor.shape) != shape or str(tensor.dtype) != dtype:
+            raise SavedProgramError(f"the weights do not fit {path.name}: {target} is {tuple(shape)} "
+                                    f"{dtype.removeprefix('torch.')} there, {tuple(tensor.shape)} "
+                                    f"{str(tensor.dtype).removeprefix('torch.')} in {source}")
+
+
+class LoadedProgram:
+    """A saved instrumented program: call it like the instrumented model (``input_ids``,
+    ``attention_mask``, ``edits={name: edit}`` at the slots it was saved with)."""
+
+    def __init__(self, path: Path, program, meta: dict, weights: dict):
+        self.path, self.exported, self.meta = path, program, meta
+        self.values: list[str] = meta["values"]
+        self.slots: dict[str, Target] = {name: Target(name, slot["layout"], tuple(slot["dims"]))
+                                         for name, slot in meta["slots"].items()}
+        self._views = {name: tuple(tuple(step) for step in slot["view"]) for name, slot in meta["slots"].items()}
+        self._extra = [input_source(recipe) for recipe in meta["inputs"]]
+        self.module = program.graph_module
+        self._sources = []
+        for spec in program.graph_signature.input_specs:
+            if spec.kind == InputKind.PARAMETER and spec.target in weights:
+                tensor = weights[spec.target]
+                self._sources.append(tensor if callable(tensor) else (lambda t=tensor: t))
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                held = program.state_dict.get(spec.target, program.constants.get(spec.target))
+                self._sources.append(lambda t=held: t)
+            elif spec.kind == InputKind.USER_INPUT:
+                self._sources.append(None)
+            else:
+                self._sources.append(lambda c=program.constants[spec.target]: c)
+        self.config = _config(meta)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.module.graph
+
+    def __call__(self, input_ids=None, attention_mask=None, *, edits: Mapping | None = None) -> Output:
+        embedding = self._sources[0]()  # any parameter: where the weights are
+        input_ids, attention_mask = check_text(input_ids, attention_mask, self.meta["vocab_size"], embedding.device)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        user = iter([input_ids, attention_mask, *(source(inputs) for source in self._extra)])
+        args = [next(user) if source is None else source() for source in self._sources]
+        with editing(self._edits(edits)):
+            results = list(self.module(*args))
+        logits = results.pop(0) if self.meta["logits"] else None
+        captured = dict(zip(self.meta["outputs"], results))
+        for name, rule in self.meta["derived"].items():
+            how = getattr(derive, rule["how"])
+            captured[name] = how(*(captured[s] for s in rule["sources"]), inputs=inputs, config=self.config)
+        return Output(logits, {name: captured[name] for name in self.values if name in captured}, self.meta["blocks"])
+
+    def _edits(self, edits: Mapping | None) -> dict:
+        if edits is None:
+            return {}
+        if not isinstance(edits, Mapping):
+            raise TypeError(f"edits= takes a dict {{name: edit}}, not {type(edits).__name__}")
+        chosen = {}
+        for pattern, edit in edits.items():
+            names = [name for p in patterns_of(pattern) for name in matching(p, self.slots, self.meta["blocks"])]
+            if not names:
+                raise EditError(f"{pattern!r} is not an edit slot of {self.path.name}; its slots are "
+                                f"{', '.join(self.slots) or 'none'} (declare slots with instrument(..., edits=[...]) "
+                                f"before saving)")
+            for name in names:
+                chosen[name] = (edit, self.slots[name], self._views[name])
+        return chosen
+
+    def __repr__(self) -> str:
+        return (f"LoadedProgram({self.path.name}: {self.meta['model_class']}, {len(self.values)} values, "
+                f"slots {list(self.slots)})")
+
+
+def _config(meta: dict):
+    """The model's config, rebuilt from its class's configuration file (never its modeling file)."""
+    from transformers import AutoConfig
+    config = dict(meta["config"])
+    config.pop("model_type", None)
+    return AutoConfig.for_model(meta["model_type"], **config)
