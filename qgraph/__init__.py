@@ -17,11 +17,12 @@ from .values.names import UnavailableValue, UnknownValue
 from .recipes import attribution_patch, expert_neurons, patch, skip_layers, steer
 from .saes import SAE
 from .saved import LoadedProgram, SavedProgramError, load
+from .distributed import Stages
 from .render import render
 from .values.support import SupportTable, support
 
 __all__ = ["Add", "attribution_patch", "capture", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
-           "SavedProgramError", "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render",
+           "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render",
            "skip_layers", "steer", "support"]
 
 check_versions()  # qgraph's private calls (qgraph/compat.py) were written for one torch and transformers

@@ -23,6 +23,7 @@ from .passes.edit import EditSlot, applying
 from .program import Program, grad_tap
 from .values.options import check_options
 from .saes.splice import check_saes
+from .distributed import Stages, stage_program
 
 _READ_ONLY_HINT = {
     "next_token_probs": "edit 'logits' instead",
@@ -94,7 +95,7 @@ class Output:
 
 
 def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True, compile=False,
-               saes=None, splice: str = "error") -> "InstrumentedModel":
+               saes=None, splice: str = "error", stages=None) -> "InstrumentedModel":
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
     ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
@@ -109,9 +110,15 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     sparse autoencoders (``qgraph.SAE``) at values, with values ``<host>.sae.features`` /
     ``.reconstruction`` / ``.error``; ``splice="reconstruction"`` makes the model read the
     reconstruction instead of the value (the default, "error", keeps the value exact).
+    ``stages=N`` (or a list of the blocks that start stages 1, 2, ..., or ``qgraph.Stages(...)`` with
+    micro-batches) cuts the program at block boundaries into stages: under torchrun one stage per
+    rank, each returning its own values (see ``qgraph.distributed``); otherwise all in this process.
     """
-    instrumented = InstrumentedModel(model, values, edits=edits, logits=logits, saes=saes, splice=splice)
     options = compile_options(compile)
+    if stages is not None and options is not None:
+        raise ValueError("stages= runs each stage eagerly; drop compile= (or instrument without stages)")
+    instrumented = InstrumentedModel(model, values, edits=edits, logits=logits, saes=saes, splice=splice,
+                                     stages=stages)
     return instrumented if options is None else instrumented.compile(**options)
 
 
@@ -127,13 +134,15 @@ class InstrumentedModel:
     another dtype or device, another attention implementation), the next call rebuilds the programs.
     """
 
-    def __init__(self, model: torch.nn.Module, values=(), *, edits=(), logits=True, saes=None, splice="error"):
+    def __init__(self, model: torch.nn.Module, values=(), *, edits=(), logits=True, saes=None, splice="error",
+                 stages=None):
         family_for(model)  # an unsupported model (or not a model at all) is named before anything else
         if not isinstance(logits, bool):
             raise TypeError(f"logits= takes True or False, not {logits!r}")
         self.model, self.config = model, model.config
         self._request, self._logits, self._compile = (values, edits), logits, None
         self._sae_request = (saes or {}, splice)
+        self._stages = Stages.of(stages)
         self._lock = threading.RLock()  # builds programs; calls themselves run unlocked
         self._build()
         hooked = [self.family.module_name(path) or path for path in hooked_modules(model)]
@@ -163,11 +172,26 @@ class InstrumentedModel:
         self._call_slots: dict[str, EditSlot] = {}  # slots made for per-call edits at undeclared values
         self._programs: dict[tuple, Program] = {}
         self._decoders = {}  # generation's programs (qgraph.generate)
+        self._check_stages()
         self._programs[self._key(self.exported.images)] = main.build(self.values, self.slots, self._logits,
                                                                      self.options)
         self.catalogue = main.catalogue  # as built: a decomposed block's pattern is now found
-        if self._compile is not None:
-            compile_program(self._programs[self._key(self.exported.images)], **self._compile)
+        self._finish(self._programs[self._key(self.exported.images)])
+
+    def _finish(self, program: Program, extra=()) -> None:
+        """Split a built program into its stages, or compile it (a program with per-call slots runs eagerly)."""
+        if self._stages is not None:
+            program.pipeline = stage_program(program, self._stages)
+        elif self._compile is not None and not extra:
+            compile_program(program, **self._compile)
+
+    def _check_stages(self) -> None:
+        if self._stages is None or self._stages.microbatches == 1:
+            return
+        unbatched = [name for name in self.values if self.catalogue[name].shape[:1] != ("batch",)]
+        if unbatched:
+            raise ValueError(f"micro-batches cut the batch, but {', '.join(unbatched[:3])} have no leading batch dim "
+                             f"({self.catalogue[unbatched[0]].layout}): use microbatches=1 or leave them out")
 
     def _new_slot(self, name: str, fixed=None) -> EditSlot:
         entry = self.catalogue[name]
@@ -215,8 +239,7 @@ class InstrumentedModel:
                 slots = {name: self._slot(name) for name in key[1] if name in present}
                 self._programs[key] = program.build([n for n in self.values if n in present], slots, self._logits,
                                                     {n: o for n, o in self.options.items() if n in present})
-                if self._compile is not None and not extra:
-                    compile_program(self._programs[key], **self._compile)
+                self._finish(self._programs[key], extra)
             return self._programs[key]
 
     def _program(self, exported) -> Program:
@@ -272,9 +295,11 @@ class InstrumentedModel:
         with applying({program.slots[name]: edit for name, edit in call_edits.items()}):
             logits, captured = program.run(prepared, eager=bool(call_edits) or bool(watched))
         for name, entry in program.derived.items():
+            if any(captured[s] is None for s in program.sources_of(entry)):
+                continue  # computed on another stage's rank
             how = getattr(derive, entry.spec.rule.how)
             captured[name] = how(*(captured[s] for s in program.sources_of(entry)), inputs=prepared, config=self.config)
-        values = {name: captured[name] for name in self.values if name in captured}
+        values = {name: captured[name] for name in self.values if captured.get(name) is not None}
         grads = {}
         for key in watched:
             name, tensor = key[:-5], captured[key]
@@ -324,6 +349,9 @@ class InstrumentedModel:
         cache, and capture the values at every step: ``out.sequences`` and ``out.steps[k][name]``
         (step 0 the prompt pass, step k the pass over new token k). ``edits={name: edit}`` apply at
         every step, or at ``steps=[0]`` / ``steps=slice(1, None)`` only. See ``qgraph.generate``."""
+        if self._stages is not None:
+            raise NotImplementedError("generate does not run stages yet: generate with an instrument without stages= "
+                                      "(stages serve prompt passes: calls and capture)")
         from .generate import generate
         return generate(self, input_ids, attention_mask, **kwargs)
 

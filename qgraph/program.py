@@ -44,10 +44,16 @@ class Program:
         self.passes_run: list[str] = []  # every pass run on this program, in order (for failures to name)
         self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
         self.buffers = BufferPool()  # big state buffers kept for the next call (kernels.buffers.BufferPool)
+        self.pipeline = None  # the stages it runs as, once split (instrument(..., stages=...))
 
     @property
     def graph(self) -> torch.fx.Graph:
         return self.module.graph
+
+    @property
+    def input_names(self) -> list[str]:
+        """The program's inputs (its placeholders), in order."""
+        return [node.name for node in self.graph.find_nodes(op="placeholder")]
 
     @property
     def present(self) -> set[str]:
@@ -127,9 +133,12 @@ class Program:
     def run(self, inputs: dict, eager: bool = False) -> tuple[torch.Tensor | None, dict]:
         """Run on prepared program inputs: (logits or None, {tapped name: tensor}). A compiled
         program runs compiled unless ``eager`` (a call with per-call edits)."""
-        module = self.module if eager or self.compiled is None else self.compiled
+        args = [source(inputs) for source in self.inputs]
         with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
-            results = list(module(*[source(inputs) for source in self.inputs]))
+            if self.pipeline is not None:  # its stages: this process's, or all of them (qgraph.distributed)
+                results = self.pipeline(args)
+            else:
+                results = list((self.module if eager or self.compiled is None else self.compiled)(*args))
         logits = results.pop(0) if self.returns_logits else None
         return logits, dict(zip(self.tapped, results))
 

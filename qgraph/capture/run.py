@@ -19,7 +19,7 @@ import torch
 
 from ..instrument import instrument
 from .data import documents, open_dataset, pack
-from .distributed import join
+from ..distributed.world import join
 from .manifest import CaptureMismatch, check, done_shards, merge, model_identity, new_manifest, recorded_shard_rows, \
     saes_identity, tokenizer_identity, write_json
 from .writer import ShardJob, ShardWriter

@@ -1,10 +1,9 @@
-"""Ranks under torchrun: which rows are this process's, and waiting for the others.
+"""Ranks under torchrun: this process's rank, the world's size, and waiting for the others.
 
-When ``torch.distributed`` is initialised, capture uses it as it is. Otherwise, under torchrun
+When ``torch.distributed`` is initialised, qgraph uses it as it is. Otherwise, under torchrun
 (``WORLD_SIZE`` > 1 in the environment) it initialises the default group itself, ``nccl`` when the
-model is on a GPU and ``gloo`` on CPU, and destroys it at the end. Rank ``r`` of ``w`` takes the
-rows ``r, r + w, r + 2w, ...`` of the packed stream (by row index, so the split never depends on
-timing), writes ``shards/r{r}-*.safetensors``, and rank 0 writes the manifest after a barrier.
+model is on a GPU and ``gloo`` on CPU (and capture destroys it at the end). Capture splits rows by
+rank (rank ``r`` of ``w`` takes rows ``r, r + w, ...``); stages run one per rank (``pipeline``).
 """
 from __future__ import annotations
 

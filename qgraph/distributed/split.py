@@ -1,0 +1,112 @@
+"""Cut a built program at block boundaries into stages (``torch.fx.passes.split_module``).
+
+A node belongs to the stage of the block its module scope (``nn_module_stack``) names, or to the
+latest stage among its inputs, whichever is later: what precedes the first block (the embedding,
+the rotary, the masks) is stage 0, what follows the last (the final norm, the lm_head) is the last
+stage, and what a pass added (taps, edit slots, views) goes with what it reads. A node that reads
+only program inputs and lies in no block (a parameter's ``1 + weight``) goes to the earliest stage
+that uses it, so no stage computes for another what it could compute itself.
+
+``Plan`` says, for each stage, where each of its inputs comes from (a program input, or an output
+of an earlier stage) and which later stages and program outputs read each of its outputs: what a
+pipeline sends and keeps.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+
+from torch.fx import GraphModule, Node
+from torch.fx.passes.split_module import split_module
+
+
+def cuts_for(stages, blocks: int) -> list[int]:
+    """The first block of each stage after the first, from ``stages=N`` (blocks spread evenly) or a
+    list of those first blocks; a named error otherwise."""
+    if isinstance(stages, bool) or not isinstance(stages, (int, list, tuple)):
+        raise TypeError(f"stages= takes a number of stages or a list of the blocks that start stages 1, 2, ..., "
+                        f"not {stages!r}")
+    if isinstance(stages, int):
+        if not 1 <= stages <= blocks:
+            raise ValueError(f"stages={stages}: a model of {blocks} blocks splits into 1 to {blocks} stages")
+        return [round(k * blocks / stages) for k in range(1, stages)]
+    cuts = list(stages)
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts) or cuts != sorted(set(cuts)) \
+            or (cuts and not 0 < cuts[0] <= cuts[-1] < blocks):
+        raise ValueError(f"stages={cuts}: give the first block of each stage after the first, increasing, within "
+                         f"1 to {blocks - 1} (e.g. stages=[{blocks // 2}] splits at block {blocks // 2})")
+    return cuts
+
+
+@dataclass
+class Plan:
+    """The stages of a program and what flows between them."""
+
+    modules: list[GraphModule]
+    # per stage, per input: ("input", program input index) or ("stage", stage, output index)
+    inputs: list[list[tuple]] = field(default_factory=list)
+    # per stage, per output: the later stages that read it
+    readers: list[list[list[int]]] = field(default_factory=list)
+    # per program output: ("input", index) or ("stage", stage, output index)
+    outputs: list[tuple] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def owner(self, position: int) -> int | None:
+        """The stage that computes program output ``position`` (None: it is a program input)."""
+        source = self.outputs[position]
+        return source[1] if source[0] == "stage" else None
+
+
+def split(module: GraphModule, block_of, cuts: list[int]) -> Plan:
+    """Cut ``module`` (a built program) into ``len(cuts) + 1`` stages; ``block_of(node)`` is the block a
+    node's scope names (None outside the blocks)."""
+    stage_of_block = lambda block: sum(block >= cut for cut in cuts)  # noqa: E731
+    stage: dict[Node, int] = {}
+    free: list[Node] = []
+    for node in module.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        block = block_of(node)
+        inputs = [stage[n] for n in node.all_input_nodes if n in stage]
+        if block is None and not inputs:  # reads program inputs only (or other such nodes)
+            free.append(node)
+            continue
+        stage[node] = max(inputs + ([stage_of_block(block)] if block is not None else []))
+    for node in reversed(free):  # at its first reader (its free readers come later, so are placed)
+        stage[node] = min((stage[user] for user in node.users if user in stage), default=0)
+    split_gm = split_module(module, module, lambda node: stage[node])
+    return _plan(split_gm, len(cuts) + 1)
+
+
+def _plan(split_gm: GraphModule, count: int) -> Plan:
+    placeholders = {node: i for i, node in enumerate(split_gm.graph.find_nodes(op="placeholder"))}
+    calls = {node: int(re.fullmatch(r"submod_(\d+)", node.target).group(1))
+             for node in split_gm.graph.find_nodes(op="call_module")}
+    plan = Plan(modules=[None] * count, inputs=[[] for _ in range(count)], readers=[[] for _ in range(count)])
+
+    def source(node: Node) -> tuple:
+        if node in placeholders:
+            return ("input", placeholders[node])
+        if node in calls:
+            return ("stage", calls[node], None)  # a stage with one output returns it bare
+        if node.target is operator.getitem and node.args[0] in calls:
+            return ("stage", calls[node.args[0]], node.args[1])
+        raise ValueError(f"split: unexpected node {node.format_node()} between stages")
+
+    for node, index in calls.items():
+        module = split_gm.get_submodule(node.target)
+        plan.modules[index] = module
+        outputs = module.graph.output_node().args[0]
+        plan.readers[index] = [[] for _ in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
+        plan.inputs[index] = [source(arg) for arg in node.args]
+    for index in range(count):
+        if plan.modules[index] is None:
+            raise ValueError(f"stage {index} holds no computation: put fewer stages or cut elsewhere")
+        for kind, *where in plan.inputs[index]:
+            if kind == "stage":
+                plan.readers[where[0]][where[1] or 0].append(index)
+    plan.outputs = [source(node) for node in split_gm.graph.output_node().args[0]]
+    return plan
