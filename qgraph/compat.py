@@ -232,3 +232,18 @@ def op_argument_names(op) -> list[str]:
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Tell torch.compile that ``tensor``'s ``dim`` varies between calls (no recompile when it does)."""
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+# -- buffers a module computes from its config (qgraph.instrument's load_weights) ----------------------
+# Written for transformers 5.24 (SUPPORTED). A rotary embedding computes ``inv_freq`` (and
+# ``original_inv_freq``) from the config in ``__init__`` and keeps it out of checkpoints
+# (non-persistent); a model built on the meta device holds it on meta. transformers recomputes it in
+# its private loading path; qgraph constructs the module's class again from the module's config.
+def computed_buffers(module: torch.nn.Module, device) -> dict[str, torch.Tensor]:
+    """The buffers ``module`` computes from its config, computed on ``device`` (``{}`` when it has no config)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return {}
+    with torch.device(device):
+        fresh = type(module)(config=config)
+    return dict(fresh.named_buffers())

@@ -24,6 +24,7 @@ from .program import Program, grad_tap
 from .values.options import check_options
 from .saes.splice import check_saes
 from .distributed import Stages, stage_program
+from .distributed.weights import load_weights
 
 _READ_ONLY_HINT = {
     "next_token_probs": "edit 'logits' instead",
@@ -143,6 +144,7 @@ class InstrumentedModel:
         self._request, self._logits, self._compile = (values, edits), logits, None
         self._sae_request = (saes or {}, splice)
         self._stages = Stages.of(stages)
+        self._weights, self._device = {}, None  # tensors loaded for a model on meta (load_weights), and where
         self._lock = threading.RLock()  # builds programs; calls themselves run unlocked
         self._build()
         hooked = [self.family.module_name(path) or path for path in hooked_modules(model)]
@@ -156,7 +158,7 @@ class InstrumentedModel:
         self._fingerprint = fingerprint(self.model)
         self.exported = export_model(self.model)
         self.family = self.exported.family
-        main = Program(self.model, self.exported)
+        main = Program(self.model, self.exported, weights=self._weights, device=self._device)
         self.catalogue: dict[str, Entry] = main.catalogue
         self.saes = check_saes(self._sae_request, self.resolve, main.catalogue)
         if self.saes:
@@ -244,7 +246,7 @@ class InstrumentedModel:
 
     def _program(self, exported) -> Program:
         """A program builder for ``exported``, with this model's SAEs."""
-        return Program(self.model, exported, saes=self.saes)
+        return Program(self.model, exported, saes=self.saes, weights=self._weights, device=self._device)
 
     def _slot(self, name: str) -> EditSlot:
         """The slot at ``name``: declared, or made for per-call edits (once, then reused)."""
@@ -332,6 +334,13 @@ class InstrumentedModel:
             with self._lock:
                 if fingerprint(self.model) != self._fingerprint:
                     self._build()
+
+    def load_weights(self, checkpoint, device="cpu") -> list[str]:
+        """Read the weights of a model built on the ``meta`` device from ``checkpoint`` (a safetensors
+        file or a folder of them) onto ``device``: only the parameters and buffers this process's
+        stage reads (every one without stages). The model is not touched; the programs read these.
+        Returns the names read."""
+        return load_weights(self, checkpoint, device)
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, path, weights: bool = False):

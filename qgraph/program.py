@@ -21,14 +21,18 @@ from .passes.base import run_passes
 from .passes.edit import EditSlot, InsertEditSlots
 from .passes.markers import StripMarkers
 from .passes.on_request import MakeOnRequest, input_name
+from .passes.device import OnDevice
 from .passes.tap import Prune, Tap
 
 
 class Program:
     """A copy of an exported graph with its catalogue; ``build`` runs the passes for a request."""
 
-    def __init__(self, model: torch.nn.Module, exported: ExportedModel, saes: dict | None = None):
+    def __init__(self, model: torch.nn.Module, exported: ExportedModel, saes: dict | None = None,
+                 weights: dict | None = None, device: torch.device | None = None):
         self.model, self.exported, self.family = model, exported, exported.family
+        # tensors read instead of the model's (weights loaded for a model on meta), and their device
+        self.weights, self.device = weights if weights is not None else {}, device
         self.saes = saes or {}  # {hook value: (SAE, splice)}: their values are made on request (values.saes)
         self.spliced: dict[str, dict] = {}  # the splices made: {prefix: {part: node}}
         graph = torch.fx.Graph()
@@ -107,10 +111,12 @@ class Program:
                 found[grad_tap(name)] = Found(found[name].node)
         found.update(getattr(rewrite, "taps", {}))
         tap = Tap(found, logits)
-        run_passes(self.module, [tap, StripMarkers(), Prune()], self.passes_run)
+        moved = [OnDevice(_device_of(self.model), self.device)] if self.device is not None else []
+        run_passes(self.module, [tap, StripMarkers(), Prune(), *moved], self.passes_run)
         self.tapped, self.returns_logits = tap.tapped, logits
         self.module.recompile()
-        self.inputs = _input_sources(self.model, self.exported) + [source for _, source, _ in self.extra_inputs]
+        self.inputs = _input_sources(self.model, self.exported, self.weights) + \
+            [source for _, source, _ in self.extra_inputs]
         return self
 
     def add_input(self, name: str, source, example: torch.Tensor, recipe: dict | None = None) -> Node:
@@ -134,6 +140,11 @@ class Program:
         """Run on prepared program inputs: (logits or None, {tapped name: tensor}). A compiled
         program runs compiled unless ``eager`` (a call with per-call edits)."""
         args = [source(inputs) for source in self.inputs]
+        local = self.pipeline.local_inputs(len(args)) if self.pipeline is not None else range(len(args))
+        unloaded = next((i for i in local if isinstance(args[i], torch.Tensor) and args[i].is_meta), None)
+        if unloaded is not None:
+            raise RuntimeError(f"{self.input_names[unloaded]} is on the meta device (the model was built without "
+                               f"weights): load them with ig.load_weights(checkpoint) first")
         with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
             if self.pipeline is not None:  # its stages: this process's, or all of them (qgraph.distributed)
                 results = self.pipeline(args)
@@ -148,14 +159,20 @@ def grad_tap(name: str) -> str:
     return f"{name}#grad"
 
 
-def _input_sources(model, exported: ExportedModel):
-    """For each program input, a function of the call's inputs giving its tensor (parameters are the model's)."""
+def _device_of(model) -> torch.device:
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
+def _input_sources(model, exported: ExportedModel, weights: dict):
+    """For each program input, a function of the call's inputs giving its tensor (parameters are the
+    model's, or those in ``weights``)."""
     sources = []
     for spec in exported.program.graph_signature.input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             module_path, _, attribute = spec.target.rpartition(".")
             module = model.get_submodule(module_path)
-            sources.append(lambda inputs, m=module, a=attribute: getattr(m, a))
+            sources.append(lambda inputs, m=module, a=attribute, t=spec.target: weights[t] if t in weights
+                           else getattr(m, a))
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             constant = exported.program.constants[spec.target]
             sources.append(lambda inputs, c=constant: c)

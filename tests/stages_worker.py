@@ -1,6 +1,7 @@
 """One rank of the two-process stage test (tests/test_stages.py runs it under torchrun):
 instrument the tiny checkpoint with stages=2, call it plain, with an edit on stage 2, with
-micro-batches and gathered, and save what this rank got."""
+micro-batches and gathered, and from a model built on meta with this rank's weights read from the
+checkpoint; save what this rank got."""
 import sys
 
 import torch
@@ -21,4 +22,11 @@ for name, run in {"plain": lambda: staged(ids, mask), "edited": lambda: staged(i
                   "gathered": lambda: qgraph.instrument(model, values=VALUES, stages=qgraph.Stages([2], gather=True))(ids, mask)}.items():
     got = run()
     results[name] = (got.logits, got.values)
+# a model built on meta: exported without weights, each rank reads only its stage's from the checkpoint
+with torch.device("meta"):
+    meta = AutoModelForCausalLM.from_config(model.config).eval()
+low = qgraph.instrument(meta, values=VALUES, stages=2)
+results["read"] = low.load_weights(checkpoint)
+got = low(ids, mask)
+results["meta"] = (got.logits, got.values)
 torch.save(results, f"{out}/rank{torch.distributed.get_rank()}.pt")

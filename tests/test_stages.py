@@ -96,6 +96,33 @@ def test_two_processes_under_torchrun(model, single, checkpoint, tmp_path):
     # gathered: every value on rank 0
     gathered_logits, gathered = ranks[0]["gathered"]
     _same(expected, gathered_logits, gathered, first + second)
+    # built on meta: each rank read only its own blocks' weights, and computes the same
+    read0, read1 = ranks[0]["read"], ranks[1]["read"]
+    assert any(".layers.1." in name for name in read0) and not any(".layers.2." in name for name in read0)
+    assert any(".layers.3." in name for name in read1) and not any(".layers.0." in name for name in read1)
+    assert "model.norm.weight" in read1 and "model.norm.weight" not in read0
+    _same(expected, ranks[1]["meta"][0], ranks[1]["meta"][1], second)
+    _same(expected, None, ranks[0]["meta"][1], first)
+
+
+def test_a_model_on_meta_runs_with_weights_read_from_the_checkpoint(model, single, checkpoint):
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(model.config).eval()
+    ig = qgraph.instrument(meta, values=VALUES, edits=["layers.2.layer_output"])
+    ids, mask = _inputs()
+    with pytest.raises(RuntimeError, match="is on the meta device .* load them with ig.load_weights"):
+        ig(ids, mask)
+    names = ig.load_weights(checkpoint)
+    assert "model.layers.3.mlp.down_proj.weight" in names and "model.rotary_emb.inv_freq" in names
+    expected = single(ids, mask, edits=EDIT)
+    got = ig(ids, mask, edits=EDIT)
+    _same(expected, got.logits, got.values, expected.values)
+    assert all(p.is_meta for p in meta.parameters())  # the model is untouched
+    with pytest.raises(ValueError, match=r"the weights do not fit the model: .* is \(\d+, 64\) float32 there, "
+                                         r"\(\d+, 48\) float32 in"):
+        from qgraph.testing import tiny_qwen3_5
+        ig.load_weights(tiny_qwen3_5(checkpoint.parent / "narrow", hidden_size=48))
 
 
 def test_stage_mistakes_are_named(model):

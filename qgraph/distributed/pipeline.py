@@ -47,10 +47,11 @@ class Pipeline:
     def rank(self) -> int | None:
         return None if self.world is None else self.world.rank
 
-    def owned(self, position: int) -> bool:
-        """Whether this process gets program output ``position`` (every output in one process)."""
-        owner = self.plan.owner(position)
-        return self.world is None or owner is None or owner == self.world.rank
+    def local_inputs(self, count: int) -> list[int]:
+        """The program inputs (of ``count``) this process's stage reads (all of them in one process)."""
+        if self.world is None:
+            return list(range(count))
+        return [where[0] for kind, *where in self.plan.inputs[self.world.rank] if kind == "input"]
 
     def __call__(self, args: list) -> list:
         count = min(self.microbatches, *(args[i].shape[0] for i in self.batched)) if self.batched else 1

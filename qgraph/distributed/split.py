@@ -4,8 +4,9 @@ A node belongs to the stage of the block its module scope (``nn_module_stack``) 
 latest stage among its inputs, whichever is later: what precedes the first block (the embedding,
 the rotary, the masks) is stage 0, what follows the last (the final norm, the lm_head) is the last
 stage, and what a pass added (taps, edit slots, views) goes with what it reads. A node that reads
-only program inputs and lies in no block (a parameter's ``1 + weight``) goes to the earliest stage
-that uses it, so no stage computes for another what it could compute itself.
+only program inputs and lies in no block (a parameter's ``1 + weight``, export's checks on a
+parameter) goes to the earliest stage that uses it (or its parameter), so no stage computes for
+another what it could compute itself, nor reads a parameter it does not need.
 
 ``Plan`` says, for each stage, where each of its inputs comes from (a program input, or an output
 of an earlier stage) and which later stages and program outputs read each of its outputs: what a
@@ -76,7 +77,10 @@ def split(module: GraphModule, block_of, cuts: list[int]) -> Plan:
             continue
         stage[node] = max(inputs + ([stage_of_block(block)] if block is not None else []))
     for node in reversed(free):  # at its first reader (its free readers come later, so are placed)
-        stage[node] = min((stage[user] for user in node.users if user in stage), default=0)
+        readers = [stage[user] for user in node.users if user in stage]
+        if not readers:  # a check on a parameter: where the parameter is read
+            readers = [stage[user] for source in node.all_input_nodes for user in source.users if user in stage]
+        stage[node] = min(readers, default=0)
     split_gm = split_module(module, module, lambda node: stage[node])
     return _plan(split_gm, len(cuts) + 1)
 

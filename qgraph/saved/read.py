@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch.export.graph_signature import InputKind
 
 from ..edits import EditError, Target
@@ -22,6 +21,7 @@ from ..instrument import Output
 from ..kernels.slot import editing
 from ..passes.on_request import input_source
 from ..values import derive
+from ..weights import WeightsMismatch, check_fit, read
 from ..values.names import matching, patterns_of
 from .write import FORMAT, META, read_meta, versions
 
@@ -85,37 +85,20 @@ def _weights(path: Path, meta: dict, weights) -> dict[str, object]:
             except AttributeError:
                 raise SavedProgramError(f"the weights do not fit {path.name}: the model has no {target}") from None
             found[target] = lambda m=module, a=attribute: getattr(m, a)
-        _check_fit(path, wanted, {target: get() for target, get in found.items()})
+        _fit(path, wanted, {target: get() for target, get in found.items()}, "the model")
         return found
     if not isinstance(weights, (str, Path)):
         raise TypeError(f"weights= takes a model, a safetensors file or a checkpoint folder, not {type(weights).__name__}")
-    files = sorted(Path(weights).glob("*.safetensors")) if Path(weights).is_dir() else [Path(weights)]
-    if not files or not all(file.is_file() for file in files):
-        raise FileNotFoundError(f"no safetensors weights at {weights}")
-    tensors = {}
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():
-                if key in wanted:
-                    tensors[key] = handle.get_tensor(key)
-    for group in meta["tied"]:  # tied tensors are written once (a checkpoint may keep any one of them)
-        present = next((tensors[name] for name in group if name in tensors), None)
-        tensors.update({name: present for name in group if present is not None})
-    _check_fit(path, wanted, tensors, source=str(weights))
+    tensors = read(weights, wanted, meta["tied"])
+    _fit(path, wanted, tensors, str(weights))
     return tensors
 
 
-def _check_fit(path: Path, wanted: dict, tensors: dict, source: str = "the model") -> None:
-    missing = [target for target in wanted if target not in tensors]
-    if missing:
-        raise SavedProgramError(f"the weights do not fit {path.name}: {source} has no {', '.join(missing[:3])}"
-                                f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}")
-    for target, (shape, dtype) in wanted.items():
-        tensor = tensors[target]
-        if list(tensor.shape) != shape or str(tensor.dtype) != dtype:
-            raise SavedProgramError(f"the weights do not fit {path.name}: {target} is {tuple(shape)} "
-                                    f"{dtype.removeprefix('torch.')} there, {tuple(tensor.shape)} "
-                                    f"{str(tensor.dtype).removeprefix('torch.')} in {source}")
+def _fit(path: Path, wanted: dict, tensors: dict, source: str) -> None:
+    try:
+        check_fit(path.name, wanted, tensors, source)
+    except WeightsMismatch as error:
+        raise SavedProgramError(str(error)) from None
 
 
 class LoadedProgram:

@@ -1,0 +1,34 @@
+"""Run a program exported on one device on another: its recorded device arguments are rewritten.
+
+A model built on the ``meta`` device exports without weights, but the graph records ``meta`` where
+its code named a device (``arange(..., device=...)``, the tensor checks export adds). When its
+weights are loaded elsewhere (``ig.load_weights``), this pass makes every such argument that device.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx.node import map_aggregate
+
+from .base import GraphPass, PassResult
+
+
+class OnDevice(GraphPass):
+    """Every ``source`` device argument in the graph becomes ``target``."""
+
+    def __init__(self, source: torch.device, target: torch.device):
+        self.source, self.target = torch.device(source), torch.device(target)
+
+    def call(self, graph_module) -> PassResult:
+        modified = False
+
+        def swap(value):
+            nonlocal modified
+            if isinstance(value, torch.device) and value == self.source:
+                modified = True
+                return self.target
+            return value
+
+        for node in graph_module.graph.nodes:
+            node.args = map_aggregate(node.args, swap)
+            node.kwargs = map_aggregate(node.kwargs, swap)
+        return PassResult(graph_module, modified)
