@@ -1,11 +1,17 @@
-"""Mixture-of-experts: exporting a 35B-A3B-shaped twin on the meta device, and the forward's overhead.
+"""Mixture-of-experts: exporting a 35B-A3B- (or 397B-A17B-) shaped twin on the meta device, and the forward's overhead.
 
-    python benchmarks/bench_moe.py [--tokens 128] [--skip-meta] [--skip-forward]
+    python benchmarks/bench_moe.py [--shape 35b|397b] [--tokens 128] [--skip-meta] [--skip-instrument] [--skip-forward]
 
 1. Export (``qgraph.export.export_model``) of a ``Qwen3_5MoeForCausalLM`` built under
-   ``torch.device("meta")`` (no weights) with Qwen3.5-35B-A3B's text shape: wall time, node count of the
+   ``torch.device("meta")`` (no weights) with Qwen3.5-35B-A3B's text shape (``--shape 35b``, the
+   default) or Qwen3.5-397B-A17B's (``--shape 397b``): wall time, node count of the
    program's graph (and its ``qgraph::moe_experts`` / ``qgraph::mark`` nodes) and the peak resident
-   memory (``ru_maxrss``) before and after. The shape: hidden 2048, 40 blocks (3 Gated DeltaNet + 1
+   memory (``ru_maxrss``) before and after. Then, on the same twin (its export now in memory),
+   ``qgraph.instrument(model, values=["layers.*.layer_output"], logits=False)``: wall time, the
+   program's node count, resident and peak resident memory after, and a check that every parameter
+   is still on meta (``--skip-instrument`` leaves it out).
+
+   35B-A3B (``--shape 35b``): hidden 2048, 40 blocks (3 Gated DeltaNet + 1
    full attention, repeated), 16 query / 2 key-value heads of 256, DeltaNet 16 key / 32 value heads of
    128, conv kernel 4, 256 experts, top-8, expert inner 512, shared expert inner 512, vocab 248320,
    partial rotary 0.25 with mrope_section [11, 11, 10] interleaved. The spec (/work/shared/spec) names
@@ -13,6 +19,22 @@
    and they agree with transformers 5.24's ``Qwen3_5MoeTextConfig()`` defaults, whose docstring names
    Qwen/Qwen3.5-35B-A3B. rope_theta 10,000,000 and 262,144 positions as Qwen3.5's released configs
    (``common.qwen3_5_0_8b_config``); untied embeddings (the config's default).
+
+   397B-A17B (``--shape 397b``): hidden 4096, 60 blocks (15 x (3 Gated DeltaNet + 1 full attention)),
+   32 query / 2 key-value heads of 256, DeltaNet 16 key / 64 value heads of 128, conv kernel 4, 512
+   experts, top-10, expert inner 1024, shared expert inner 1024 (one shared expert, gated), vocab
+   248320, untied embeddings, rms_norm_eps 1e-6, rope_theta 10,000,000, partial rotary 0.25, 262,144
+   positions. Qwen/Qwen3.5-397B-A17B's config.json itself was not found (no copy in the sources
+   searched); these values come from two secondary sources that agree where they overlap: NVIDIA
+   Megatron's MIMO example config for Qwen3.5-397B-A17B (``get_qwen35_language_model_config``, which
+   says its values "match the HuggingFace text_config": 60 layers, hidden 4096, 32 heads, 2 KV groups
+   of 256, 512 experts, moe_ffn_hidden_size 1024, shared expert 1024, top-10, linear 16 key / 64
+   value heads of 128, conv 4, linear_attention_freq 4, rotary 0.25 of base 1e7, 262144 positions,
+   eps 1e-6, untied) and mlx-community/Qwen3.5-397B-A17B-4bit's model card (the same, and vocab
+   248320). Assumed, not found in either: mrope_section [11, 11, 10] interleaved (as 35B-A3B's: the
+   same head dim 256, so the same 32 rotary pairs), ``intermediate_size`` left at the config's
+   default (unused: every block is MoE), and the other ``Qwen3_5MoeTextConfig`` defaults
+   (``norm_topk_prob``, ``hidden_act``, ...).
 2. Forward on a small MoE shape (hidden 512, 8 blocks, 32 experts, top-4, expert inner 256, shared
    inner 256, vocab 32000; random weights, float32, sdpa), batch 1, under ``torch.no_grad()``: the HF
    forward (its default experts implementation, and ``"eager"`` on a deep copy) against
@@ -63,6 +85,21 @@ def config_35b_a3b():
         rope_parameters=dict(ROPE), max_position_embeddings=262144, rms_norm_eps=1e-6)
 
 
+def config_397b_a17b():
+    """Qwen3.5-397B-A17B's text shape (see the module docstring for the sources and what is assumed)."""
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(
+        vocab_size=248320, hidden_size=4096, num_hidden_layers=60,
+        num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 15,
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+        rope_parameters=dict(ROPE), max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+SHAPES = {"35b": ("35B-A3B", config_35b_a3b), "397b": ("397B-A17B", config_397b_a17b)}
+
+
 def config_small():
     from transformers import Qwen3_5MoeTextConfig
     return Qwen3_5MoeTextConfig(
@@ -79,14 +116,16 @@ def count(graph, name: str) -> int:
     return sum(1 for node in graph.nodes if node.op == "call_function" and name in str(node.target))
 
 
-def meta_export() -> None:
+def meta_export(shape: str = "35b"):
+    """Export the twin of ``shape`` built on meta; returns the model (None if the export failed)."""
     from transformers import Qwen3_5MoeForCausalLM
     from qgraph.export import export_model
-    print("== export of the 35B-A3B-shaped twin on meta ==")
+    name, config = SHAPES[shape]
+    print(f"== export of the {name}-shaped twin on meta ==")
     rss0, peak0 = rss_mib(), maxrss_mib()
     start = time.perf_counter()
     with torch.device("meta"):
-        model = Qwen3_5MoeForCausalLM(config_35b_a3b()).eval()
+        model = Qwen3_5MoeForCausalLM(config()).eval()
     build = time.perf_counter() - start
     parameters = sum(p.numel() for p in model.parameters())
     print(f"built on meta in {build:.1f} s: {parameters / 1e9:.2f} B parameters "
@@ -102,7 +141,7 @@ def meta_export() -> None:
         print(f"export FAILED after {time.perf_counter() - start:.1f} s:")
         traceback.print_exc()
         print(f"RSS after: {rss_mib():.0f} MiB, peak RSS after: {maxrss_mib():.0f} MiB")
-        return
+        return None
     seconds = time.perf_counter() - start
     graph = exported.graph
     nodes = len(graph.nodes)
@@ -115,6 +154,35 @@ def meta_export() -> None:
     from qgraph.export import disk_cache
     cached = list(disk_cache.directory().glob("*.pt2")) if disk_cache.directory().is_dir() else []
     print(f"disk cache: {len(cached)} file(s), {sum(f.stat().st_size for f in cached) / 2**20:.1f} MiB")
+    return model
+
+
+def meta_instrument(model) -> None:
+    """``qgraph.instrument`` of every block's layer_output, logits=False, on the meta twin (export in memory)."""
+    import qgraph
+    print("== instrument(values=['layers.*.layer_output'], logits=False) on the same meta twin ==")
+    rss1, peak1 = rss_mib(), maxrss_mib()
+    print(f"RSS before: {rss1:.0f} MiB, peak RSS before: {peak1:.0f} MiB")
+    start = time.perf_counter()
+    try:
+        ig = qgraph.instrument(model, values=["layers.*.layer_output"], logits=False)
+    except Exception:
+        print(f"instrument FAILED after {time.perf_counter() - start:.1f} s:")
+        traceback.print_exc()
+        print(f"RSS after: {rss_mib():.0f} MiB, peak RSS after: {maxrss_mib():.0f} MiB")
+        return
+    seconds = time.perf_counter() - start
+    graph = ig.graph
+    off_meta = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type != "meta"]
+    print(f"instrument: {seconds:.1f} s, {len(ig.values)} values, program graph {len(graph.nodes)} nodes "
+          f"({count(graph, 'moe_experts')} qgraph::moe_experts)")
+    print(f"RSS after instrument: {rss_mib():.0f} MiB (+{rss_mib() - rss1:.0f}), peak RSS after: {maxrss_mib():.0f} MiB "
+          f"(+{maxrss_mib() - peak1:.0f} MiB over the peak before)")
+    print(f"parameters and buffers off meta after instrument: {len(off_meta)} {off_meta[:5]}")
+    start = time.perf_counter()
+    qgraph.instrument(model, values=["layers.*.layer_output"], logits=False)
+    print(f"instrument again (program built anew from the export in memory): {time.perf_counter() - start:.1f} s, "
+          f"peak RSS {maxrss_mib():.0f} MiB")
 
 
 def forward(tokens: int) -> None:
@@ -166,15 +234,23 @@ def forward(tokens: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="35b",
+                        help="the MoE shape exported on meta: Qwen3.5-35B-A3B (default) or Qwen3.5-397B-A17B")
     parser.add_argument("--skip-meta", action="store_true")
+    parser.add_argument("--skip-instrument", action="store_true", help="export only, no instrument() on meta")
     parser.add_argument("--skip-forward", action="store_true")
     args = parser.parse_args()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["QGRAPH_CACHE"] = cache
         if not args.skip_meta:
-            meta_export()
+            model = meta_export(args.shape)
+            if model is not None and not args.skip_instrument:
+                meta_instrument(model)
+            del model  # the meta twin, before the forward's models
         if not args.skip_forward:
             forward(args.tokens)
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ BASH = [pytest.param(heading, source, id=block_id(i, heading, source))
 def test_the_readme_has_the_blocks_we_run():
     headings = {heading for _, heading, _ in BLOCKS}
     assert {"Reading values", "Editing values", "DeltaNet states", "Images", "Diagrams", "Generation",
-            "Capturing a dataset", "Sparse autoencoders", "Mixtures of experts"} <= headings
+            "Capturing a dataset", "Sparse autoencoders", "Mixtures of experts",
+            "Saved programs and stages"} <= headings
     assert len(PYTHON) >= 8 and len(BASH) >= 2
     assert all(language in ("python", "bash") for language, _, _ in BLOCKS), "a block in an unchecked language"
 
@@ -246,6 +247,19 @@ def saes(ns):
                                moved, rtol=0, atol=1e-5)
 
 
+def saved_programs(ns):
+    ig, probe, out, ids, staged = ns["ig"], ns["probe"], ns["out"], ns["ids"], ns["staged"]
+    # "edits at its saved slots": the instrumented model's edited call, exactly
+    expected = ig(ids, edits={"layers.1.layer_output": qgraph.Zero(positions=[-1])})
+    assert torch.equal(out.logits, expected.logits) and not torch.equal(out.logits, ig(ids).logits)
+    assert all(torch.equal(out[name], expected[name]) for name in expected.values)
+    plain, cut = ig(ids), staged(ids)
+    assert torch.equal(plain.logits, cut.logits) and all(torch.equal(plain[n], cut[n]) for n in plain.values)
+    assert "model.layers.3.mlp.down_proj.weight" in ns["names"]
+    low = ns["low"](ids)
+    assert torch.equal(low.logits, plain.logits) and all(p.is_meta for p in ns["big"].parameters())
+
+
 CLAIMS = {  # the section and a line of its block -> the check of what the README says it gives
     ("Reading values", "out.logits"): reading_values,
     ("Editing values", "Zero(heads=[2])"): editing_values,
@@ -258,6 +272,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("Capturing a dataset", "qgraph.capture("): capturing,
     ("Sparse autoencoders", "qgraph.SAE.load("): saes,
     ("Mixtures of experts", "tiny_qwen3_5_moe("): mixtures_of_experts,
+    ("Saved programs and stages", "ig.save("): saved_programs,
 }
 
 
