@@ -17,7 +17,7 @@ from torch.export.graph_signature import InputKind
 
 from ..edits import EditError, Target
 from ..inputs import check_text
-from ..instrument import Output
+from ..output import Output
 from ..kernels.slot import editing
 from ..passes.on_request import input_source
 from ..values import derive
