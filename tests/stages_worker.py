@@ -1,6 +1,6 @@
 """One rank of the two-process stage test (tests/test_stages.py runs it under torchrun):
 instrument the tiny checkpoint with stages=2, call it plain, with an edit on stage 2, with
-micro-batches and gathered, and from a model built on meta with this rank's weights read from the
+micro-batches gathered to rank 0, and from a model built on meta with this rank's weights read from the
 checkpoint; save what this rank got."""
 import sys
 
@@ -18,8 +18,8 @@ staged = qgraph.instrument(model, values=VALUES, edits=["layers.2.layer_output"]
 assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 2
 results = {}
 for name, run in {"plain": lambda: staged(ids, mask), "edited": lambda: staged(ids, mask, edits=edit),
-                  "micro": lambda: qgraph.instrument(model, values=VALUES, stages=qgraph.Stages(2, microbatches=2))(ids, mask),
-                  "gathered": lambda: qgraph.instrument(model, values=VALUES, stages=qgraph.Stages([2], gather=True))(ids, mask)}.items():
+                  "gathered": lambda: qgraph.instrument(model, values=VALUES, stages=qgraph.Stages([2], microbatches=2,
+                                                                                                    gather=True))(ids, mask)}.items():
     got = run()
     results[name] = (got.logits, got.values)
 # a model built on meta: exported without weights, each rank reads only its stage's from the checkpoint

@@ -16,15 +16,19 @@ from qgraph.testing import tiny_qwen3_5
 
 from conftest import random_ids
 
-VALUES = ["layers.*.layer_output", "layers.0.linear_attn.states", "layers.3.self_attn.attention_gate"]
+VALUES = {"layers.0.linear_attn.state": {"positions": [0, -1]}, "layers.*.layer_output": {},
+          "layers.3.self_attn.attention_gate": {}}
+EDIT = {"layers.1.layer_output": qgraph.Zero(positions=[-1])}
 
 
 @pytest.fixture(scope="session")
 def saved(sdpa_model, tmp_path_factory):
-    """The tiny model instrumented with a slot, and that program saved with its weights."""
-    ig = qgraph.instrument(sdpa_model, values=VALUES, edits=["layers.1.layer_output"])
+    """The tiny model instrumented with states at positions (a per-value input), a fixed edit and a
+    slot for per-call edits, its program saved without weights."""
+    ig = qgraph.instrument(sdpa_model, values=VALUES,
+                           edits={"layers.2.mlp.mlp_neurons": qgraph.Zero(neurons=[0, 1]), "layers.1.layer_output": None})
     path = tmp_path_factory.mktemp("saved") / "probe.pt2"
-    ig.save(path, weights=True)
+    ig.save(path)
     return ig, path
 
 
@@ -35,8 +39,11 @@ def _equal(expected, got):
         assert torch.allclose(expected[name], got[name], atol=1e-6, rtol=0), name
 
 
-def test_fresh_process_never_imports_the_modeling_file(saved, tmp_path):
+def test_fresh_process_never_imports_the_modeling_file(saved, checkpoint, tmp_path):
+    """Loaded in a new process with the weights of the checkpoint folder (its tied embedding stored
+    once): the values and a per-call edit's equal the instrumented model's."""
     ig, path = saved
+    assert not path.with_suffix(".safetensors").exists()
     ids = random_ids(2, 13, seed=4)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding
@@ -44,7 +51,7 @@ def test_fresh_process_never_imports_the_modeling_file(saved, tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch, qgraph
         inputs = torch.load({str(tmp_path / 'inputs.pt')!r})
-        program = qgraph.load({str(path)!r})  # the weights written beside it
+        program = qgraph.load({str(path)!r}, weights={str(checkpoint)!r})
         plain = program(inputs["ids"], inputs["mask"])
         edited = program(inputs["ids"], inputs["mask"], edits={{"layers[1].layer_output": qgraph.Zero(positions=[-1])}})
         modeling = [name for name in sys.modules if ".modeling_qwen" in name]
@@ -56,30 +63,18 @@ def test_fresh_process_never_imports_the_modeling_file(saved, tmp_path):
     result = torch.load(tmp_path / "out.pt")
     assert result["modeling"] == []
     _equal(ig(ids, mask), qgraph.Output(*result["plain"]))
-    edit = {"layers.1.layer_output": qgraph.Zero(positions=[-1])}
-    expected = ig(ids, mask, edits=edit)
+    expected = ig(ids, mask, edits=EDIT)
     _equal(expected, qgraph.Output(*result["edited"]))
     assert (expected.logits - ig(ids, mask).logits).abs().max() > 1e-3  # the edit did something
 
 
-@pytest.fixture(scope="session")
-def saved_bare(sdpa_model, tmp_path_factory):
-    """A program with states at positions (a per-value input) and a fixed edit, saved without weights."""
-    values = {"layers.0.linear_attn.state": {"positions": [0, -1]}, "layers.*.layer_output": {}}
-    ig = qgraph.instrument(sdpa_model, values=values, edits={"layers.2.mlp.mlp_neurons": qgraph.Zero(neurons=[0, 1])})
-    path = tmp_path_factory.mktemp("saved") / "bare.pt2"
-    ig.save(path)
-    return ig, path
-
-
-def test_weights_from_the_model_positions_and_fixed_edits(saved_bare, sdpa_model):
+def test_weights_from_the_model_and_gradients(saved, sdpa_model):
     """Loaded with weights=model: the values equal the in-memory program's, and gradients reach the
     model's parameters as through it."""
-    ig, path = saved_bare
-    assert not path.with_suffix(".safetensors").exists()
+    ig, path = saved
     program = qgraph.load(path, weights=sdpa_model)
     ids = random_ids(1, 9, seed=5)
-    _equal(ig(ids), program(ids))
+    _equal(ig(ids, edits=EDIT), program(ids, edits=EDIT))
     weight = sdpa_model.model.layers[1].mlp.down_proj.weight
     grads = []
     for run in (ig, program):
@@ -101,21 +96,20 @@ def _with_meta(path, out, **changes):
     return out
 
 
-def test_refusals(saved, saved_bare, tmp_path):
-    ig, path = saved
-    bare = saved_bare[1]
-    with pytest.raises(qgraph.SavedProgramError, match="bare.pt2 was saved without weights: load it with weights=model"):
+def test_refusals(saved, tmp_path):
+    ig, bare = saved
+    with pytest.raises(qgraph.SavedProgramError, match="probe.pt2 was saved without weights: load it with weights=model"):
         qgraph.load(bare)
     with pytest.raises(qgraph.EditError, match="'layers.2.layer_output' is not an edit slot of probe.pt2; its slots "
                                                "are layers.1.layer_output"):
-        qgraph.load(path)(random_ids(1, 4), edits={"layers.2.layer_output": qgraph.Zero()})
+        qgraph.load(bare, weights=ig.model)(random_ids(1, 4), edits={"layers.2.layer_output": qgraph.Zero()})
     with pytest.raises(ValueError, match="save to a .pt2 file"):
         ig.save(tmp_path / "probe.pt")
     other = tiny_qwen3_5(tmp_path / "other", hidden_size=48)
-    with pytest.raises(qgraph.SavedProgramError, match=r"weights do not fit bare.pt2: \S+ is \(\d+, 64\) "
+    with pytest.raises(qgraph.SavedProgramError, match=r"weights do not fit probe.pt2: \S+ is \(\d+, 64\) "
                                                        r"float32 there, \(\d+, 48\) float32 in .*other"):
         qgraph.load(bare, weights=other)
-    with pytest.raises(qgraph.SavedProgramError, match="weights do not fit bare.pt2: the model has no"):
+    with pytest.raises(qgraph.SavedProgramError, match="weights do not fit probe.pt2: the model has no"):
         qgraph.load(bare, weights=torch.nn.Linear(2, 2))
     versions = json.loads(zipfile.ZipFile(bare).read(next(n for n in zipfile.ZipFile(bare).namelist()
                                                           if n.endswith("qgraph.json"))))["versions"]

@@ -61,15 +61,18 @@ def save(ig, path, weights: bool = False) -> Path:
         raise TypeError(f"weights= takes True (write the weights beside the program) or False, not {weights!r}")
     ig.refresh()
     program = ig._program_for(False)
-    if getattr(ig.model, "device", torch.device("cpu")).type == "meta" and weights:
-        raise ValueError("the model's weights are on the meta device: there are none to write; save with weights=False")
     module, slots = _slots_as_ops(program)
     recipes = [recipe for _, _, recipe in program.extra_inputs]
     if any(recipe is None for recipe in recipes):
         raise ValueError("this program takes inputs that cannot be rebuilt after loading (a decode step's cache); "
                          "save a program made by qgraph.instrument")
     holder = _Holder(module, program)
+    if weights and any(tensor.is_meta for tensor in holder.parameters()):
+        raise ValueError("the model's weights are on the meta device: there are none to write; save with weights=False "
+                         "(or load them first: ig.load_weights(checkpoint))")
     example, dims = text_example(ig.model)
+    device = next(holder.parameters()).device
+    example = {name: tensor.to(device) for name, tensor in example.items()}
     extras = [source(example) for _, source, _ in program.extra_inputs]
     dynamic = (dims["input_ids"], dims["attention_mask"], *[None] * len(extras))
     with warnings.catch_warnings():
