@@ -2,11 +2,15 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_stages.py \
         [--tokens 128] [--batch 4] [--microbatches 1 2 4] [--repeats 3]
+    python benchmarks/bench_stages.py --single [--threads 2] [--tokens 128] [--batch 4]   # the unsplit program alone
 
 Both ranks build the 0.8B shape with the same random weights (seeded). Rank 0 times the unsplit
 program (``qgraph.instrument(model, values=["layers.*.layer_output"])``, torch's threads = the
 machine's cores) while rank 1 waits at a barrier; then both time the same program cut into two
-stages of 12 blocks (``stages=qgraph.Stages(2, microbatches=M)``, one thread per rank), for each M.
+stages of 12 blocks (``stages=qgraph.Stages(2, microbatches=M)``, one thread per rank), for each M,
+each call timed from a barrier before it to a barrier after it (the last stage's end). Rank 1 waits
+in a barrier while rank 0 runs the unsplit program, which may cost it a core: ``--single`` times the
+unsplit program in a process of its own, the baseline to trust.
 Interleaved (single, staged M..., single, ...), median of ``--repeats``, under ``torch.no_grad()``;
 the logits of rank 1 are checked against rank 0's unsplit ones (sent over). Prints one line per run
 and the ratios to the unsplit program.
@@ -35,7 +39,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--single", action="store_true", help="time the unsplit program alone (no torchrun)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of --single")
     args = parser.parse_args()
+    if args.single:
+        return single_alone(args)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cores = os.cpu_count() or 1
@@ -52,18 +60,16 @@ def main() -> None:
         dist.barrier()
         start = time.perf_counter()
         logits = single(ids).logits if rank == 0 else None
-        elapsed = time.perf_counter() - start
         dist.barrier()
-        return elapsed, logits
+        return time.perf_counter() - start, logits
 
     def run_staged(m):
         torch.set_num_threads(max(1, cores // 2))
         dist.barrier()
         start = time.perf_counter()
         out = staged[m](ids)
-        elapsed = time.perf_counter() - start
-        dist.barrier()
-        return elapsed, out.logits
+        dist.barrier()  # the call is done when the last stage is
+        return time.perf_counter() - start, out.logits
 
     with torch.no_grad():
         reference = run_single()[1]  # warm-up, and the logits to compare with
@@ -88,6 +94,22 @@ def main() -> None:
             print(f"{name:32s} {median * 1000:8.0f} ms  {median / base:5.2f}x")
         print(f"max |logits difference| staged vs single: {difference:.2e}")
     dist.destroy_process_group()
+
+
+def single_alone(args) -> None:
+    """The unsplit program in this process alone, with ``--threads`` torch threads."""
+    torch.set_num_threads(args.threads)
+    model = build_0_8b()
+    single = qgraph.instrument(model, values=["layers.*.layer_output"])
+    ids = torch.randint(0, 248320, (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        single(ids)
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            single(ids)
+            times.append(time.perf_counter() - start)
+    print(f"single process alone, {torch.get_num_threads()} threads: {statistics.median(times) * 1000:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -43,10 +43,6 @@ class Pipeline:
                              f"{world.size}: launch with torchrun --nproc_per_node {len(plan)} (or instrument without "
                              f"torch.distributed initialised to run every stage in this process)")
 
-    @property
-    def rank(self) -> int | None:
-        return None if self.world is None else self.world.rank
-
     def local_inputs(self, count: int) -> list[int]:
         """The program inputs (of ``count``) this process's stage reads (all of them in one process)."""
         if self.world is None:
