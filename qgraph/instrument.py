@@ -271,6 +271,8 @@ class InstrumentedModel:
         if fingerprint(self.model) != self._fingerprint:
             with self._lock:
                 if fingerprint(self.model) != self._fingerprint:
+                    self._weights.clear()  # weights loaded for the model as it was (load_weights) would be stale
+                    self._device = None
                     self._build()
 
     def load_weights(self, checkpoint, device="cpu") -> list[str]:

@@ -6,6 +6,7 @@ ports); tests read what they need from one call.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 
@@ -59,6 +60,16 @@ def _program_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QGRAPH_CACHE", str(tmp_path_factory.mktemp("qgraph-cache")))
         patch.setenv("QGRAPH_PROGRAM_CACHE", "0")
+        yield
+
+
+@contextlib.contextmanager
+def program_cache_on(tmp_path_factory, name: str):
+    """qgraph's disk cache of exported programs on, in a dir of its own: child processes (torchrun
+    ranks, a killed capture) load the program this process exported."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QGRAPH_CACHE", str(tmp_path_factory.mktemp(name)))
+        patch.setenv("QGRAPH_PROGRAM_CACHE", "1")
         yield
 
 

@@ -23,6 +23,8 @@ from qgraph.capture.data import documents, open_dataset, pack
 from qgraph.capture.writer import STOP_AFTER_ENV
 from qgraph.testing import tiny_qwen3_5
 
+from conftest import program_cache_on
+
 VALUES = ["layers.*.layer_output"]
 TEXTS = [f"document {i}: " + "words and more words " * (i % 4) for i in range(13)]
 SETUP = dict(context=32, batch_size=2, shard_rows=4, dtype=torch.float32)
@@ -31,9 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module", autouse=True)
 def _shared_program_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("QGRAPH_CACHE", str(tmp_path_factory.mktemp("capture-cache")))
-        patch.setenv("QGRAPH_PROGRAM_CACHE", "1")
+    with program_cache_on(tmp_path_factory, "capture-cache"):
         yield
 
 

@@ -13,7 +13,7 @@ import torch
 
 import qgraph
 
-from conftest import random_ids
+from conftest import program_cache_on, random_ids
 
 VALUES = ["layers.*.layer_output", "layers.0.linear_attn.states", "layers.3.self_attn.attention_gate"]
 REPO = Path(__file__).resolve().parents[1]
@@ -21,10 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module", autouse=True)
 def _shared_program_cache(tmp_path_factory):
-    """The disk cache of exported programs on, so the ranks load the program this process exported."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("QGRAPH_CACHE", str(tmp_path_factory.mktemp("stages-cache")))
-        patch.setenv("QGRAPH_PROGRAM_CACHE", "1")
+    with program_cache_on(tmp_path_factory, "stages-cache"):
         yield
 
 

@@ -53,6 +53,9 @@ def stage_program(program, stages: Stages) -> Pipeline:
                 return int(match.group(1))
         return None
 
+    if stages.microbatches > 1 and program.exported.images:
+        raise ValueError("micro-batches cut input_ids and attention_mask, not the images: call the image-text model "
+                         "with microbatches=1 (or without images)")
     plan = split(program.module, block_of, cuts)
     device = next(iter(program.model.parameters()), torch.empty(0)).device
     world = join(device if device.type != "meta" else torch.device("cpu"))
