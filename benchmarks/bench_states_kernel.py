@@ -9,7 +9,10 @@ variants are interleaved so background load hits them alike):
 * ``all_4k_pages`` the same with ``qgraph.kernels.buffers.HUGE_PAGE_MIN_BYTES = None``, i.e. the
   states buffer from plain ``torch.empty`` (ordinary 4 KiB pages unless THP_MEM_ALLOC_ENABLE=1);
 * ``all_bf16``   the same, states stored in bfloat16 (128 MiB);
-* ``positions``  the same, keeping only the states after tokens 0, 128 and 255.
+* ``positions``  the same, keeping only the states after tokens 0, 128 and 255;
+* ``pooled``     ``all`` writing into memory reused from the previous call (``BufferPool``), as an
+  instrumented program does;
+* ``pooled_torch`` the same with ``QGRAPH_NATIVE=0``: the torch path instead of ``states.c``.
 
 Memory: each variant is also run once in a fresh process that reads the peak resident set
 (``VmHWM``, reset through ``/proc/self/clear_refs``) around a single call; "extra" is that peak
@@ -36,7 +39,7 @@ from pathlib import Path
 from common import interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("kernel", "all", "all_4k_pages", "all_bf16", "positions")
+VARIANTS = ("kernel", "all", "all_4k_pages", "all_bf16", "positions", "pooled", "pooled_torch")
 
 
 _MODULE = []
@@ -55,7 +58,8 @@ def _setup(seq):
         sys.modules["qgraph_kernels"] = package
         spec.loader.exec_module(package)
         _MODULE.extend(importlib.import_module(f"qgraph_kernels.{name}") for name in ("delta_states", "buffers"))
-    delta_states, buffers = _MODULE
+        _MODULE.append(_MODULE[1].BufferPool())
+    delta_states, buffers, pool = _MODULE
     chunk_gated_delta_rule_with_states = delta_states.chunk_gated_delta_rule_with_states
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
@@ -76,8 +80,23 @@ def _setup(seq):
         "all_4k_pages": lambda: _plain_pages(buffers, lambda: chunk_gated_delta_rule_with_states(*args)),
         "all_bf16": lambda: chunk_gated_delta_rule_with_states(*args, states_dtype=torch.bfloat16),
         "positions": lambda: chunk_gated_delta_rule_with_states(*args, positions=positions),
+        "pooled": lambda: _pooled(buffers, pool, lambda: chunk_gated_delta_rule_with_states(*args)),
+        "pooled_torch": lambda: _pooled(buffers, pool, lambda: chunk_gated_delta_rule_with_states(*args), native=False),
     }
     return torch, calls
+
+
+def _pooled(module, pool, fn, native=True):
+    saved = os.environ.pop("QGRAPH_NATIVE", None)
+    if not native:
+        os.environ["QGRAPH_NATIVE"] = "0"
+    try:
+        with module.reusing(pool):
+            return fn()
+    finally:
+        os.environ.pop("QGRAPH_NATIVE", None)
+        if saved is not None:
+            os.environ["QGRAPH_NATIVE"] = saved
 
 
 def _plain_pages(module, fn):

@@ -245,3 +245,44 @@ def test_gradients_flow_through_states():
         grads.append([x.grad for x in leaves])
     for ours, ref in zip(*grads):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dims", [(K_DIM, V_DIM), (12, 20)])
+def test_native_kernel_matches_torch_path(monkeypatch, dims):
+    # The C kernel (kernels/states.c) and the torch path compute the same all-token states; where a
+    # C compiler exists the C kernel must really run (a silent fallback would hide a broken build).
+    import os
+    import shutil
+
+    from qgraph.kernels import native
+
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler: only the torch path exists here")
+    gen = torch.Generator().manual_seed(7)
+    k_dim, v_dim = dims
+    q, k = torch.randn(2, 130, 2, k_dim, generator=gen), torch.randn(2, 130, 2, k_dim, generator=gen)
+    v = torch.randn(2, 130, 4, v_dim, generator=gen)
+    g, beta = -torch.rand(2, 130, 4, generator=gen) * 1.5, torch.rand(2, 130, 4, generator=gen)
+    s0 = torch.randn(2, 4, k_dim, v_dim, generator=gen)
+    heads = torch.tensor([3, 0, 2])
+    calls = []
+    real = native.write_chunk_states
+    monkeypatch.setattr(native, "write_chunk_states", lambda *a: calls.append(real(*a)) or calls[-1])
+    run = lambda **kw: chunk_gated_delta_rule_with_states(q, k, v, g, beta, initial_state=s0, **kw)  # noqa: E731
+    fast = [run(), run(heads=heads), run(states_dtype=torch.bfloat16)]
+    assert calls and all(calls), "the C kernel did not run"
+    monkeypatch.setenv("QGRAPH_NATIVE", "0")
+    calls.clear()
+    slow = [run(), run(heads=heads), run(states_dtype=torch.bfloat16)]
+    assert not any(calls)
+    _, reference = reference_states(q, k, v, g, beta, s0)
+    for (f_out, f_states, f_final), (s_out, s_states, s_final) in zip(fast, slow):
+        assert f_states.dtype == s_states.dtype and f_states.shape == s_states.shape
+        torch.testing.assert_close(f_out, s_out, atol=0, rtol=0)  # the output never takes the C path
+        torch.testing.assert_close(f_final, s_final, atol=0, rtol=0)
+    torch.testing.assert_close(fast[0][1], reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast[0][1], slow[0][1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast[1][1], fast[0][1][:, :, heads], atol=0, rtol=0)
+    # bfloat16 states are the float32 ones rounded as torch rounds (to nearest even), up to the
+    # one-ulp cases where the two paths' float32 values straddle a rounding boundary.
+    torch.testing.assert_close(fast[2][1].float(), fast[0][1].to(torch.bfloat16).float(), atol=0, rtol=2 ** -7)
