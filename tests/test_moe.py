@@ -1,8 +1,9 @@
 """The mixture-of-experts families (issue 16): qwen3_5_moe (text and image-text) and qwen3_next.
 
 Each tiny checkpoint (4 blocks, 8 experts, top-2) is exported once per module; its values are
-compared with forward hooks on the plain HF model as loaded (transformers' default experts), its
-logits with the HF forward, and its edits with what they mean.
+compared with forward hooks on the same checkpoint loaded with transformers' eager experts (the loop
+the program's experts op runs, so logits equal bit for bit), its logits also with the HF forward as
+loaded (the default grouped experts: equal to a few ulps), and its edits with what they mean.
 """
 from __future__ import annotations
 
@@ -61,12 +62,21 @@ def hooked(model, ids, mask):
     return logits, seen
 
 
+def eager_twin(model):
+    """The same checkpoint with transformers' eager experts loop, which the program's experts op runs
+    (the default grouped experts can round differently by a few ulps on some CPUs)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model.name_or_path, experts_implementation="eager").eval()
+
+
 def test_values_equal_forward_hooks_and_logits_the_hf_forward(family, padded):
     name, model, ig = family
     ids, mask = padded
     out = ig(ids, mask)
-    logits, seen = hooked(model, ids, mask)
-    torch.testing.assert_close(out.logits, logits, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits, model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
+    logits, seen = hooked(eager_twin(model), ids, mask)
+    torch.testing.assert_close(out.logits, logits, rtol=0, atol=0)
     batch, seq = ids.shape
     for i in range(model.config.num_hidden_layers):
         router_logits, weights, indices = (t.reshape(batch, seq, -1) for t in seen[i, "gate"])
@@ -225,6 +235,23 @@ def test_the_experts_op_passes_opcheck():
                                         (hidden, weights, gate_up, down))
 
 
+def test_the_experts_op_is_transformers_eager_loop_bit_for_bit(family):
+    # the same experts, the same rows in the same order in each matmul, the same sums
+    from qgraph.kernels.experts import moe_experts
+    name, model, _ = family
+    eager = eager_twin(model)
+    mlp = eager.model.layers[1].mlp
+    hidden = torch.randn(37, eager.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        gate = mlp.gate(hidden)
+        weights, indices = gate[1], gate[2]
+        expected = mlp.experts(hidden, indices, weights)
+        dense = torch.zeros(37, eager.config.num_experts).scatter(-1, indices, weights)
+        got = moe_experts(hidden[None], indices[None], dense[None], mlp.experts.gate_up_proj,
+                          mlp.experts.down_proj, "silu")[0]
+    assert torch.equal(got, expected), name
+
+
 def image(height, width, seed):
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
@@ -286,4 +313,6 @@ def test_compiled_and_with_a_config_that_asks_for_router_logits(family):
     torch.testing.assert_close(compiled.logits, expected, rtol=0, atol=1e-5)
     # a config asking the forward for the load-balancing loss: the program still computes the logits alone
     asking = AutoModelForCausalLM.from_pretrained(model.name_or_path, output_router_logits=True).eval()
-    torch.testing.assert_close(qgraph.instrument(asking)(ids).logits, expected, rtol=0, atol=0)
+    torch.testing.assert_close(qgraph.instrument(asking)(ids).logits, qgraph.instrument(model)(ids).logits,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(qgraph.instrument(asking)(ids).logits, expected, rtol=0, atol=1e-5)

@@ -29,10 +29,18 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 def _routed(indices):
-    """Each expert some token picked, ascending, with the (token, slot) pairs routed to it."""
+    """Each expert some token picked, ascending, with the (token, slot) pairs routed to it.
+
+    The pairs come in transformers' order, by slot and then by token: each expert's matmul gets its
+    rows in the same order, hence the same blocking and the same rounding (on AVX-512 a row's result
+    depends on where it sits in the matrix)."""
     with torch.no_grad():
         hit = torch.unique(indices).tolist()
-    return [(expert, torch.where(indices == expert)) for expert in hit]
+    routes = []
+    for expert in hit:
+        slot, token = torch.where(indices.T == expert)
+        routes.append((expert, (token, slot)))
+    return routes
 
 
 def expert_neurons(hidden, indices, gate_up_proj, activation: str, routes=None):

@@ -44,7 +44,7 @@ def _compiled() -> Optional[ctypes.CDLL]:
         warnings.warn("qgraph: no C compiler ($CC or cc) found; all-token DeltaNet states use the "
                       "slower torch path (same values)", stacklevel=3)
         return None
-    with tempfile.TemporaryDirectory(prefix="qgraph-native-") as folder:
+    with tempfile.TemporaryDirectory(prefix="qgraph-native-", ignore_cleanup_errors=True) as folder:
         library = Path(folder) / "states.so"
         command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", str(_SOURCE), "-o", str(library)]
         result = subprocess.run(command, capture_output=True, text=True)

@@ -75,8 +75,10 @@ def _qwen_scope(file: Path, k: int | None) -> dict:
         raise ValueError(f"{file}: Qwen-Scope files do not store TopK's k and the path names none: give k= "
                          f"(the repo name says it: ...-L0_50 is k=50)")
     match = re.fullmatch(r"layer(\d+)\.sae\.pt", file.name)
-    return dict(W_enc=state["W_enc"].T, b_enc=state["b_enc"], W_dec=state["W_dec"].T, b_dec=state["b_dec"],
-                activation="topk", k=k, subtract_b_dec=False, topk_relu=False,
+    # Contiguous, as the other formats' records: a transposed view would take another GEMM kernel,
+    # so the same SAE read from two formats would not give bit-identical features.
+    return dict(W_enc=state["W_enc"].T.contiguous(), b_enc=state["b_enc"], W_dec=state["W_dec"].T.contiguous(),
+                b_dec=state["b_dec"], activation="topk", k=k, subtract_b_dec=False, topk_relu=False,
                 hook=f"layers.{match[1]}.layer_output" if match else None, source=f"Qwen-Scope {file}")
 
 
@@ -140,7 +142,7 @@ def _sparsify(folder: Path, k: int | None) -> dict:
     k = k if k is not None else cfg.get("k")
     if k is None:
         raise ValueError(f"{where}: no k: give k=")
-    return dict(W_enc=tensors["encoder.weight"].T, b_enc=tensors["encoder.bias"], W_dec=tensors["W_dec"],
+    return dict(W_enc=tensors["encoder.weight"].T.contiguous(), b_enc=tensors["encoder.bias"], W_dec=tensors["W_dec"],
                 b_dec=tensors["b_dec"], activation="topk", k=k, subtract_b_dec=True, topk_relu=True,
                 hook=sparsify_hook(folder.name), source=f"sparsify {folder}")
 
