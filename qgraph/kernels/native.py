@@ -46,7 +46,8 @@ def _compiled() -> Optional[ctypes.CDLL]:
         return None
     with tempfile.TemporaryDirectory(prefix="qgraph-native-", ignore_cleanup_errors=True) as folder:
         library = Path(folder) / "states.so"
-        command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", str(_SOURCE), "-o", str(library)]
+        command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", str(_SOURCE), "-o",
+                   str(library)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             warnings.warn(f"qgraph: compiling {_SOURCE.name} failed ({result.stderr.strip()[:300]}); "

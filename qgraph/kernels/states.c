@@ -25,33 +25,61 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)(u >> 16);
 }
 
-/* One [v_dim] row of S_t: row <- a * row + ki * vt, stored to out as float32. */
-static inline void row_f32(float *restrict row, const float *restrict vt, float a, float ki,
-                           float *restrict out, int64_t v_dim) {
+/* a * r + k * v, rounded as the vector loops round it (one fused multiply-add where there is one;
+   built with -ffp-contract=off, so the compiler fuses nothing else), so the float32 and bfloat16
+   outputs are the same numbers. */
+static inline float step(float a, float r, float k, float v) {
+#if defined(__FMA__)
+    return __builtin_fmaf(a, r, k * v);
+#else
+    return a * r + k * v;
+#endif
+}
+
+/* One [v_dim] row of S_t: row <- a * row + ki * vt, streamed to out as float32 (bf16 == 0) or as
+   bfloat16 (bf16 == 1). A vector loop where the row is aligned, the scalar step for the rest. */
+static inline void row_step(float *restrict row, const float *restrict vt, float a, float ki,
+                            void *restrict out, int64_t v_dim, int bf16) {
     int64_t j = 0;
 #if defined(__AVX512F__)
-    if (((uintptr_t)out & 63) == 0) {
+    if (((uintptr_t)out & (bf16 ? 31 : 63)) == 0) {
         const __m512 av = _mm512_set1_ps(a), kv = _mm512_set1_ps(ki);
+        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), nan = _mm512_set1_epi32(0x7fc0);
         for (; j + 16 <= v_dim; j += 16) {
             __m512 r = _mm512_fmadd_ps(av, _mm512_loadu_ps(row + j), _mm512_mul_ps(kv, _mm512_loadu_ps(vt + j)));
             _mm512_storeu_ps(row + j, r);
-            _mm512_stream_ps(out + j, r);
+            if (!bf16) {
+                _mm512_stream_ps((float *)out + j, r);
+                continue;
+            }
+            __m512i u = _mm512_castps_si512(r);  /* to_bf16, sixteen at a time */
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+            __m512i high = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
+            high = _mm512_mask_mov_epi32(high, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), nan);
+            _mm256_stream_si256((__m256i *)((uint16_t *)out + j), _mm512_cvtepi32_epi16(high));
         }
     }
 #elif defined(__AVX__)
-    if (((uintptr_t)out & 31) == 0) {
+    if (!bf16 && ((uintptr_t)out & 31) == 0) {
         const __m256 av = _mm256_set1_ps(a), kv = _mm256_set1_ps(ki);
         for (; j + 8 <= v_dim; j += 8) {
-            __m256 r = _mm256_add_ps(_mm256_mul_ps(av, _mm256_loadu_ps(row + j)),
-                                     _mm256_mul_ps(kv, _mm256_loadu_ps(vt + j)));
+            __m256 vk = _mm256_mul_ps(kv, _mm256_loadu_ps(vt + j));
+#if defined(__FMA__)
+            __m256 r = _mm256_fmadd_ps(av, _mm256_loadu_ps(row + j), vk);
+#else
+            __m256 r = _mm256_add_ps(_mm256_mul_ps(av, _mm256_loadu_ps(row + j)), vk);
+#endif
             _mm256_storeu_ps(row + j, r);
-            _mm256_stream_ps(out + j, r);
+            _mm256_stream_ps((float *)out + j, r);
         }
     }
 #endif
     for (; j < v_dim; j++) {
-        row[j] = a * row[j] + ki * vt[j];
-        out[j] = row[j];
+        row[j] = step(a, row[j], ki, vt[j]);
+        if (bf16)
+            ((uint16_t *)out)[j] = to_bf16(row[j]);
+        else
+            ((float *)out)[j] = row[j];
     }
 }
 
@@ -72,17 +100,8 @@ void qgraph_chunk_states(float *state, const float *key, const float *values, co
             const float *kt = kh + t * k_dim, *vt = vh + t * v_dim;
             const int64_t offset = (h / heads) * batch_stride + t * token_stride + (h % heads) * head_stride;
             for (int64_t i = 0; i < k_dim; i++) {
-                float *restrict row = s + i * v_dim;
-                const float ki = kt[i];
-                if (bf16) {
-                    uint16_t *restrict o = (uint16_t *)out + offset + i * v_dim;
-                    for (int64_t j = 0; j < v_dim; j++) {
-                        row[j] = a * row[j] + ki * vt[j];
-                        o[j] = to_bf16(row[j]);
-                    }
-                } else {
-                    row_f32(row, vt, a, ki, (float *)out + offset + i * v_dim, v_dim);
-                }
+                void *o = bf16 ? (void *)((uint16_t *)out + offset + i * v_dim) : (void *)((float *)out + offset + i * v_dim);
+                row_step(s + i * v_dim, vt, a, kt[i], o, v_dim, bf16);
             }
         }
     }
