@@ -62,20 +62,21 @@ def hooked(model, ids, mask):
     return logits, seen
 
 
-def eager_twin(model):
+@pytest.fixture(scope="module")
+def eager_twin(family):
     """The same checkpoint with transformers' eager experts loop, which the program's experts op runs
     (the default grouped experts can round differently by a few ulps on some CPUs)."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model.name_or_path, experts_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(family[1].name_or_path, experts_implementation="eager").eval()
 
 
-def test_values_equal_forward_hooks_and_logits_the_hf_forward(family, padded):
+def test_values_equal_forward_hooks_and_logits_the_hf_forward(family, padded, eager_twin):
     name, model, ig = family
     ids, mask = padded
     out = ig(ids, mask)
     with torch.no_grad():
         torch.testing.assert_close(out.logits, model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
-    logits, seen = hooked(eager_twin(model), ids, mask)
+    logits, seen = hooked(eager_twin, ids, mask)
     torch.testing.assert_close(out.logits, logits, rtol=0, atol=0)
     batch, seq = ids.shape
     for i in range(model.config.num_hidden_layers):
@@ -235,11 +236,10 @@ def test_the_experts_op_passes_opcheck():
                                         (hidden, weights, gate_up, down))
 
 
-def test_the_experts_op_is_transformers_eager_loop_bit_for_bit(family):
+def test_the_experts_op_is_transformers_eager_loop_bit_for_bit(family, eager_twin):
     # the same experts, the same rows in the same order in each matmul, the same sums
     from qgraph.kernels.experts import moe_experts
-    name, model, _ = family
-    eager = eager_twin(model)
+    name, eager = family[0], eager_twin
     mlp = eager.model.layers[1].mlp
     hidden = torch.randn(37, eager.config.hidden_size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -313,6 +313,6 @@ def test_compiled_and_with_a_config_that_asks_for_router_logits(family):
     torch.testing.assert_close(compiled.logits, expected, rtol=0, atol=1e-5)
     # a config asking the forward for the load-balancing loss: the program still computes the logits alone
     asking = AutoModelForCausalLM.from_pretrained(model.name_or_path, output_router_logits=True).eval()
-    torch.testing.assert_close(qgraph.instrument(asking)(ids).logits, qgraph.instrument(model)(ids).logits,
-                               rtol=0, atol=0)
-    torch.testing.assert_close(qgraph.instrument(asking)(ids).logits, expected, rtol=0, atol=1e-5)
+    logits = qgraph.instrument(asking)(ids).logits
+    torch.testing.assert_close(logits, qgraph.instrument(model)(ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)

@@ -9,7 +9,7 @@ wanted; anything else, or a machine without a C compiler, keeps the torch path (
 float32 rounding). ``QGRAPH_NATIVE=0`` turns it off.
 
 The library is built once per process with ``$CC`` (default ``cc``) into a temporary directory
-(about 0.2 s), so it always matches this machine and this source; nothing is cached on disk.
+(about 0.2 s here), so it always matches this machine and this source; nothing is cached on disk.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ _LOCK = threading.Lock()
 
 def enabled() -> bool:
     """Whether the C kernel is used (compiled on this call if it was not yet)."""
-    return os.environ.get("QGRAPH_NATIVE", "1") != "0" and _library() is not None
+    return _library() is not None
 
 
 @functools.cache
@@ -61,6 +61,9 @@ def _compiled() -> Optional[ctypes.CDLL]:
 
 
 def _library() -> Optional[ctypes.CDLL]:
+    """The compiled kernel, or None where it is turned off or cannot be built."""
+    if os.environ.get("QGRAPH_NATIVE", "1") == "0":
+        return None
     with _LOCK:  # two threads never compile twice
         return _compiled()
 
@@ -76,15 +79,17 @@ def write_chunk_states(out: torch.Tensor, state0: torch.Tensor, key: torch.Tenso
     :func:`qgraph.kernels.delta_states._write_all_states` receives them). No gradient flows.
     """
     batch, length, heads, k_dim, v_dim = out.shape
-    if (out.device.type != "cpu" or out.dtype not in (torch.float32, torch.bfloat16)
-            or out.stride(-1) != 1 or out.stride(-2) != v_dim or not enabled()):
+    if out.device.type != "cpu" or out.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    library = _library()
+    if library is None or out.stride(-1) != 1 or out.stride(-2) != v_dim:
         return False
     # Per-token decay exp(c_t - c_{t-1}) (c_{-1} = 0): the recurrence's form of the chunk's decays.
     cum = cum[..., :length]
     decay = torch.cat([cum[..., :1], cum[..., 1:] - cum[..., :-1]], dim=-1).exp()
     inputs = [x.to(torch.float32).contiguous() for x in (key[:, :, :length], new_values[:, :, :length], decay)]
     state = state0.to(torch.float32, copy=True).contiguous()  # the kernel updates it in place
-    _library().qgraph_chunk_states(
+    library.qgraph_chunk_states(
         state.data_ptr(), *(x.data_ptr() for x in inputs), out.data_ptr(), 0, batch * heads, heads, length,
         k_dim, v_dim, out.stride(0), out.stride(1), out.stride(2), int(out.dtype == torch.bfloat16))
     return True
