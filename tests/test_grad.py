@@ -20,13 +20,10 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The model module's own delta-rule kernels, as export points the ops at them."""
+    """The model module's own delta-rule kernels registered as export registers them: (their name, them)."""
     module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
-    saved = dict(ops.KERNELS)
-    ops.KERNELS.update(chunk=module.torch_chunk_gated_delta_rule, recurrent=module.torch_recurrent_gated_delta_rule)
-    yield ops.KERNELS
-    ops.KERNELS.clear()
-    ops.KERNELS.update(saved)
+    functions = {"chunk": module.torch_chunk_gated_delta_rule, "recurrent": module.torch_recurrent_gated_delta_rule}
+    return ops.register_kernels(module.__name__, functions), functions
 
 
 def delta_inputs(seq=70, batch=2, k_heads=2, v_heads=4, dim=8, seed=0, requires_grad=True):
@@ -66,7 +63,8 @@ def weights_for(outputs, seed=1):
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])
 def test_delta_rule_op_passes_opcheck(kernels, kind):
     op = {"chunk": torch.ops.qgraph.chunk_gated_delta_rule, "recurrent": torch.ops.qgraph.recurrent_gated_delta_rule}
-    torch.library.opcheck(op[kind], (*delta_inputs(seq=70 if kind == "chunk" else 5), True), test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(op[kind], (*delta_inputs(seq=70 if kind == "chunk" else 5), True, kernels[0]),
+                          test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])
@@ -75,16 +73,16 @@ def test_delta_rule_op_grads_equal_the_kernels_autograd(kernels, kind):
     inputs = delta_inputs(seq=70 if kind == "chunk" else 9)
 
     def reference(query, key, value, g, beta, state):
-        return kernels[kind](query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
+        return kernels[1][kind](query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
                              use_qk_l2norm_in_kernel=True)
 
     weights = weights_for(reference(*inputs))
     want = grads_of(reference, inputs, weights)
-    got = grads_of(lambda *x: op[kind](*x, True), inputs, weights)
+    got = grads_of(lambda *x: op[kind](*x, True, kernels[0]), inputs, weights)
     assert all(g.abs().max() > 0 for g in want)  # every input matters here
     assert max_difference(got, want) <= TOLERANCE
     # an unused output (no gradient for the final state) is no different from a zero one
-    got = grads_of(lambda *x: op[kind](*x, True)[:1], inputs, weights[:1])
+    got = grads_of(lambda *x: op[kind](*x, True, kernels[0])[:1], inputs, weights[:1])
     want = grads_of(reference, inputs, [weights[0], None])
     assert max_difference(got, want) <= TOLERANCE
 
@@ -174,8 +172,8 @@ def test_mark_passes_opcheck_and_its_grad_is_the_identity():
 def test_backward_ops_pass_opcheck(kernels):
     inputs = delta_inputs(seq=20, requires_grad=False)
     grad_output, grad_state = torch.randn(2, 20, 4, 8), torch.randn(2, 4, 8, 8)
-    torch.library.opcheck(torch.ops.qgraph.delta_rule_backward, ("chunk", *inputs, True, grad_output, grad_state))
-    torch.library.opcheck(torch.ops.qgraph.delta_rule_backward, ("chunk", *inputs, True, grad_output, None))
+    torch.library.opcheck(torch.ops.qgraph.delta_rule_backward, ("chunk", *inputs, True, kernels[0], grad_output, grad_state))
+    torch.library.opcheck(torch.ops.qgraph.delta_rule_backward, ("chunk", *inputs, True, kernels[0], grad_output, None))
     grad_states = torch.randn(2, 20, 4, 8, 8)
     torch.library.opcheck(torch.ops.qgraph.delta_rule_states_backward,
                           (*inputs, None, None, True, 64, torch.float32, grad_output, grad_states, grad_state))

@@ -182,3 +182,87 @@ def test_steer_per_call_equals_adding_by_hand(plain, small_ids):
         steered = plain(small_ids, edits=qgraph.steer(2, vector, 2.0))
         by_hand = plain(small_ids, edits={"layers.2.layer_output": Add(vector * 2.0)})
     assert torch.equal(steered.logits, by_hand.logits)
+
+
+def _changed(value):
+    """Another value of the same kind (what a user might set)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 1.5 + 1
+    if isinstance(value, str):
+        return value + "-changed"
+    if isinstance(value, (list, tuple)):
+        return type(value)([*value, value[-1] if value else 0])
+    return "changed" if value is None else None
+
+
+def test_every_value_the_export_baked_in_is_part_of_the_fingerprint(fresh_model):
+    """The set comes from the export: each member changed alone changes the model's fingerprint."""
+    from qgraph.export import constants
+    from qgraph.export.fingerprint import fingerprint
+    ig = qgraph.instrument(fresh_model)
+    reads = ig.exported.reads
+    members = {(path, attribute) for path, attribute, _ in constants.current(fresh_model, reads)}
+    # what the issue names is among them: a norm's eps, attention scaling, the rotary, config fields
+    assert {("model.norm", "eps"), ("model.layers.3.self_attn", "scaling"),
+            ("model.rotary_emb", "attention_scaling"), ("model.layers.0.linear_attn.norm", "variance_epsilon"),
+            ("config", "output_hidden_states")} <= members
+    objects = dict(constants.objects(fresh_model))
+    before, changed = fingerprint(fresh_model, reads), 0
+    for path, attribute in sorted(members):
+        owner = objects[path]
+        value = getattr(owner, attribute)
+        try:
+            setattr(owner, attribute, _changed(value))
+        except (AttributeError, TypeError, ValueError):  # a property that refuses the value cannot go stale either
+            continue
+        try:
+            assert fingerprint(fresh_model, reads) != before, f"{path}.{attribute}"
+            changed += 1
+        finally:
+            setattr(owner, attribute, value)
+    assert fingerprint(fresh_model, reads) == before
+    assert changed >= len(members) - 3
+
+
+def test_a_changed_eps_or_scaling_rebuilds_the_program(fresh_model, small_ids):
+    ig = qgraph.instrument(fresh_model, values=["layers.3.layer_output"])
+    fresh_model.model.norm.eps = 0.5
+    with torch.no_grad():
+        assert torch.equal(ig(small_ids).logits, hf_logits(fresh_model, small_ids))
+    fresh_model.model.layers[3].self_attn.scaling *= 3
+    fresh_model.model.rotary_emb.attention_scaling = 0.7
+    with torch.no_grad():
+        out = ig(small_ids)
+        assert torch.equal(out.logits, hf_logits(fresh_model, small_ids))
+        # a later call with nothing changed reuses the program
+        program = ig.program
+        ig(small_ids)
+    assert ig.program is program
+
+
+def test_each_program_runs_the_kernels_it_was_exported_with(checkpoint, small_ids, monkeypatch):
+    """Two models exported under two delta-rule kernels in one process: each program keeps its own."""
+    import importlib
+    module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    original = module.torch_chunk_gated_delta_rule
+
+    def other_kernel(*args, **kwargs):  # another kernel: the same rule, its output scaled
+        output, state = original(*args, **kwargs)
+        return output * 0.5, state
+
+    first, second = (AutoModelForCausalLM.from_pretrained(checkpoint).eval() for _ in range(2))
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", other_kernel)
+    with torch.no_grad():
+        first_reference = hf_logits(first, small_ids)
+    ig_first = qgraph.instrument(first)
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", original)
+    ig_second = qgraph.instrument(second)  # exported last, under transformers' own kernel
+    with torch.no_grad():
+        second_reference = hf_logits(second, small_ids)
+        assert not torch.allclose(first_reference, second_reference)
+        assert torch.equal(ig_first(small_ids).logits, first_reference)
+        assert torch.equal(ig_second(small_ids).logits, second_reference)

@@ -27,8 +27,8 @@ def deep_model(tmp_path_factory):
 def seed_and_full(deep_model):
     family = family_for(deep_model)
     (blocks,) = repeated_blocks(deep_model, family, images=False)
-    seed = export_module._export(deep_model, family, False, TEXT_INPUTS, [blocks])
-    full = export_module._export(deep_model, family, False, TEXT_INPUTS, [])
+    seed, _ = export_module._export(deep_model, family, False, TEXT_INPUTS, [blocks])
+    full, _ = export_module._export(deep_model, family, False, TEXT_INPUTS, [])
     return blocks, seed, full
 
 

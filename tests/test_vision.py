@@ -207,6 +207,6 @@ def test_the_image_program_repeats_its_text_and_vision_blocks_exactly(vl_model):
     blocks = repeated_blocks(vl_model, family, images=True)
     assert [b.path for b in blocks] == ["model.language_model.layers", "model.visual.blocks"]
     assert [b.path for b in repeated_blocks(vl_model, family, images=False)] == ["model.language_model.layers"]
-    full = export_module._export(vl_model, family, True, export_module.TEXT_INPUTS + family.images.inputs, [])
+    full, _ = export_module._export(vl_model, family, True, export_module.TEXT_INPUTS + family.images.inputs, [])
     repeated = export_module.export_model(vl_model).program
     assert graph_structure(repeated) == graph_structure(full)

@@ -13,8 +13,11 @@ whose state_dict entries are placeholders of the right shape and dtype that all 
 (``torch.zeros(()).expand(shape)``): the 0.8B program is a few MB, not 3 GB. A loaded program is
 therefore only for qgraph's passes; its ``.module()`` would compute with zeros.
 
-A file that cannot be loaded (corrupt, written by another torch) or does not fit the model is
-ignored with a warning; the caller exports again and overwrites it. Files are written to a
+The file also records the plain values the export read (``qgraph.export.constants``) and their
+values then: a model whose eps or scaling has changed since does not load it (it is exported again,
+quietly: the file is the same model's under other values). A file that cannot be loaded (corrupt,
+written by another torch) or does not fit the model is ignored with a warning; the caller exports
+again and overwrites it. Files are written to a
 temporary name and renamed, so a concurrent reader never sees half a file.
 """
 from __future__ import annotations
@@ -34,7 +37,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from .. import compat
+from . import constants
 from .fingerprint import structure
+
+_READS = "qgraph-reads.json"  # the extra file holding the export's reads and their values
 
 # The qgraph sources whose changes change what export produces (markers, ops, example inputs).
 _EXPORT_SOURCES = ("export", "kernels/ops.py", "inputs.py", "compat.py", "families")
@@ -104,19 +110,24 @@ def path_for(model: torch.nn.Module, images: bool) -> Path:
     return directory() / f"{key(model, images)}.pt2"
 
 
-def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=None) -> ExportedProgram | None:
-    """The cached program of ``model`` (None when there is none, or it cannot be used); ``finish``
-    turns the file's program into the model's (the export's seed into the full program: see
-    ``qgraph.export.repeat``), None when it cannot."""
+def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=None):
+    """The cached program of ``model`` and the reads it baked in (None when there is none, or it
+    cannot be used); ``finish`` turns the file's program into the model's (the export's seed into
+    the full program: see ``qgraph.export.repeat``), None when it cannot."""
     if not usable():
         return None
     path = path_for(model, images)
     if not path.is_file():
         return None
     try:
+        extra = {_READS: ""}
         with _quiet_serde(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            program = torch.export.load(path)
+            program = torch.export.load(path, extra_files=extra)
+        recorded = json.loads(extra[_READS])
+        reads = frozenset(tuple(read) for read in recorded["reads"])
+        if json.loads(json.dumps(constants.current(model, reads))) != recorded["constants"]:
+            return None  # the same model under other baked-in values: export again
         if finish is not None:
             program = finish(program)
         problem = "it does not repeat into this model's blocks" if program is None else _mismatch(program, model, inputs)
@@ -125,11 +136,12 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=N
     if problem:
         warnings.warn(f"qgraph: ignoring the cached program {path} ({problem}); exporting again", stacklevel=3)
         return None
-    return program
+    return program, reads
 
 
-def save(model: torch.nn.Module, images: bool, program: ExportedProgram) -> Path | None:
-    """Write ``program`` to the cache without its weights; returns the path (None if it could not)."""
+def save(model: torch.nn.Module, images: bool, program: ExportedProgram, reads=frozenset()) -> Path | None:
+    """Write ``program`` to the cache without its weights, with the plain values it read (``reads``)
+    and their values on ``model``; returns the path (None if it could not)."""
     if not usable():
         return None
     path = path_for(model, images)
@@ -139,7 +151,8 @@ def save(model: torch.nn.Module, images: bool, program: ExportedProgram) -> Path
         with warnings.catch_warnings():
             # the placeholders share no storage with a "complete" tensor; torch warns about it
             warnings.simplefilter("ignore")
-            torch.export.save(without_weights(program), temporary)
+            recorded = {"reads": sorted(reads), "constants": constants.current(model, reads)}
+            torch.export.save(without_weights(program), temporary, extra_files={_READS: json.dumps(recorded)})
         os.replace(temporary, path)
     except Exception as error:  # a read-only or full disk costs the cache, not the export
         with contextlib.suppress(OSError):

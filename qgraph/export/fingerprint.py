@@ -3,14 +3,17 @@
 A program is specialised on the model's structure (module classes, parameter shapes, dtypes and
 devices, which parameters are one tensor, the attention implementations) and reads the model's
 own module objects at call time. ``structure`` is the first, a key of the export caches;
-``fingerprint`` adds the module objects, so an instrumented model notices a replaced submodule, an
-untied ``lm_head``, or a model moved to another dtype or device, and rebuilds its programs.
+``fingerprint`` adds the module objects and the plain values the export baked in (a norm's eps, an
+attention's scaling, config fields the forward reads: ``qgraph.export.constants``), so an
+instrumented model notices a replaced submodule, an untied ``lm_head``, a model moved to another
+dtype or device, or a changed ``eps``, and rebuilds its programs.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import compat
+from . import constants
 
 
 def structure(model: torch.nn.Module) -> tuple:
@@ -27,7 +30,8 @@ def structure(model: torch.nn.Module) -> tuple:
     return attention, modules, parameters, buffers
 
 
-def fingerprint(model: torch.nn.Module) -> tuple:
-    """``structure`` and the identity of every module object (a submodule replaced by one of the
-    same shape is a new object the program does not read yet)."""
-    return structure(model), tuple(id(m) for m in model.modules())
+def fingerprint(model: torch.nn.Module, reads=()) -> tuple:
+    """``structure``, the identity of every module object (a submodule replaced by one of the same
+    shape is a new object the program does not read yet) and the values of ``reads``, the plain
+    values an export read (``ExportedModel.reads``)."""
+    return structure(model), tuple(id(m) for m in model.modules()), constants.current(model, reads)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import Dim, ExportedProgram
 
-from . import disk_cache
+from . import constants, disk_cache
 from ..kernels import ops
 from ..compat import hooks_set_aside
 from ..families import Family, family_for
@@ -52,7 +52,13 @@ class ExportedModel:
     seconds: float  # wall time of the export (or of loading it from the disk cache)
     key: tuple  # what the program was specialised on (see ``_cache_key``)
     inputs: tuple[str, ...]  # the program's user inputs, in order (TEXT_INPUTS, then the family's image inputs)
+    reads: frozenset = frozenset()  # the plain values the forward read, baked in (``qgraph.export.constants``)
     from_cache: bool = False  # loaded from the disk cache (``qgraph.export.disk_cache``) instead of exported
+    constants: tuple = ()  # the reads' values on the model when it was exported (set by ``export_model``)
+
+    def fits(self, model: torch.nn.Module) -> bool:
+        """Whether this program still is ``model``'s: the same structure and the same baked-in values."""
+        return self.key == _cache_key(model) and self.constants == constants.current(model, self.reads)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -87,8 +93,7 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
     images = has_vision(model) if images is None else images and has_vision(model)
     programs = _CACHE.setdefault(model, {})
     cached = programs.get(images)
-    if cached is not None and cached.key == _cache_key(model):
-        _use_kernels(family)  # the ops run this family's kernels (another family's export may have come between)
+    if cached is not None and cached.fits(model):
         return cached
     start = time.perf_counter()
     names = TEXT_INPUTS + family.images.inputs if images else TEXT_INPUTS
@@ -102,27 +107,33 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         return program
 
     # an export of the same model in an earlier process (its seed: see qgraph.export.repeat)
-    program = disk_cache.load(model, images, names, full)
-    if program is not None:
-        _use_kernels(family)
-        exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, True)
-        programs[images] = exported
-        return exported
+    loaded = disk_cache.load(model, images, names, full)
+    if loaded is not None:
+        program, reads = loaded
+        _use_kernels(program, family)
+        return _keep(programs, images, model, ExportedModel(program, family, time.perf_counter() - start,
+                                                            _cache_key(model), names, reads, True))
     with progress(f"qgraph: exporting {type(model).__name__}"):  # a line on stderr past 2 s
-        seed = _export(model, family, images, names, blocks)
+        seed, reads = _export(model, family, images, names, blocks)
         program = full(seed)
         repeated = program is not None
         if not repeated:  # the blocks did not repeat cleanly: trace them all
-            program = _export(model, family, images, names, [])
-    exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names)
+            program, reads = _export(model, family, images, names, [])
+    exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, reads)
     if repeated:  # the file holds the seed (a full export would not repeat when loaded)
-        disk_cache.save(model, images, seed)
+        disk_cache.save(model, images, seed, reads)
+    return _keep(programs, images, model, exported)
+
+
+def _keep(programs: dict, images: bool, model: torch.nn.Module, exported: ExportedModel) -> ExportedModel:
+    exported.constants = constants.current(model, exported.reads)
     programs[images] = exported
     return exported
 
 
-def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks]) -> ExportedProgram:
-    """``torch.export`` of the model's twin, whose block lists in ``blocks`` hold their seed blocks only."""
+def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks]):
+    """``torch.export`` of the model's twin, whose block lists in ``blocks`` hold their seed blocks only,
+    and the plain values its forward read (``qgraph.export.constants``)."""
     example, dynamic = family.images.example(model) if images else text_example(model)
     twin = _with_signature(model, names, {**family.forward_kwargs, **(family.images.forward_kwargs if images else {})})
     for listed in blocks:
@@ -130,8 +141,10 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)
     patches = family.images.patches(model) if images else contextlib.nullcontext()
     family_patches = family.export_patches(model) if family.export_patches else contextlib.nullcontext()
-    with hooks_set_aside(model), _delta_rule_ops(family), _port_markers(model, family), family_patches, patches:
-        return torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
+    with hooks_set_aside(model), _delta_rule_ops(family), _port_markers(model, family), family_patches, patches, \
+            constants.recording(twin) as reads:
+        program = torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
+    return program, frozenset(reads)
 
 
 def _with_signature(model: torch.nn.Module, names: tuple[str, ...], forward_kwargs: dict) -> torch.nn.Module:
@@ -161,30 +174,32 @@ def text_example(model):
 
 @contextlib.contextmanager
 def _delta_rule_ops(family: Family):
-    """Route the family's delta-rule kernels (module-level functions) through the custom ops."""
+    """Route the family's delta-rule kernels (module-level functions) through the custom ops, each
+    op naming the kernels it runs (``ops.register_kernels``), so the program carries them."""
     module = importlib.import_module(family.kernel_module)
-    saved = {}
-    for kind, function_name in family.delta_rule_kernels.items():
-        original = getattr(module, function_name)
-        saved[function_name] = original
-        ops.KERNELS[kind] = original
-        setattr(module, function_name, _as_op(kind))
+    saved = {kind: getattr(module, name) for kind, name in family.delta_rule_kernels.items()}
+    kernels = ops.register_kernels(family.kernel_module, saved)
+    for kind, name in family.delta_rule_kernels.items():
+        setattr(module, name, _as_op(kind, kernels))
     try:
         yield
     finally:
-        for function_name, original in saved.items():
-            setattr(module, function_name, original)
+        for kind, name in family.delta_rule_kernels.items():
+            setattr(module, name, saved[kind])
 
 
-def _use_kernels(family: Family):
-    """Point the delta-rule ops at the family's kernels, as exporting does (for a program loaded
-    from the disk cache)."""
+def _use_kernels(program: ExportedProgram, family: Family) -> None:
+    """A program loaded from the disk cache runs the kernels the family's module has in this process:
+    its delta-rule nodes are pointed at them (the file names the exporting process's)."""
     module = importlib.import_module(family.kernel_module)
-    for kind, function_name in family.delta_rule_kernels.items():
-        ops.KERNELS[kind] = getattr(module, function_name)
+    kernels = ops.register_kernels(family.kernel_module, {kind: getattr(module, name)
+                                                          for kind, name in family.delta_rule_kernels.items()})
+    for node in program.graph.nodes:
+        if node.target in ops.DELTA_RULE_OPS:
+            node.update_arg(len(node.args) - 1, kernels)
 
 
-def _as_op(kind: str):
+def _as_op(kind: str, kernels: str):
     op = {"chunk": torch.ops.qgraph.chunk_gated_delta_rule,
           "recurrent": torch.ops.qgraph.recurrent_gated_delta_rule}[kind]
 
@@ -193,7 +208,7 @@ def _as_op(kind: str):
             # A prompt starts from the zero state; making it a tensor gives state_input a node.
             batch, _, heads, value_dim = value.shape
             initial_state = value.new_zeros(batch, heads, key.shape[-1], value_dim, dtype=torch.float32)
-        return op(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+        return op(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kernels)
 
     return kernel
 

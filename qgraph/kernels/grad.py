@@ -72,32 +72,32 @@ def _grad_like(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("qgraph::delta_rule_backward", mutates_args=())
 def delta_rule_backward(
     kind: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool,
+    initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool, kernels: str,
     grad_output: Optional[torch.Tensor], grad_state: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the ``kind`` ("chunk" or "recurrent") delta-rule op for query, key, value, g,
     beta and initial_state, from the model's own kernel recomputed under autograd."""
     def forward(*tensors):
-        return ops._run_kernel(kind, *tensors, use_qk_l2norm_in_kernel)
+        return ops._run_kernel(kind, *tensors, use_qk_l2norm_in_kernel, kernels)
 
     return tuple(recompute_grads(forward, (query, key, value, g, beta, initial_state), (grad_output, grad_state)))
 
 
 @delta_rule_backward.register_fake
-def _(kind, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, grad_output, grad_state):
+def _(kind, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kernels, grad_output, grad_state):
     return tuple(_grad_like(x) for x in (query, key, value, g, beta, initial_state))
 
 
 def _delta_rule_autograd(kind: str):
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:6])
-        ctx.use_qk_l2norm_in_kernel = inputs[6]
+        ctx.use_qk_l2norm_in_kernel, ctx.kernels = inputs[6], inputs[7]
         ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_output, grad_state):
         grads = torch.ops.qgraph.delta_rule_backward(kind, *ctx.saved_tensors, ctx.use_qk_l2norm_in_kernel,
-                                                     grad_output, grad_state)
-        return (*grads, None)
+                                                     ctx.kernels, grad_output, grad_state)
+        return (*grads, None, None)
 
     return backward, setup_context
 

@@ -28,11 +28,24 @@ import torch.nn.functional as F
 
 from .delta_states import chunk_gated_delta_rule_with_states
 
-# The kernels the ops run. ``qgraph.export`` fills these with the model module's own functions
-# (transformers' pure-torch kernels, or fla's when transformers picked them), so the op computes
-# exactly what the model computes. A program loaded in a process that exported nothing
-# (``qgraph.load``, which never imports a modeling file) runs qgraph's own chunked kernel.
-KERNELS: dict[str, Callable] = {}
+# The kernels the ops run, by name: each delta-rule node names its kernels in its last argument, so a
+# program carries the kernels it was exported with (two families, or one family exported under two
+# transformers kernels, live side by side in one process). ``qgraph.export`` registers the model
+# module's own functions (transformers' pure-torch kernels, or fla's when transformers picked them),
+# so the op computes exactly what the model computes. A name not registered in this process (a
+# program loaded by ``qgraph.load``, which never imports a modeling file) runs qgraph's own kernel.
+KERNELS: dict[str, dict[str, Callable]] = {}
+
+
+def register_kernels(module: str, kernels: dict[str, Callable]) -> str:
+    """The name under which the delta-rule ops run ``kernels`` (``{"chunk": fn, "recurrent": fn}``,
+    from ``module``): ``module`` itself, or ``module#2``, ... when other functions hold that name."""
+    for n in range(1, len(KERNELS) + 2):
+        name = module if n == 1 else f"{module}#{n}"
+        held = KERNELS.setdefault(name, dict(kernels))
+        if all(held.get(kind) is function for kind, function in kernels.items()):
+            return name
+    raise AssertionError("unreachable: a free name is always found")
 
 
 def _own_kernel(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
@@ -43,8 +56,8 @@ def _own_kernel(query, key, value, g, beta, initial_state, output_final_state, u
     return output, state
 
 
-def _run_kernel(name, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel):
-    output, state = KERNELS.get(name, _own_kernel)(
+def _run_kernel(kind, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kernels=""):
+    output, state = KERNELS.get(kernels, {}).get(kind, _own_kernel)(
         query, key, value, g=g, beta=beta, initial_state=initial_state,
         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
     )
@@ -53,7 +66,7 @@ def _run_kernel(name, query, key, value, g, beta, initial_state, use_qk_l2norm_i
     return output.contiguous().clone(), state.to(torch.float32).contiguous().clone()
 
 
-def _fake(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel):
+def _fake(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kernels=""):
     batch, seq, heads, value_dim = value.shape
     output = value.new_empty(batch, seq, heads, value_dim)
     state = value.new_empty(batch, heads, key.shape[-1], value_dim, dtype=torch.float32)
@@ -63,19 +76,20 @@ def _fake(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel):
 @torch.library.custom_op("qgraph::chunk_gated_delta_rule", mutates_args=())
 def chunk_gated_delta_rule(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool,
+    initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool, kernels: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked gated delta rule over a prompt: ``(output [b s hv dv], final state [b hv dk dv])``."""
-    return _run_kernel("chunk", query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    """The chunked gated delta rule over a prompt: ``(output [b s hv dv], final state [b hv dk dv])``,
+    by the kernels registered as ``kernels`` (``register_kernels``)."""
+    return _run_kernel("chunk", query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kernels)
 
 
 @torch.library.custom_op("qgraph::recurrent_gated_delta_rule", mutates_args=())
 def recurrent_gated_delta_rule(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool,
+    initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool, kernels: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The token-by-token gated delta rule (decode steps): same arguments and outputs as the chunked op."""
-    return _run_kernel("recurrent", query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return _run_kernel("recurrent", query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kernels)
 
 
 chunk_gated_delta_rule.register_fake(_fake)

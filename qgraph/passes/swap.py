@@ -15,7 +15,7 @@ def swap_for_states(graph: Graph, kernel: Node, positions: Node | None, heads: N
     """Replace ``kernel`` (that block only) by ``qgraph::chunk_gated_delta_rule_states`` on the same
     arguments; its output and final state feed what the kernel's fed. ``positions`` (a LongTensor
     node) keeps only those tokens' states, ``heads`` only those value heads'. Returns the new node."""
-    query, key, value, g, beta, initial_state, use_l2norm = kernel.args
+    query, key, value, g, beta, initial_state, use_l2norm = kernel.args[:7]  # then the kernels: own kernel here
     with graph.inserting_after(kernel):
         swapped = graph.call_function(STATES_OP, (query, key, value, g, beta, initial_state, positions, heads,
                                                   use_l2norm, 64, dtype))
