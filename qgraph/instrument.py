@@ -84,6 +84,7 @@ class InstrumentedModel:
         self._stages = Stages.of(stages)
         self._weights, self._device = {}, None  # tensors loaded for a model on meta (load_weights), and where
         self._lock = threading.RLock()  # builds programs; calls themselves run unlocked
+        self._variants: dict[tuple, InstrumentedModel] = {}  # what the helpers run (``variant``)
         self._build()
         hooked = [self.family.module_name(path) or path for path in hooked_modules(model)]
         if hooked:
@@ -93,8 +94,9 @@ class InstrumentedModel:
 
     def _build(self) -> None:
         """Export (or reuse the export of) the model and build the program for the values and slots asked."""
-        self._fingerprint = fingerprint(self.model)
         self.exported = export_model(self.model)
+        self._reads = set(self.exported.reads)  # the values the programs baked in, read by every fingerprint
+        self._fingerprint = fingerprint(self.model, self._reads)
         self.family = self.exported.family
         main = Program(self.model, self.exported, weights=self._weights, device=self._device)
         self.catalogue: dict[str, Entry] = main.catalogue
@@ -174,7 +176,11 @@ class InstrumentedModel:
             return program
         with self._lock:
             if key not in self._programs:
-                program = self._program(export_model(self.model, images=images))
+                exported = export_model(self.model, images=images)
+                if not exported.reads <= self._reads:
+                    self._reads |= exported.reads
+                    self._fingerprint = fingerprint(self.model, self._reads)
+                program = self._program(exported)
                 present = program.present
                 slots = {name: self._slot(name) for name in key[1] if name in present}
                 self._programs[key] = program.build([n for n in self.values if n in present], slots, self._logits,
@@ -194,6 +200,20 @@ class InstrumentedModel:
             if name not in self._call_slots:
                 self._call_slots[name] = self._new_slot(name)
             return self._call_slots[name]
+
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> "InstrumentedModel":
+        """An instrument of the same model that runs as this one does (its SAEs, their splice and its
+        fixed edits) and reads ``values``, with slots at ``edits`` (names); what ``patch``,
+        ``attribution_patch``, ``logit_lens`` and ``top_features`` run. Kept for the next ask."""
+        key = (repr(values), tuple(edits), logits)
+        with self._lock:
+            if key not in self._variants:
+                requested = self._request[1]
+                fixed = dict(requested) if isinstance(requested, Mapping) else {}
+                self._variants[key] = InstrumentedModel(
+                    self.model, values, edits={**dict.fromkeys(self.resolve(list(edits))), **fixed},
+                    logits=logits, saes=self._sae_request[0], splice=self._sae_request[1])
+            return self._variants[key]
 
     def compile(self, **options) -> "InstrumentedModel":
         """Run the program(s) under ``torch.compile`` (``fullgraph=True`` unless ``options`` say
@@ -266,11 +286,12 @@ class InstrumentedModel:
 
     def refresh(self) -> None:
         """Rebuild the programs if the model changed since they were built (a replaced submodule,
-        untied or retied weights, another dtype, device or attention implementation). Every call
+        untied or retied weights, another dtype, device or attention implementation, or a plain value
+        the program baked in: a norm's eps, an attention's scaling, a config field). Every call
         does this first; it costs a walk over the model's modules and parameters."""
-        if fingerprint(self.model) != self._fingerprint:
+        if fingerprint(self.model, self._reads) != self._fingerprint:
             with self._lock:
-                if fingerprint(self.model) != self._fingerprint:
+                if fingerprint(self.model, self._reads) != self._fingerprint:
                     self._weights.clear()  # weights loaded for the model as it was (load_weights) would be stale
                     self._device = None
                     self._build()
@@ -326,12 +347,12 @@ class InstrumentedModel:
     def logit_lens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    positions=(-1,), top: int = 5) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Every block's top tokens at ``positions``: ``{block: (token ids, probabilities)}``, each
-        ``[batch, len(positions), top]``, from ``project_on_vocab`` of the block's ``layer_output``."""
+        ``[batch, len(positions), top]``, from ``project_on_vocab`` of the block's ``layer_output``
+        (as this instrument computes it: its fixed edits and SAEs in place)."""
         positions = [positions] if isinstance(positions, int) else list(positions)
         if not isinstance(top, int) or not 1 <= top <= self.config.get_text_config().vocab_size:
             raise ValueError(f"top must be an int in [1, vocab size], got {top!r}")
-        lens = instrument(self.model, values=["layers.*.layer_output"], logits=False)
-        out = lens(input_ids, attention_mask)
+        out = self.variant(["layers.*.layer_output"], logits=False)(input_ids, attention_mask)
         seq = out["layers.0.layer_output"].shape[1]
         bad = [p for p in positions if not isinstance(p, int) or not -seq <= p < seq]
         if bad or not positions:

@@ -42,12 +42,12 @@ def patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], obj
     at a time, into a run on ``corrupt``; return ``{location: metric(patched logits)}``.
 
     ``clean`` and ``corrupt`` are input_ids tensors or dicts of model inputs of the same shape;
-    ``at`` takes names and globs like ``values=``.
+    ``at`` takes names and globs like ``values=``. Both runs are ``instrumented``'s own: its fixed
+    edits and SAEs in place (so ``at`` may name SAE features).
     """
-    from .instrument import instrument
     clean, corrupt = _pair(clean, corrupt, metric)
     names = instrumented.resolve(at)
-    patcher = instrument(instrumented.model, values=names, edits=names)
+    patcher = instrumented.variant(names, edits=names)
     with torch.no_grad():
         captured = patcher(**clean).values
         return {name: metric(patcher(**corrupt, edits={name: Replace(captured[name])}).logits) for name in names}
@@ -62,12 +62,11 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
     ``{name: tensor [batch, seq]}`` (``[batch, seq, heads]`` where the layout has heads; a pattern keeps
     its query axis). The sum of a name's tensor estimates ``metric(patched) - metric(corrupt)`` for
     splicing the whole value, as ``patch`` does. ``metric(logits)`` must return a scalar tensor;
-    the model's parameters get no ``.grad``.
+    the model's parameters get no ``.grad``. Both runs are ``instrumented``'s own (fixed edits, SAEs).
     """
-    from .instrument import instrument
     clean, corrupt = _pair(clean, corrupt, metric)
     names = instrumented.resolve(at)
-    watcher = instrument(instrumented.model, values={name: {"grad": True} for name in names})
+    watcher = instrumented.variant({name: {"grad": True} for name in names})
     with torch.no_grad():
         clean_values = watcher(**clean).values
     with torch.enable_grad():

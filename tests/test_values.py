@@ -240,6 +240,21 @@ def test_logits_values(out, sdpa_model):
     assert not torch.allclose(out["next_token_probs"], torch.softmax(out["logits"][:, -2], dim=-1))
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_next_token_probs_follow_each_rows_last_real_token(ig, sdpa_model, side):
+    """A padded batch (the tokenizer pads right by default): each row's distribution is the one
+    after its own last token, as the HF forward of that prompt alone gives it."""
+    long, short = random_ids(1, 12, seed=7)[0], random_ids(1, 5, seed=8)[0]
+    pad, ones, zeros = (torch.full((n,), v, dtype=torch.long) for n, v in ((7, 0), (5, 1), (7, 0)))
+    row, kept = (torch.cat([short, pad]), torch.cat([ones, zeros])) if side == "right" else \
+        (torch.cat([pad, short]), torch.cat([zeros, ones]))
+    ids, mask = torch.stack([long, row]), torch.stack([torch.ones(12, dtype=torch.long), kept])
+    probs = ig(ids, mask)["next_token_probs"]
+    for i, prompt in enumerate((long, short)):
+        alone = hf_logits(sdpa_model, prompt[None])[0, -1].float().softmax(-1)
+        torch.testing.assert_close(probs[i], alone, rtol=0, atol=1e-5)
+
+
 def test_call_inputs_are_values(out, ids):
     assert torch.equal(out["input_ids"], ids)
     assert torch.equal(out["attention_mask"], torch.ones_like(ids))

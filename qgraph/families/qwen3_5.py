@@ -91,7 +91,8 @@ VALUES = (
     ValueSpec("lm_head_output", "model", "Logits [batch seq vocab_size]",
               "The head's logits before anything the model does past lm_head", Port("lm_head", "output")),
     ValueSpec("next_token_probs", "model", "NextTokenProbs [batch vocab_size]",
-              "The next-token distribution at the last position; derived, read-only",
+              "The next-token distribution after each row's last real token (the last position the "
+              "attention mask keeps, so right padding is skipped); derived, read-only",
               Derived(("logits",), "last_position_softmax")),
     ValueSpec("input_ids", "model", "Tokens [batch seq]",
               "The token ids the model was called with", ProgramInput("input_ids")),

@@ -5,8 +5,17 @@ import torch
 
 
 def last_position_softmax(logits, *, inputs, config):
-    """The next-token distribution at the last position, in float32."""
-    return torch.softmax(logits[:, -1].float(), dim=-1)
+    """The next-token distribution after each row's last real token, in float32: the last position
+    the attention mask keeps (with right padding, not the pads after it; the last position of a row
+    the mask keeps nowhere)."""
+    batch, seq = logits.shape[:2]
+    last = torch.full((batch,), seq - 1, device=logits.device)
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        kept = mask[:, -seq:].to(logits.device).bool()  # a decoding step's mask ends with its new tokens
+        positions = torch.arange(seq, device=logits.device)
+        last = torch.where(kept.any(-1), (kept * positions).amax(-1), last)
+    return torch.softmax(logits[torch.arange(batch, device=logits.device), last].float(), dim=-1)
 
 
 def size(input_ids, *, inputs, config):
