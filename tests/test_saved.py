@@ -1,20 +1,24 @@
 """Saved programs: ``ig.save`` then ``qgraph.load`` gives the instrumented model's values, in a fresh
-process that never imports the modeling file; edits at saved slots; refusals by name."""
+process that never imports the modeling file; edits at saved slots; refusals by name; weights checked
+as a strict ``load_state_dict`` checks them; a model given as the weights followed when it changes."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
 import zipfile
 
 import pytest
+import safetensors.torch
 import torch
+from safetensors import safe_open
 
 import qgraph
-from qgraph.testing import tiny_qwen3_5
+from qgraph.testing import tiny_qwen3_5, tiny_qwen3_5_vl
 
-from conftest import random_ids
+from conftest import hf_logits, random_ids
 
 VALUES = {"layers.0.linear_attn.state": {"positions": [0, -1]}, "layers.*.layer_output": {},
           "layers.3.self_attn.attention_gate": {}}
@@ -122,3 +126,120 @@ def test_refusals(saved, tmp_path):
     (tmp_path / "junk.pt2").write_bytes(b"not a zip")
     with pytest.raises(qgraph.SavedProgramError, match="junk.pt2 is not a saved program"):
         qgraph.load(tmp_path / "junk.pt2")
+    with torch.device("meta"):
+        meta = type(ig.model)(ig.model.config)
+    with pytest.raises(ValueError, match="the model was built on the meta device: .* save from the model loaded with "
+                                         "its weights"):
+        qgraph.instrument(meta, values=["layers.1.layer_output"]).save(tmp_path / "meta.pt2")
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(qgraph.SavedProgramError, match="junk.safetensors is not a readable safetensors file .*: give a "
+                                                       ".safetensors file or a checkpoint folder"):
+        qgraph.load(bare, weights=tmp_path / "junk.safetensors")
+
+
+def _keys(checkpoint) -> set[str]:
+    """The tensor names of a checkpoint folder, as safetensors reads them."""
+    names = set()
+    for file in checkpoint.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as handle:
+            names |= set(handle.keys())
+    return names
+
+
+def _listed(message: str, verb: str) -> tuple[list[str], int]:
+    """The names a refusal shows after ``verb`` (``has no`` / ``holds``) and the count it gives."""
+    found = re.search(rf"{verb} ((?:[\w.]+, )*[\w.]+)(?: and \d+ more)? \((\d+) tensors?\)", message)
+    assert found, message
+    return found.group(1).split(", "), int(found.group(2))
+
+
+def _blocks(n: int) -> dict:
+    """The tiny model's config with ``n`` blocks (every fourth one attention, as in its 4)."""
+    return dict(num_hidden_layers=n, layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                                                  for i in range(n)])
+
+
+def test_weights_of_another_size_refused_by_name(saved, sdpa_model, checkpoint, tmp_path):
+    """As a strict load_state_dict: an 8-block checkpoint (or model) for the 4-block program holds
+    tensors the 4-block model never had, a 2-block one lacks tensors the program reads; each refusal
+    names a few and gives their count, measured against the checkpoints' and models' own names."""
+    from transformers import AutoModelForCausalLM
+    _, bare = saved
+    big = tiny_qwen3_5(tmp_path / "big", **_blocks(8))
+    extra = _keys(big) - set(sdpa_model.state_dict())
+    assert len(extra) > 20 and all(name.startswith(("model.layers.4.", "model.layers.5.", "model.layers.6.",
+                                                    "model.layers.7.")) for name in extra)
+    with pytest.raises(qgraph.SavedProgramError, match="never had: give the weights of the model probe.pt2 was saved "
+                                                       "from \\(a Qwen3_5ForCausalLM of 4 blocks\\)") as refused:
+        qgraph.load(bare, weights=big)
+    shown, count = _listed(str(refused.value), "holds")
+    assert count == len(extra) and set(shown) <= extra and "has no" not in str(refused.value)
+    big_model = AutoModelForCausalLM.from_pretrained(big)
+    with pytest.raises(qgraph.SavedProgramError, match="the model holds .* that the Qwen3_5ForCausalLM it was saved "
+                                                       "from never had") as refused:
+        qgraph.load(bare, weights=big_model)
+    shown, count = _listed(str(refused.value), "holds")
+    assert count == len(set(big_model.state_dict()) - set(sdpa_model.state_dict())) and set(shown) <= extra
+    small = tiny_qwen3_5(tmp_path / "small", **_blocks(2))
+    lacking = _keys(checkpoint) - _keys(small)
+    with pytest.raises(qgraph.SavedProgramError, match="the weights do not fit probe.pt2: .*small has no") as refused:
+        qgraph.load(bare, weights=small)
+    shown, count = _listed(str(refused.value), "has no")
+    assert count == len(lacking) and set(shown) <= lacking
+
+
+def test_image_text_checkpoint_for_its_text_program(tmp_path):
+    """The text program saved from the image-text model reads no vision weights: a file of the text
+    tensors alone runs it; its checkpoint folder (vision tower included) is accepted, with the ``mtp.*``
+    tensors its class ignores on load, but not with a tensor the model never had. Logits: HF's."""
+    from transformers import AutoModelForImageTextToText
+    folder = tiny_qwen3_5_vl(tmp_path / "vl")
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    path = qgraph.instrument(model, values=["layers.1.layer_output"]).save(tmp_path / "text.pt2")
+    ids = random_ids(2, 11, seed=7)
+    expected = hf_logits(model, ids)
+    text = {name: tensor for name, tensor in model.state_dict().items()
+            if not name.startswith("model.visual.") and name != "lm_head.weight"}  # the head is tied
+    safetensors.torch.save_file(text, tmp_path / "text.safetensors")
+    (tmp_path / "vl" / "mtp.safetensors").write_bytes(
+        safetensors.torch.save({"mtp.fc.weight": torch.zeros(2, 2)}))  # Hub checkpoints hold these
+    assert any(name.startswith("model.visual.") for name in _keys(folder))
+    for weights in (tmp_path / "text.safetensors", folder):
+        torch.testing.assert_close(qgraph.load(path, weights=weights)(ids).logits, expected, rtol=0, atol=1e-5)
+    stray = "model.visual.blocks.7.norm1.weight"
+    assert stray not in model.state_dict()
+    safetensors.torch.save_file({stray: torch.zeros(32)}, folder / "stray.safetensors")
+    with pytest.raises(qgraph.SavedProgramError, match=rf"holds {re.escape(stray)} \(1 tensor\) that the "
+                                                       rf"Qwen3_5ForConditionalGeneration it was saved from never had"):
+        qgraph.load(path, weights=folder)
+
+
+@pytest.fixture(scope="module")
+def plain(sdpa_model, tmp_path_factory):
+    """The tiny model's program with no edit, saved without weights (its logits are the model's)."""
+    return qgraph.instrument(sdpa_model, values=["layers.1.layer_output"]).save(
+        tmp_path_factory.mktemp("plain") / "plain.pt2")
+
+
+def test_model_followed_when_it_changes(plain, checkpoint):
+    """Loaded with weights=model, then a block's down_proj replaced and the lm_head untied: each
+    call's logits are the changed model's own HF forward; a replacement of another shape is refused."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()  # its own copy: changed below
+    program = qgraph.load(plain, weights=model)
+    ids = random_ids(2, 9, seed=6)
+    before = program(ids).logits
+    torch.testing.assert_close(before, hf_logits(model, ids), rtol=0, atol=1e-5)
+    torch.manual_seed(0)
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(128, 64, bias=False)
+    after = program(ids).logits
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, hf_logits(model, ids), rtol=0, atol=1e-5)
+    head = model.lm_head.weight.detach()
+    model.lm_head.weight = torch.nn.Parameter(head + 0.1 * torch.randn_like(head))
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    torch.testing.assert_close(program(ids).logits, hf_logits(model, ids), rtol=0, atol=1e-5)
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(100, 64, bias=False)
+    with pytest.raises(qgraph.SavedProgramError, match=r"plain.pt2: model.layers.1.mlp.down_proj.weight is \(64, 128\) "
+                                                       r"float32 there, \(64, 100\) float32 in the model"):
+        program(ids)

@@ -4,24 +4,31 @@ The loaded program is ``torch.export``'s graph of the instrumented call (``saved
 the weights (from the file beside it, a model, a safetensors file or a checkpoint folder), the
 buffers it holds, and the call's inputs. It answers calls as the instrumented model did: an
 ``Output`` with the logits and the values it was saved with, and ``edits={name: edit}`` at its slots.
-A file from another torch or qgraph, or weights that do not fit it, is refused by name.
+A file from another torch or qgraph is refused by name, and so are weights that do not fit it, as a
+strict ``load_state_dict`` refuses them: a tensor it reads that they lack or hold in another shape or
+dtype, or a tensor that the model it was saved from never had (its ``qgraph.json`` names them all, so
+the vision tower's tensors in an image-text checkpoint are expected by the text program that does
+not read them). A model given as the weights is followed as ``instrument`` follows it: when its
+``fingerprint`` changes (a replaced submodule, untied weights), its parameters are read (and
+checked) again.
 """
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from torch.export.graph_signature import InputKind
 
 from ..edits import EditError, Target
+from ..export.fingerprint import fingerprint
 from ..inputs import check_text
 from ..output import Output
 from ..kernels.slot import editing
 from ..passes.on_request import input_source
 from ..values import derive
-from ..weights import WeightsMismatch, check_fit, read
+from ..weights import WeightsMismatch, check_fit, names, read, tensor_names, unexpected
 from ..values.names import matching, patterns_of
 from .write import FORMAT, META, read_meta, versions
 
@@ -32,8 +39,9 @@ class SavedProgramError(ValueError):
 
 def load(path, weights=None) -> "LoadedProgram":
     """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` written beside
-    it by ``save(..., weights=True)``), a model (its parameters, read at each call), a safetensors
-    file, or a folder of them (a Hugging Face checkpoint)."""
+    it by ``save(..., weights=True)``), a model (its parameters, read at each call; re-read when a
+    submodule is replaced), a safetensors file, or a folder of them (a Hugging Face checkpoint). Weights
+    that lack a tensor the program reads, or hold one the model it was saved from never had, are refused."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no saved program at {path}: write one with ig.save({str(path)!r})")
@@ -51,7 +59,7 @@ def load(path, weights=None) -> "LoadedProgram":
     except Exception as error:
         raise SavedProgramError(f"{path} cannot be loaded by torch {torch.__version__} "
                                 f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
-    return LoadedProgram(path, program, meta, tensors)
+    return LoadedProgram(path, program, meta, tensors, weights if isinstance(weights, torch.nn.Module) else None)
 
 
 def _check_versions(path: Path, meta: dict) -> None:
@@ -66,46 +74,57 @@ def _check_versions(path: Path, meta: dict) -> None:
                                     f"again with this one (an exported program is tied to the versions that wrote it)")
 
 
-def _weights(path: Path, meta: dict, weights) -> dict[str, object]:
-    """``{parameter name: tensor, or a function giving it}`` for the program's model parameters, checked."""
-    wanted = meta["parameters"]
+def _weights(path: Path, meta: dict, weights) -> dict[str, Callable[[], torch.Tensor]]:
+    """``{parameter name: function giving its tensor}`` for the parameters the program reads, checked."""
     if weights is None:
         if meta["weights"] is None:
             raise SavedProgramError(f"{path} was saved without weights: load it with weights=model (the model it was "
                                     f"saved from), a safetensors file or a checkpoint folder, or save it with "
                                     f"ig.save(path, weights=True)")
         weights = path.with_name(meta["weights"])
-    if isinstance(weights, torch.nn.Module):
-        found = {}
-        for target in wanted:
-            module_path, _, attribute = target.rpartition(".")
-            try:
-                module = weights.get_submodule(module_path)
-                getattr(module, attribute)
-            except AttributeError:
-                raise SavedProgramError(f"the weights do not fit {path.name}: the model has no {target}") from None
-            found[target] = lambda m=module, a=attribute: getattr(m, a)
-        _fit(path, wanted, {target: get() for target, get in found.items()}, "the model")
-        return found
-    if not isinstance(weights, (str, Path)):
-        raise TypeError(f"weights= takes a model, a safetensors file or a checkpoint folder, not {type(weights).__name__}")
-    tensors = read(weights, wanted, meta["tied"])
-    _fit(path, wanted, tensors, str(weights))
-    return tensors
-
-
-def _fit(path: Path, wanted: dict, tensors: dict, source: str) -> None:
     try:
-        check_fit(path.name, wanted, tensors, source)
+        if isinstance(weights, torch.nn.Module):
+            return _from_model(path, meta, weights)
+        if not isinstance(weights, (str, Path)):
+            raise TypeError(f"weights= takes a model, a safetensors file or a checkpoint folder, not "
+                            f"{type(weights).__name__}")
+        tensors = read(weights, meta["parameters"], meta["tied"])
+        _fit(path, meta, tensors, names(weights), str(weights))
     except WeightsMismatch as error:
         raise SavedProgramError(str(error)) from None
+    return {target: (lambda t=tensor: t) for target, tensor in tensors.items()}
+
+
+def _from_model(path: Path, meta: dict, model: torch.nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+    """Functions reading each parameter the program reads from its module of ``model``, at call time."""
+    getters = {}
+    for target in meta["parameters"]:
+        try:
+            model.get_parameter(target)
+        except AttributeError:
+            continue  # missing: named by _fit with the others
+        module_path, _, attribute = target.rpartition(".")
+        getters[target] = lambda m=model.get_submodule(module_path), a=attribute: getattr(m, a)
+    _fit(path, meta, {target: get() for target, get in getters.items()}, tensor_names(model), "the model")
+    if not hasattr(model, "config"):
+        raise SavedProgramError(f"weights= takes the model {path.name} was saved from (a transformers model, with a "
+                                f"config), not a bare {type(model).__name__}: give its weights as a safetensors file")
+    return getters
+
+
+def _fit(path: Path, meta: dict, tensors: dict, given: list[str], source: str) -> None:
+    """``check_fit`` of ``tensors`` (and the names of every tensor ``given``) against the program."""
+    check_fit(path.name, meta["parameters"], tensors, source, unexpected(given, meta["tensors"], meta["ignored"]),
+              owner=f"the {meta['model_class']} it was saved from",
+              hint=f": give the weights of the model {path.name} was saved from (a {meta['model_class']} of "
+                   f"{meta['blocks']} blocks), or save a program from the model these weights are for")
 
 
 class LoadedProgram:
     """A saved instrumented program: call it like the instrumented model (``input_ids``,
     ``attention_mask``, ``edits={name: edit}`` at the slots it was saved with)."""
 
-    def __init__(self, path: Path, program, meta: dict, weights: dict):
+    def __init__(self, path: Path, program, meta: dict, weights: dict, model: torch.nn.Module | None = None):
         self.path, self.exported, self.meta = path, program, meta
         self.values: list[str] = meta["values"]
         self.slots: dict[str, Target] = {name: Target(name, slot["layout"], tuple(slot["dims"]))
@@ -113,27 +132,43 @@ class LoadedProgram:
         self._views = {name: tuple(tuple(step) for step in slot["view"]) for name, slot in meta["slots"].items()}
         self._extra = [input_source(recipe) for recipe in meta["inputs"]]
         self.module = program.graph_module
-        self._sources = []
-        for spec in program.graph_signature.input_specs:
-            if spec.kind == InputKind.PARAMETER and spec.target in weights:
-                tensor = weights[spec.target]
-                self._sources.append(tensor if callable(tensor) else (lambda t=tensor: t))
-            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                held = program.state_dict.get(spec.target, program.constants.get(spec.target))
-                self._sources.append(lambda t=held: t)
-            elif spec.kind == InputKind.USER_INPUT:
-                self._sources.append(None)
-            else:
-                self._sources.append(lambda c=program.constants[spec.target]: c)
+        self._model = model  # weights=model: followed (see _follow)
+        self._use(weights)
         self.config = _config(meta)
+
+    def _use(self, weights: dict) -> None:
+        """Feed the program ``weights`` (``{name: function giving the tensor}``), then the tensors it
+        holds (buffers, what qgraph added, placeholders of parameters it does not read) and the call's inputs."""
+        seen = None if self._model is None else fingerprint(self._model)
+        sources = []
+        for spec in self.exported.graph_signature.input_specs:
+            if spec.kind == InputKind.PARAMETER and spec.target in weights:
+                sources.append(weights[spec.target])
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                held = self.exported.state_dict.get(spec.target, self.exported.constants.get(spec.target))
+                sources.append(lambda t=held: t)
+            elif spec.kind == InputKind.USER_INPUT:
+                sources.append(None)
+            else:
+                sources.append(lambda c=self.exported.constants[spec.target]: c)
+        self._sources, self._anchor = sources, next(iter(weights.values()), None)  # any weight: where they are
+        self._fingerprint = seen
+
+    def _follow(self) -> None:
+        """Read the model's parameters again if it changed since they were read (a replaced submodule,
+        untied weights, another dtype or device), as ``InstrumentedModel.refresh`` does; weights that
+        no longer fit are refused by name."""
+        if self._model is not None and fingerprint(self._model) != self._fingerprint:
+            self._use(_weights(self.path, self.meta, self._model))
 
     @property
     def graph(self) -> torch.fx.Graph:
         return self.module.graph
 
     def __call__(self, input_ids=None, attention_mask=None, *, edits: Mapping | None = None) -> Output:
-        embedding = self._sources[0]()  # any parameter: where the weights are
-        input_ids, attention_mask = check_text(input_ids, attention_mask, self.meta["vocab_size"], embedding.device)
+        self._follow()
+        device = self._anchor().device if self._anchor is not None else torch.device("cpu")
+        input_ids, attention_mask = check_text(input_ids, attention_mask, self.meta["vocab_size"], device)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         user = iter([input_ids, attention_mask, *(source(inputs) for source in self._extra)])
         args = [next(user) if source is None else source() for source in self._sources]

@@ -7,10 +7,13 @@ parameters and buffers under their own names, then ``input_ids``, ``attention_ma
 per-value inputs (states' positions and heads, rebuilt on load from ``qgraph.json``).
 
 The file holds no weights: its state dict keeps each of the model's parameters as a one-element
-placeholder of the right shape and dtype (the 0.8B program is a few MB). ``weights=True`` writes them
-beside it as ``<name>.safetensors``. Buffers (the rotary frequencies) and what qgraph added (SAE
+placeholder of the right shape and dtype (the 0.8B program is a few MB). ``weights=True`` writes the
+ones the program reads beside it as ``<name>.safetensors`` (the text program of the image-text model
+does not read its vision tower's). Buffers (the rotary frequencies) and what qgraph added (SAE
 weights, edit tensors) are always in the file. ``qgraph.json`` (an extra file) says what the program
-returns, its slots and the versions that wrote it.
+returns, its slots, the versions that wrote it, the parameters it reads, and the names of every tensor
+the model had (with the patterns its class ignores on load): ``qgraph.load`` refuses weights holding
+any other, as a strict ``load_state_dict`` would.
 """
 from __future__ import annotations
 
@@ -31,8 +34,9 @@ from ..export.disk_cache import without_weights
 from ..export.trace import text_example
 from ..kernels.slot import EDIT_SLOT_OP
 from ..passes.edit import EditSlot
+from ..weights import tensor_names, tied_groups
 
-FORMAT = 1
+FORMAT = 2
 META = "qgraph.json"
 
 
@@ -62,14 +66,17 @@ def save(ig, path, weights: bool = False) -> Path:
     ig.refresh()
     program = ig._program_for(False)
     module, slots = _slots_as_ops(program)
+    tied = tied_groups(ig.model)
+    _untie(module, program, tied)
     recipes = [recipe for _, _, recipe in program.extra_inputs]
     if any(recipe is None for recipe in recipes):
         raise ValueError("this program takes inputs that cannot be rebuilt after loading (a decode step's cache); "
                          "save a program made by qgraph.instrument")
+    if any(tensor.is_meta for tensor in ig.model.parameters()):
+        raise ValueError("the model was built on the meta device: a program saved from it would hold its buffers and "
+                         "devices as meta and could not run; save from the model loaded with its weights "
+                         "(from_pretrained)")
     holder = _Holder(module, program)
-    if weights and any(tensor.is_meta for tensor in holder.parameters()):
-        raise ValueError("the model's weights are on the meta device: there are none to write; save with weights=False "
-                         "(or load them first: ig.load_weights(checkpoint))")
     example, dims = text_example(ig.model)
     device = next(holder.parameters()).device
     example = {name: tensor.to(device) for name, tensor in example.items()}
@@ -79,8 +86,11 @@ def save(ig, path, weights: bool = False) -> Path:
         warnings.simplefilter("ignore")
         exported = torch.export.export(holder, (example["input_ids"], example["attention_mask"], *extras),
                                        dynamic_shapes={"inputs": dynamic}, strict=False)
-    model_parameters = {spec.target for spec in exported.graph_signature.input_specs
-                        if spec.kind == InputKind.PARAMETER and not spec.target.startswith("program.")}
+    specs = [spec for spec in exported.graph_signature.input_specs
+             if spec.kind == InputKind.PARAMETER and not spec.target.startswith("program.")]
+    model_parameters = {spec.target for spec in specs}
+    used = {node.name for node in exported.graph.find_nodes(op="placeholder") if node.users}
+    reads = {spec.target for spec in specs if spec.arg.name in used}  # the text program: not the vision tower
     meta = {
         "format": FORMAT, "versions": versions(), "family": program.family.name,
         "model_class": type(ig.model).__name__, "model_type": ig.config.model_type, "config": ig.config.to_dict(),
@@ -92,29 +102,20 @@ def save(ig, path, weights: bool = False) -> Path:
         "derived": {name: {"how": entry.spec.rule.how, "sources": program.sources_of(entry)}
                     for name, entry in program.derived.items()},
         "parameters": {target: [list(exported.state_dict[target].shape), str(exported.state_dict[target].dtype)]
-                       for target in sorted(model_parameters)},
+                       for target in sorted(reads)},
         "weights": weights_path(path).name if weights else None,
-        "tied": _tied(exported.state_dict, model_parameters),
+        "tied": [kept for group in tied if len(kept := [name for name in group if name in reads]) > 1],
+        "tensors": tensor_names(ig.model),
+        "ignored": sorted(getattr(ig.model, "_keys_to_ignore_on_load_unexpected", None) or []),
     }
     _write(path, without_weights(exported, model_parameters), meta)
     if weights:
-        tensors = {target: exported.state_dict[target].detach().contiguous() for target in model_parameters
+        tensors = {target: exported.state_dict[target].detach().contiguous() for target in reads
                    if not any(target in group[1:] for group in meta["tied"])}
         temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
         safetensors.torch.save_file(tensors, temporary, metadata={"qgraph": meta["versions"]["qgraph"]})
         os.replace(temporary, weights_path(path))
     return path
-
-
-def _tied(state_dict: dict, names) -> list[list[str]]:
-    """The groups of ``names`` that share one tensor (tied embeddings), each written once (its first)."""
-    groups: dict[tuple, list[str]] = {}
-    for name in sorted(names):
-        tensor = state_dict[name]
-        if tensor.device.type != "meta":
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            groups.setdefault(key, []).append(name)
-    return [group for group in groups.values() if len(group) > 1]
 
 
 def _write(path: Path, exported, meta: dict) -> None:
@@ -178,6 +179,23 @@ def _slots_as_ops(program) -> tuple[GraphModule, dict]:
     return module, slots
 
 
+def _untie(module: GraphModule, program, tied: list[list[str]]) -> None:
+    """Point each use of a tied parameter at the name its own module reads it by. The export reads
+    one name for every use (``lm_head.weight`` for the embedding too); the saved program reads each,
+    so a loaded program follows a model whose ``lm_head`` was untied after saving."""
+    specs = program.exported.program.graph_signature.input_specs
+    placeholders = dict(zip((spec.target for spec in specs), module.graph.find_nodes(op="placeholder")))
+    for group in tied:
+        nodes = {name: placeholders[name] for name in group if name in placeholders}
+        for node in list(nodes.values()):
+            for user in list(node.users):
+                stack = list((user.meta.get("nn_module_stack") or {}).values())
+                owner = next((name for name in nodes if stack and name.rpartition(".")[0] == stack[-1][0]), None)
+                if owner is not None:
+                    user.replace_input_with(node, nodes[owner])
+    module.recompile()
+
+
 class _Holder(torch.nn.Module):
     """The program as a module that holds the model's parameters and buffers under their own names
     (so the export's signature names them as the model does) and takes the call's inputs."""
@@ -186,10 +204,14 @@ class _Holder(torch.nn.Module):
         super().__init__()
         self.program = module
         self.order = []  # per program input: (kind, target or value or index)
-        user = 0
+        user, seen = 0, set()
         for spec, source in zip(program.exported.program.graph_signature.input_specs, program.inputs):
             if spec.kind == InputKind.PARAMETER:
-                _register(self, spec.target, source({}), parameter=True)
+                tensor = source({})
+                if id(tensor) in seen:  # tied: an object of its own (same storage), read by this name
+                    tensor = torch.nn.Parameter(tensor.detach(), requires_grad=False)
+                seen.add(id(tensor))
+                _register(self, spec.target, tensor, parameter=True)
                 self.order.append(("parameter", spec.target))
             elif spec.kind == InputKind.BUFFER:
                 _register(self, spec.target, source({}), parameter=False, persistent=spec.persistent)
