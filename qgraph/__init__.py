@@ -8,7 +8,7 @@ from .kernels import grad as _autograd  # noqa: F401  (registers the custom ops'
 from .kernels import experts as _experts  # noqa: F401  (registers qgraph::moe_experts, which MoE programs call)
 from .kernels import slot as _slot  # noqa: F401  (registers qgraph::edit_slot, which saved programs call)
 from .compat import check_versions
-from .capture import capture, load_capture
+from .capture import CaptureCorrupt, CaptureMismatch, capture, load_capture
 from .edits import Add, Edit, EditError, Replace, Scale, Zero
 from .families import UnsupportedModel
 from .generate import GenerateOutput, chat_prompt
@@ -21,7 +21,7 @@ from .distributed import Stages
 from .render import render
 from .values.support import SupportTable, support
 
-__all__ = ["Add", "attribution_patch", "capture", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
+__all__ = ["Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
            "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render",
            "skip_layers", "steer", "support"]
 

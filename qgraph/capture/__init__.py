@@ -5,11 +5,13 @@
     cap = load_capture("acts/")          # a torch Dataset over the rows
 
 ``run`` does the work (``run.py``), ``data`` packs the dataset into rows, ``writer`` writes shards on
-a thread, ``manifest`` records and checks what a dir holds, ``distributed`` splits rows by rank
-under torchrun, ``read`` reads a capture back, ``cli`` is ``qgraph capture``.
+a thread, ``manifest`` records and checks what a dir holds, ``integrity`` checks the shards' bytes and
+the manifest's layout (``CaptureCorrupt``), ``read`` reads a capture back, ``cli`` is ``qgraph capture``
+(``qgraph.distributed.world`` splits rows by rank under torchrun).
 """
+from .integrity import CaptureCorrupt
 from .manifest import CaptureMismatch
 from .read import Capture, load_capture
 from .run import CaptureRun, capture
 
-__all__ = ["Capture", "CaptureMismatch", "CaptureRun", "capture", "load_capture"]
+__all__ = ["Capture", "CaptureCorrupt", "CaptureMismatch", "CaptureRun", "capture", "load_capture"]

@@ -5,8 +5,8 @@ A row is ``context`` tokens of one stream of documents laid end to end, each tok
 document), so a boundary inside a row is always on record. A document longer than what is left of
 a row goes on in the next row, its positions counting on. A text document gets the tokenizer's eos
 token appended (Qwen's document separator) where the tokenizer has one; pre-tokenized ``input_ids``
-are taken as they are. The last row, if partial, is padded: pad token, ``attention_mask`` 0,
-``doc_id`` and ``position`` -1.
+(a list of ints or numpy ints, a 1-D integer tensor or numpy array) are taken as they are. The
+last row, if partial, is padded: pad token, ``attention_mask`` 0, ``doc_id`` and ``position`` -1.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # file suffix -> the ``datasets`` builder that reads it (streamed: nothing is converted or cached)
@@ -37,6 +38,10 @@ def open_dataset(dataset, text_column: str = "text"):
     saying what was read and how (for the manifest; it is compared on resume)."""
     if isinstance(dataset, (str, os.PathLike)):
         return _open_path(Path(dataset))
+    if isinstance(dataset, np.ndarray) and dataset.ndim == 2 and np.issubdtype(dataset.dtype, np.integer):
+        dataset = torch.from_numpy(dataset)
+    elif isinstance(dataset, np.ndarray):  # an array of documents (an object array of arrays)
+        dataset = list(dataset)
     if isinstance(dataset, torch.Tensor):
         if dataset.dim() != 2:
             raise ValueError(f"a tensor dataset is [documents, tokens] token ids, got shape {tuple(dataset.shape)}")
@@ -57,7 +62,7 @@ def open_dataset(dataset, text_column: str = "text"):
     if isinstance(dataset, (list, tuple)):
         return dataset, {"type": "list", "documents": len(dataset)}
     raise TypeError(f"dataset: {type(dataset).__name__} is not a datasets.Dataset / IterableDataset, a path, "
-                    f"a [documents, tokens] tensor or a list of texts or token id lists")
+                    f"a [documents, tokens] tensor or array, or a list of texts or token id lists")
 
 
 def _open_path(path: Path):
@@ -104,13 +109,18 @@ def documents(examples, tokenizer=None, text_column: str = "text", chat_template
 
 
 def _ids_of(example):
-    """An example's token ids if it is pre-tokenized, else None."""
+    """An example's token ids (a list of ints) if it is pre-tokenized, else None."""
     if isinstance(example, dict):
         example = example.get("input_ids")
-    if isinstance(example, torch.Tensor):
+    if isinstance(example, (torch.Tensor, np.ndarray)):
+        integer = (np.issubdtype(example.dtype, np.integer) if isinstance(example, np.ndarray)
+                   else not (example.dtype.is_floating_point or example.dtype.is_complex))
+        if example.ndim != 1 or not integer:
+            raise ValueError(f"a document's token ids are a 1-D sequence of ints, got a {type(example).__name__} of "
+                             f"shape {tuple(example.shape)} and dtype {example.dtype}")
         return example.tolist()
-    if isinstance(example, (list, tuple)) and all(isinstance(token, int) for token in example):
-        return list(example)
+    if isinstance(example, (list, tuple)) and all(isinstance(token, (int, np.integer)) for token in example):
+        return [int(token) for token in example]
     return None
 
 
@@ -125,8 +135,8 @@ def _text_of(example, text_column: str, tokenizer, chat_template: bool) -> str:
         messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
         return tokenizer.apply_chat_template(messages, tokenize=False)
     if not isinstance(text, str):
-        raise ValueError(f"column '{text_column}' holds {type(text).__name__}, not text (chat messages need "
-                         f"chat_template=True)")
+        raise ValueError(f"column '{text_column}' holds {type(text).__name__}, neither text nor token ids (ints) "
+                         f"(chat messages need chat_template=True)")
     return text
 
 

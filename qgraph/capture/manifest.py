@@ -2,23 +2,30 @@
 
 ``identity`` holds everything the shards' bytes depend on (the model's config and weights, the
 values, dtype, context, batching, tokenizer, dataset, world size); a rerun with another identity
-in the same dir is refused with ``CaptureMismatch``, naming each difference. Each rank records its
-finished shards in ``shards/r{rank}-done.json`` as it goes; rank 0 merges those into the manifest
-at the end. Every file here is written to a temporary name and renamed, and holds no time stamp,
-so a resumed capture writes the same bytes as an uninterrupted one.
+in the same dir is refused with ``CaptureMismatch``, naming each difference, unless the dir has
+no finished shard yet (a capture that failed before its first shard): then the new call takes it
+over. Each rank records its finished shards (with their sizes and sha256) in
+``shards/r{rank}-done.json`` as it goes; rank 0 merges those into the manifest at the end. Every
+file here is written to a temporary name and renamed, and holds no time stamp, so a resumed capture
+writes the same bytes as an uninterrupted one.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import warnings
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
-FORMAT = "qgraph-capture/1"
-_SAMPLE = 4096  # elements of each parameter hashed for the weights' hash
+from .integrity import damage
+
+FORMAT = "qgraph-capture/2"  # 2: every weight hashed, shards carry their place in their metadata
+META = ("input_ids", "attention_mask", "doc_id", "position")  # int64 [rows, context] in every shard
+_CHUNK = 1 << 24  # elements hashed per step (a GPU tensor is copied to the CPU a chunk at a time)
 
 
 class CaptureMismatch(ValueError):
@@ -26,9 +33,8 @@ class CaptureMismatch(ValueError):
 
 
 def model_identity(model: torch.nn.Module) -> dict:
-    """The model's class, name, a hash of its config and a hash of a sample of every parameter
-    (``_SAMPLE`` evenly spaced elements, with names, shapes and dtypes): any fine-tune, reload of
-    other weights or dtype change gives another hash, without reading gigabytes."""
+    """The model's class, name, a hash of its config and ``_weights_sha256``: any change to any
+    weight (one neuron's column), a reload of other weights or a dtype change gives another hash."""
     config = model.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "_attn_implementation_autoset"):
         config.pop(key, None)
@@ -44,12 +50,16 @@ def saes_identity(saes: dict) -> dict:
 
 
 def _weights_sha256(module: torch.nn.Module) -> str:
+    """sha256 over the bytes of every element of every parameter and buffer (non-persistent ones,
+    such as rotary frequencies, too; a tied parameter once), each after its name, shape and dtype.
+    A CPU tensor is hashed in place (through a uint8 view, so bfloat16 too), a GPU one is copied to
+    the CPU a chunk at a time."""
     weights = hashlib.sha256()
-    for name, parameter in module.state_dict().items():
-        flat = parameter.detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // _SAMPLE)][:_SAMPLE].to("cpu").contiguous()
-        weights.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}".encode())
-        weights.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+        weights.update(f"{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), _CHUNK):
+            weights.update(flat[start:start + _CHUNK].contiguous().cpu().view(torch.uint8).numpy())
     return weights.hexdigest()
 
 
@@ -77,16 +87,25 @@ def _sha(text: str) -> str:
 
 # -- comparing ---------------------------------------------------------------------------------------
 def recorded_shard_rows(out: Path) -> int | None:
-    """The shard size of the capture in ``out``, if any: a rerun that leaves ``shard_rows`` to the
-    default resumes with it (the default depends on the dtype and values, so it is read, not redone)."""
+    """The shard size of the capture in ``out``, if it has finished shards: a rerun that leaves
+    ``shard_rows`` to the default resumes with it (the default depends on the dtype and values, so
+    it is read, not redone)."""
+    if not has_shards(out):
+        return None
     try:
         return json.loads((out / "manifest.json").read_text())["identity"]["shard_rows"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
+def has_shards(out: Path) -> bool:
+    """Whether ``out`` holds a finished shard (a temporary one of a shard being written does not count)."""
+    return any((out / "shards").glob("r*-*.safetensors"))
+
+
 def check(out: Path, identity: dict) -> dict | None:
-    """The manifest in ``out`` if it records this identity; None if ``out`` holds no capture yet.
+    """The manifest in ``out`` if it records this identity; None if ``out`` holds no capture yet,
+    or a capture manifest with no finished shard (a run that failed early: this call takes it over).
     Raises ``CaptureMismatch`` naming what differs (or that ``out`` is not a capture dir)."""
     path = out / "manifest.json"
     if out.exists() and not out.is_dir():
@@ -97,9 +116,18 @@ def check(out: Path, identity: dict) -> dict | None:
             raise CaptureMismatch(f"{out} is not empty and has no manifest.json (it has {sorted(stray)[:5]}): "
                                   f"capture into a new or empty dir")
         return None
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads(path.read_text())
+        kind = str(manifest.get("format"))
+    except (ValueError, AttributeError):
+        kind = None
+    if kind is None or not kind.startswith("qgraph-capture/"):
         raise CaptureMismatch(f"{path} is not a qgraph capture manifest ({FORMAT}); capture into another dir")
+    if not has_shards(out):
+        return None
+    if kind != FORMAT:
+        raise CaptureMismatch(f"{out} holds a capture of another qgraph version (format {kind}; this one writes "
+                              f"{FORMAT}): capture into another out dir, or delete {out} to start over")
     differences = list(_differences(manifest["identity"], identity))
     if differences:
         raise CaptureMismatch(f"{out} holds a capture of another setup: {'; '.join(differences)}. Capture into "
@@ -154,13 +182,21 @@ def done_path(out: Path, rank: int) -> Path:
     return out / "shards" / f"r{rank}-done.json"
 
 
-def done_shards(out: Path, rank: int) -> list[dict]:
-    """The shards ``rank`` finished, each still on disk with its recorded size."""
+def done_shards(out: Path, rank: int, verify: bool = False) -> list[dict]:
+    """The shards ``rank`` finished, each still on disk with its recorded size and (``verify``: a
+    resuming run, which skips them) its recorded sha256; one that fails is left out, with a warning
+    when ``verify``, so it is captured again."""
     path = done_path(out, rank)
     if not path.exists():
         return []
-    shards = json.loads(path.read_text())
-    return [s for s in shards if (out / s["file"]).is_file() and (out / s["file"]).stat().st_size == s["bytes"]]
+    kept = []
+    for shard in json.loads(path.read_text()):
+        problem = damage(out, shard, hashed=verify)
+        if problem is None:
+            kept.append(shard)
+        elif verify:
+            warnings.warn(f"qgraph: {out / shard['file']} {problem}; capturing it again", stacklevel=3)
+    return kept
 
 
 def merge(out: Path, world: int) -> dict:

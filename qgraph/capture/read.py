@@ -2,7 +2,9 @@
 
 Rows are in global row order (a torchrun capture's ranks interleave back into the order of a
 one-process run). Shards are opened with ``safetensors.safe_open`` and read a row at a time, so
-nothing is loaded whole.
+nothing is loaded whole. Nothing damaged is read as data (see ``integrity``): opening a capture
+checks the manifest's layout, each shard's size and each shard's header (its own record of its
+place and rows) against its manifest entry; the first read from a shard checks its sha256.
 
     cap = load_capture("acts/")
     len(cap)                               # rows
@@ -14,9 +16,13 @@ from __future__ import annotations
 
 import bisect
 import json
+import warnings
 from pathlib import Path
 
 import torch
+
+from .integrity import REPAIR, CaptureCorrupt, check_bytes, check_header, check_layout
+from .manifest import FORMAT, META
 
 
 class Capture(torch.utils.data.Dataset):
@@ -27,10 +33,21 @@ class Capture(torch.utils.data.Dataset):
         path = self.out / "manifest.json"
         if not path.is_file():
             raise FileNotFoundError(f"{self.out}: no manifest.json, not a capture dir")
-        self.manifest = json.loads(path.read_text())
+        try:
+            self.manifest = json.loads(path.read_text())
+            kind = self.manifest.get("format")
+        except (ValueError, AttributeError) as error:
+            raise CaptureCorrupt(f"{path} is not a readable capture manifest ({error}): capture into a new dir, "
+                                 f"or delete {self.out} and capture again") from None
+        if kind != FORMAT:
+            raise CaptureCorrupt(f"{path} is a {kind!r} manifest, this qgraph reads {FORMAT}: capture again with "
+                                 f"this qgraph")
         if not self.manifest.get("complete"):
             raise ValueError(f"{self.out}: the capture is not finished (rerun the same capture to complete it)")
+        check_layout(self.out, self.manifest)
         self.names = [value["name"] for value in self.manifest["identity"]["values"]]
+        for shard in self.manifest["shards"]:
+            check_header(self.out, shard, [*self.names, *META])
         # global row -> (shard, row within it), in global row order
         located = sorted((shard["row_start"] + k * shard["row_step"], position, k)
                          for position, shard in enumerate(self.manifest["shards"]) for k in range(shard["rows"]))
@@ -61,6 +78,8 @@ class Capture(torch.utils.data.Dataset):
 
     def values(self, name: str) -> torch.Tensor:
         """``name`` (a value or input_ids, attention_mask, doc_id, position) over every row, in row order."""
+        if name not in self.names and name not in META:
+            raise KeyError(f"'{name}' is not in this capture; it holds {self.names} and {list(META)}")
         return torch.stack([self[index][name] for index in range(len(self))]) if len(self) else torch.empty(0)
 
     def to_datasets(self, path: str | Path | None = None, names=None):
@@ -68,11 +87,18 @@ class Capture(torch.utils.data.Dataset):
         column per value, named as SAELens names its hook (``saelens_name``), and ``token_ids``
         (int32): the columns SAELens's ``ActivationsStore`` reads from ``cached_activations_path``.
         Written with ``save_to_disk(path)`` when ``path`` is given. bfloat16 values are stored as
-        float32 (Arrow has no bfloat16)."""
+        float32 (Arrow has no bfloat16).
+
+        Every exported row is ``context`` real tokens: SAELens reads whole rows and has no mask, so
+        the capture's last row, when padded, is left out, with a warning saying how many real tokens
+        that drops."""
         from datasets import Array2D, Dataset, Features, Sequence, Value
 
         names = list(names or self.names)
-        first = self[0] if len(self) else {}
+        if not len(self):
+            raise ValueError(f"{self.out}: the capture holds no rows (its dataset gave no tokens): nothing to "
+                             f"export; capture a dataset with tokens")
+        first = self[0]
         columns, features = {}, {}
         for name in names:
             if name not in first:
@@ -83,10 +109,22 @@ class Capture(torch.utils.data.Dataset):
             dtype = torch.float32 if first[name].dtype == torch.bfloat16 else first[name].dtype
             columns[name] = saelens_name(name)
             features[columns[name]] = Array2D(shape=tuple(first[name].shape), dtype=str(dtype).removeprefix("torch."))
-        features["token_ids"] = Sequence(Value("int32"), length=first["input_ids"].shape[0])
+        context = first["input_ids"].shape[0]
+        features["token_ids"] = Sequence(Value("int32"), length=context)
 
+        rows, padded = len(self), int((self[len(self) - 1]["attention_mask"] == 0).sum())
+        if padded:  # only the last row is ever padded (see data.pack)
+            rows -= 1
+            if not rows:
+                raise ValueError(f"{self.out}: the capture's only row is padded ({context - padded} real tokens "
+                                 f"of {context}): nothing to export; capture at least context={context} tokens")
+            warnings.warn(f"qgraph: to_datasets leaves out the capture's last row, padded at {padded} of its "
+                          f"{context} positions (SAELens reads whole rows); its {context - padded} real tokens "
+                          f"are not in the dataset, which has {rows} rows", stacklevel=2)
+        shards = " ".join(shard["sha256"] for shard in self.manifest["shards"])  # a str: datasets splits lists
         dataset = Dataset.from_generator(_saelens_rows, features=Features(features),
-                                         gen_kwargs={"out": str(self.out), "columns": columns},
+                                         gen_kwargs={"out": str(self.out), "columns": columns, "rows": rows,
+                                                     "shards": shards},
                                          cache_dir=str(self.out / ".datasets-cache"))
         if path is not None:
             dataset.save_to_disk(str(path))
@@ -95,7 +133,9 @@ class Capture(torch.utils.data.Dataset):
     def _open(self, position: int):
         from safetensors import safe_open
         if position not in self._files:
-            self._files[position] = safe_open(str(self.out / self.manifest["shards"][position]["file"]), "pt")
+            shard = self.manifest["shards"][position]
+            check_bytes(self.out, shard)  # its sha256, before anything in it is read
+            self._files[position] = safe_open(str(self.out / shard["file"]), "pt")
         return self._files[position]
 
 
@@ -112,10 +152,11 @@ def saelens_name(name: str) -> str:
     return name
 
 
-def _saelens_rows(out: str, columns: dict[str, str]):
-    """The rows of ``to_datasets`` (a function of plain arguments: ``datasets`` hashes it)."""
+def _saelens_rows(out: str, columns: dict[str, str], rows: int, shards: str):
+    """The first ``rows`` rows of ``to_datasets`` (a function of plain arguments: ``datasets`` hashes
+    it, and ``shards``, the shards' sha256, keeps a cache of another capture in ``out`` from being used)."""
     capture = Capture(out)
-    for index in range(len(capture)):
+    for index in range(rows):
         row = capture[index]
         yield {**{column: (row[name].float() if row[name].dtype == torch.bfloat16 else row[name]).numpy()
                   for name, column in columns.items()}, "token_ids": row["input_ids"].int().numpy()}

@@ -20,11 +20,11 @@ import torch
 from ..instrument import instrument
 from .data import documents, open_dataset, pack
 from ..distributed.world import join
-from .manifest import CaptureMismatch, check, done_shards, merge, model_identity, new_manifest, recorded_shard_rows, \
-    saes_identity, tokenizer_identity, write_json
+from .integrity import shard_file
+from .manifest import META, CaptureMismatch, check, done_shards, merge, model_identity, new_manifest, \
+    recorded_shard_rows, saes_identity, tokenizer_identity, write_json
 from .writer import ShardJob, ShardWriter
 
-META = ("input_ids", "attention_mask", "doc_id", "position")  # int64 [rows, context] in every shard
 _SHARD_BYTES = 256 << 20  # the default shard size aimed at
 
 
@@ -53,8 +53,10 @@ def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_s
 
     ``dataset``: a ``datasets.Dataset`` / ``IterableDataset``, a path (a ``save_to_disk`` dir, a
     parquet, jsonl or text file), a list of texts or token id lists, or a ``[documents, tokens]``
-    tensor. Rerunning the same call resumes; another setup in the same ``out`` is refused
-    (``CaptureMismatch``). Under torchrun each rank captures rows ``rank::world``.
+    tensor. Rerunning the same call resumes, after checking each finished shard against its
+    recorded sha256 (one that fails is captured again); another setup in the same ``out`` is refused
+    (``CaptureMismatch``) unless the capture there failed before finishing a shard. Under torchrun
+    each rank captures rows ``rank::world``.
 
     ``saes={value: sae}`` splices SAEs as ``qgraph.instrument`` does, so their values can be captured:
     ``layers.5.sae.activations`` and ``layers.5.sae.indices`` (int32) are a TopK SAE's features in
@@ -81,11 +83,11 @@ def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_s
                     "shard_rows": shard_rows, "max_tokens": max_tokens, "world_size": world.size,
                     "tokenizer": tokenizer_identity(tokenizer),
                     "data": {**source, "text_column": text_column, "chat_template": chat_template}}
-        check(out, identity)
+        begun = check(out, identity)
         world.barrier()
         if world.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            if not (out / "manifest.json").exists():
+            if begun is None:  # a new capture, or one that finished no shard: (re)start its manifest
                 write_json(out / "manifest.json", new_manifest(identity, _description(records, world.size)))
             (out / "shards").mkdir(exist_ok=True)
         world.barrier()
@@ -107,7 +109,7 @@ def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_s
 def _run(ig, names, rows, out, world, device, dtype, batch_size, shard_rows, max_tokens, show) -> int:
     """The capture loop of one rank; returns how many of its shards were already done."""
     from ..progress import progress
-    done = {shard["index"]: shard for shard in done_shards(out, world.rank)}
+    done = {shard["index"]: shard for shard in done_shards(out, world.rank, verify=True)}
     writer = ShardWriter(out, world.rank, [done[i] for i in sorted(done)])
     mine = ((index, row) for index, row in enumerate(rows) if index % world.size == world.rank)
     total = -(-max_tokens // world.size) if max_tokens else None  # this rank's share
@@ -124,7 +126,7 @@ def _loop(ig, names, mine, out, done, writer, bar, device, dtype, batch_size, sh
     skipped = 0
     for index, chunk in enumerate(_chunks(mine, shard_rows)):
         meta = {name: torch.stack([getattr(row, name) for _, row in chunk]) for name in META}
-        record = {"file": f"shards/r{world.rank}-{index:05d}.safetensors", "rank": world.rank, "index": index,
+        record = {"file": shard_file(world.rank, index), "rank": world.rank, "index": index,
                   "rows": len(chunk), "row_start": chunk[0][0], "row_step": world.size,
                   "tokens": int(meta["attention_mask"].sum()), "tokens_sha256": _tokens_sha256(meta)}
         if index in done:

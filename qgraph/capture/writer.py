@@ -2,13 +2,13 @@
 while the next forwards run. Its queue is bounded, so at most ``depth`` shards wait in memory (the
 main loop blocks on a full queue instead of running ahead of the disk).
 
-A shard is written to ``shards/.NAME.tmp``, synced and renamed to ``shards/NAME``; only then is it
-added to ``shards/r{rank}-done.json``. A run killed at any point leaves either a whole shard or
-none, and a whole shard it did not record is simply written again on resume.
+A shard is written to ``shards/.NAME.tmp`` (with its place in the capture in its metadata, see
+``integrity``), hashed, synced and renamed to ``shards/NAME``; only then is it added, with its size
+and sha256, to ``shards/r{rank}-done.json``. A run killed at any point leaves either a whole shard
+or none, and a whole shard it did not record is simply written again on resume.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import threading
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .integrity import file_sha256, shard_metadata
 from .manifest import done_path, write_json
 
 # Test hook: stop the process (as a kill would) once this many shards are written in this run.
@@ -76,16 +77,12 @@ class ShardWriter:
                    for name, parts in job.parts.items()}
         path = self.out / job.record["file"]
         temporary = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, str(temporary), metadata={"format": "pt"})  # one key: the header is deterministic
+        save_file(tensors, str(temporary), metadata=shard_metadata(job.record))
         del tensors, job.parts
-        digest = hashlib.sha256()
-        with open(temporary, "rb") as file:
-            while chunk := file.read(1 << 24):
-                digest.update(chunk)
-            os.fsync(file.fileno())
+        sha256 = file_sha256(temporary, sync=True)
         os.replace(temporary, path)
         size = path.stat().st_size
-        self.records.append({**job.record, "bytes": size, "sha256": digest.hexdigest(), "done": True})
+        self.records.append({**job.record, "bytes": size, "sha256": sha256, "done": True})
         self.records.sort(key=lambda r: r["index"])
         write_json(done_path(self.out, self.rank), self.records)
         self.bytes_written += size
