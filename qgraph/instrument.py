@@ -46,8 +46,9 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     returns only the captured values, and what only the logits needed (``lm_head``, blocks past the
     last value) is not computed. ``compile=True`` (or a dict of ``torch.compile`` options) runs the
     program under ``torch.compile`` (see ``InstrumentedModel.compile``). ``saes={value: sae}`` splices
-    sparse autoencoders (``qgraph.SAE``) at values, with values ``<host>.sae.features`` /
-    ``.reconstruction`` / ``.error``; ``splice="reconstruction"`` makes the model read the
+    sparse autoencoders (``qgraph.SAE``) at values, with values ``<value>.sae.features`` /
+    ``.reconstruction`` / ``.error`` (``<block>.sae.*`` too where the block has one SAE);
+    ``splice="reconstruction"`` makes the model read the
     reconstruction instead of the value (the default, "error", keeps the value exact).
     ``stages=N`` (or a list of the blocks that start stages 1, 2, ..., or ``qgraph.Stages(...)`` with
     micro-batches) cuts the program at block boundaries into stages: under torchrun one stage per
@@ -326,11 +327,14 @@ class InstrumentedModel:
         return generate(self, input_ids, attention_mask, **kwargs)
 
     # -- reading the stream -------------------------------------------------------------------
-    def top_features(self, input_ids, layer: int, k: int = 10, attention_mask=None):
+    def top_features(self, input_ids, layer: int | None = None, k: int = 10, attention_mask=None,
+                     value: str | None = None):
         """``(activations, features)`` ``[batch, seq, k]``: each token's ``k`` most active features of
-        the SAE spliced at block ``layer`` (see ``instrument(..., saes=...)``), largest first."""
+        the SAE spliced at block ``layer`` (see ``instrument(..., saes=...)``), largest first, as this
+        instrument runs (its fixed edits and other SAEs in place). Where the block has several SAEs,
+        ``value`` names the one by the value it reads (``"layers.1.layer_input"``)."""
         from .saes.read import top_features
-        return top_features(self, input_ids, layer, k, attention_mask)
+        return top_features(self, input_ids, layer, k, attention_mask, value)
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a residual-stream tensor: the model's final norm (its ``1 + weight`` gain), then

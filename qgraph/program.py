@@ -34,7 +34,7 @@ class Program:
         # tensors read instead of the model's (weights loaded for a model on meta), and their device
         self.weights, self.device = weights if weights is not None else {}, device
         self.saes = saes or {}  # {hook value: (SAE, splice)}: their values are made on request (values.saes)
-        self.spliced: dict[str, dict] = {}  # the splices made: {prefix: {part: node}}
+        self.spliced: dict[str, dict] = {}  # the splices made: {hook: {value name: node}}
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(exported.graph, {}))
         attributes = {node.target: getattr(exported.program.graph_module, node.target)

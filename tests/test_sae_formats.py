@@ -87,6 +87,13 @@ def test_the_two_topk_orders_agree_when_few_pre_activations_are_positive():
     raw = SAE(w["W_enc"], b_enc, w["W_dec"], w["b_dec"], "topk", k=K, subtract_b_dec=True, topk_relu=False)
     torch.testing.assert_close(raw.encode(x), qwen_scope_topk(pre, K), rtol=0, atol=0)
     assert (raw.encode(x) < 0).any()
+    # the sparse form is the encoder's selection, the negative pre-activations it kept included
+    values, indices = torch.topk(pre, K, dim=-1)
+    for record, activations in ((sae, torch.relu(values)), (raw, values)):
+        assert torch.equal(record.select(x)[1], indices) and torch.equal(record.select(x)[0], activations)
+        assert torch.equal(record.dense(*record.select(x)), record.encode(x))
+    with pytest.raises(ValueError, match="the sparse form is a TopK SAE's .* this one is relu"):
+        SAE(w["W_enc"], b_enc, w["W_dec"], w["b_dec"], "relu").select(x)
 
 
 def test_it_computes_in_its_dtype_and_answers_in_the_inputs(tmp_path):

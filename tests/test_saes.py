@@ -9,7 +9,7 @@ import qgraph
 from conftest import hf_logits
 from qgraph.capture import CaptureMismatch
 from qgraph.saes import SAE
-from qgraph.saes.fixtures import write_saelens
+from qgraph.saes.fixtures import weights, write_saelens
 
 HOOK = "layers.1.layer_output"
 VALUES = [HOOK, "layers.2.layer_input", "layers.1.sae.features", "layers.1.sae.reconstruction", "layers.1.sae.error"]
@@ -107,17 +107,63 @@ def test_what_is_refused_says_why(sdpa_model, sae, tmp_path, ids):
         qgraph.instrument(sdpa_model, saes={HOOK: sae}).top_features(ids, 2)
     with pytest.raises(qgraph.EditError, match="read-only"):
         qgraph.instrument(sdpa_model, saes={HOOK: sae}, edits=["layers.1.sae.error"])
+    w = weights(64, 128)
+    plain = SAE(w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], "relu")  # reads any value
+    with pytest.raises(ValueError, match="'layers.1.mlp.mlp_output' and 'layers.1.mlp.output' are one tensor"):
+        qgraph.instrument(sdpa_model, saes={"layers.1.mlp.mlp_output": plain, "layers.1.mlp.output": plain})
 
 
-def test_the_sparse_form_is_the_features_k_largest(sdpa_model, sae, ids):
+def test_the_sparse_form_is_the_edited_features_the_encoder_selected(sdpa_model, sae, ids):
     ig = qgraph.instrument(sdpa_model, values=["layers.1.sae.*"], edits=["layers.1.sae.features"], saes={HOOK: sae})
-    for edits in ({}, {"layers.1.sae.features": qgraph.Scale(0.0, neurons=[3, 7])}):
-        out = ig(ids, edits=edits)
+    run = ig(ids)
+    selected = run["layers.1.sae.indices"]
+    zeroed = [int(selected[0, -1, 0]), int(selected[1, 3, 2])]
+    for out in (run, ig(ids, edits={"layers.1.sae.features": qgraph.Scale(0.0, neurons=zeroed)})):
         features, activations, indices = (out[f"layers.1.sae.{part}"] for part in ("features", "activations", "indices"))
         assert indices.dtype == torch.int32 and activations.shape == (*ids.shape, sae.k)
-        assert torch.equal(activations, features.topk(sae.k, dim=-1).values)
+        assert torch.equal(indices, selected)  # an edit changes the values, not the encoder's selection
+        assert torch.equal(activations, features.gather(-1, indices.long()))
         assert torch.equal(torch.zeros_like(features).scatter(-1, indices.long(), activations), features)
+    assert (out["layers.1.sae.activations"][0, -1, 0] == 0) and (run["layers.1.sae.activations"][0, -1, 0] > 0)
     assert ig.catalogue["layers.1.sae.indices"].layout == "Features [batch seq k]"
+
+
+def hf_block_output(model, ids, block):
+    """The output of decoder layer ``block`` in the plain Hugging Face forward (a forward hook)."""
+    seen = []
+    handle = model.model.layers[block].register_forward_hook(
+        lambda module, args, output: seen.append(output if isinstance(output, torch.Tensor) else output[0]))
+    hf_logits(model, ids)
+    handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("form", ["topk", "raw topk", "jumprelu", "relu"])
+def test_the_sparse_form_is_the_encoders_own_selection(sdpa_model, ids, form):
+    """Against the plain math on the SAE's weights and the HF model's block output: TopK's indices
+    are ``topk(pre)``'s, also where selected pre-activations are negative (a raw value below the
+    unselected zeros, a relu'd one equal to them); JumpReLU and ReLU SAEs have dense features only."""
+    w = weights(64, 256, seed=5)
+    activation, topk_relu = {"raw topk": ("topk", False), "topk": ("topk", True)}.get(form, (form, True))
+    if activation == "topk":  # 3 features are selected positive, the other 5 of each token negative
+        w["b_enc"] = torch.cat([torch.full((3,), 20.0), torch.full((253,), -20.0)]) + w["b_enc"]
+    sae = SAE(w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], activation, k=8 if activation == "topk" else None,
+              threshold=w["threshold"] if activation == "jumprelu" else None, topk_relu=topk_relu, hook=HOOK)
+    x = hf_block_output(sdpa_model, ids, 1)
+    pre = x @ w["W_enc"] + w["b_enc"]
+    ig = qgraph.instrument(sdpa_model, values=["layers.1.sae.*"], saes={HOOK: sae})
+    out = ig(ids)
+    if activation == "topk":
+        values, indices = pre.topk(8, dim=-1)
+        assert (values[..., 3:] < 0).all() and (values[..., :3] > 0).all()
+        activations = torch.relu(values) if topk_relu else values
+        assert torch.equal(out["layers.1.sae.indices"], indices.int())
+        torch.testing.assert_close(out["layers.1.sae.activations"], activations, rtol=0, atol=1e-5)
+        features = torch.zeros_like(pre).scatter(-1, indices, activations)
+    else:
+        features = torch.relu(pre) * (pre > w["threshold"]) if activation == "jumprelu" else torch.relu(pre)
+        assert ig.values == ["layers.1.sae.features", "layers.1.sae.reconstruction", "layers.1.sae.error"]
+    torch.testing.assert_close(out["layers.1.sae.features"], features, rtol=0, atol=1e-5)
 
 
 def test_a_jumprelu_sae_has_no_sparse_form(sdpa_model, tmp_path, ids):
@@ -153,6 +199,69 @@ def test_the_reconstruction_splice_equals_a_forward_hook_with_gradients(checkpoi
     for (name, mine), (_, theirs) in zip(spliced.named_parameters(), hooked.named_parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert sae.W_enc.grad is None  # the SAE is read, not trained
+
+
+def test_two_saes_at_one_block_each_splice_under_their_own_names(checkpoint, sae, tmp_path, ids):
+    """SAEs at block 1's input and output (SAELens's resid_pre and resid_post): with
+    ``splice="reconstruction"`` the logits are the HF model's with forward hooks replacing both values
+    by their reconstructions; each SAE's values are under its value's name, the short ones refused."""
+    from transformers import AutoModelForCausalLM
+
+    from qgraph.saes.read import top_features
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    first = SAE.load(write_saelens(tmp_path, d_in=64, d_sae=128, architecture="standard",
+                                   hook_name="blocks.1.hook_resid_pre", seed=4))
+    block, seen = model.model.layers[1], {}
+
+    def replace_input(module, args):
+        seen["layers.1.layer_input"] = args[0]
+        return (first(args[0]), *args[1:])
+
+    def replace_output(module, args, output):
+        seen[HOOK] = output if isinstance(output, torch.Tensor) else output[0]
+        return sae(output) if isinstance(output, torch.Tensor) else (sae(output[0]), *output[1:])
+
+    handles = [block.register_forward_pre_hook(replace_input), block.register_forward_hook(replace_output)]
+    expected = hf_logits(model, ids)
+    for handle in handles:
+        handle.remove()
+    both = {"layers.1.layer_input": first, HOOK: sae}
+    names = [f"{hook}.sae.features" for hook in both]
+    ig = qgraph.instrument(model, values=["layers.1.*.sae.features"], saes=both, splice="reconstruction")
+    assert ig.values == names
+    out = ig(ids)
+    torch.testing.assert_close(out.logits, expected, rtol=0, atol=1e-5)
+    only_output = qgraph.instrument(model, saes={HOOK: sae}, splice="reconstruction")(ids).logits
+    assert not torch.allclose(out.logits, only_output, atol=1e-3)
+    for hook, name in zip(both, names):
+        torch.testing.assert_close(out[name], both[hook].encode(seen[hook]), rtol=0, atol=1e-5)
+    # the short names are no one's; top_features picks by block and value, with the other SAE spliced
+    for ask in ("layers.1.sae.features", "layers.1.sae.*"):
+        with pytest.raises(qgraph.UnavailableValue, match=r"SAEs read 2 values of 'layers.1' \(layers.1.layer_input, "
+                                                          r"layers.1.layer_output\): name one"):
+            qgraph.instrument(model, values=[ask], saes=both)
+    with pytest.raises(ValueError, match="block 1 has 2 SAEs .* pick one with value="):
+        ig.top_features(ids, layer=1)
+    reader = qgraph.instrument(model, saes=both, splice="reconstruction")  # it reads through a twin
+    activations, features = top_features(reader, ids, layer=1, k=3, value=HOOK)
+    top = sae.encode(seen[HOOK]).topk(3, dim=-1)
+    assert torch.equal(features, top.indices)
+    torch.testing.assert_close(activations, top.values, rtol=0, atol=1e-5)
+    assert torch.equal(top_features(ig, ids, value="layers.1.layer_input", k=3)[1], out[names[0]].topk(3).indices)
+
+
+def test_the_one_sae_of_a_block_answers_to_both_names(sdpa_model, run, sae, ids):
+    """``layers.1.sae.*`` and ``layers.1.layer_output.sae.*`` name one SAE's values, edits included."""
+    active = int(run["layers.1.sae.features"][0, -1].argmax())
+    for name in ("layers.1.layer_output.sae.features", "layers.1.sae.features"):  # an edit under either name
+        ig = qgraph.instrument(sdpa_model, values=["layers.1.layer_output.sae.*", "layers.1.sae.features"],
+                               edits=[name], saes={HOOK: sae})
+        out = ig(ids, edits={name: qgraph.Zero(neurons=[active])})
+        assert torch.equal(out["layers.1.sae.features"], out["layers.1.layer_output.sae.features"])
+        assert (out["layers.1.sae.features"][..., active] == 0).all()
+        assert not torch.equal(out["layers.1.layer_output.sae.reconstruction"], run["layers.1.sae.reconstruction"])
+    with pytest.raises(qgraph.EditError, match="are one tensor: edit it under one name"):
+        ig(ids, edits={"layers.1.layer_output.sae.features": qgraph.Zero()})
 
 
 def test_compiled_features_equal_eager(spliced, ids, run):
@@ -201,3 +310,40 @@ def test_the_command_line_captures_an_saes_features(checkpoint, sdpa_model, sae,
     assert "is the SAE of layer 1 (layers.1.layer_output), not layer=2" in capsys.readouterr().err
     assert main([*common, str(tmp_path / "other"), "--sae", "layers.1.layer_output"]) == 2
     assert "give VALUE=PATH" in capsys.readouterr().err
+
+
+def _block_outputs(model, ids, hooks: dict):
+    """The HF forward with forward hooks {block: function(output) -> output}: (logits, {block: output})."""
+    seen = {}
+    handles = [model.model.layers[i].register_forward_hook(
+        lambda m, a, out, i=i, f=f: seen.setdefault(i, f(out))) for i, f in hooks.items()]
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids).logits, seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_patching_and_top_features_run_with_the_instruments_saes_and_fixed_edits(sdpa_model, sae, ids):
+    """qgraph.patch at an SAE's features, and top_features under a fixed steering edit, equal HF
+    forward hooks doing the SAE's math by hand."""
+    vector = torch.randn(sdpa_model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 3
+    ig = qgraph.instrument(sdpa_model, saes={HOOK: sae}, edits=qgraph.steer(0, vector))
+    steer = {0: lambda out: out + vector}
+    clean, corrupt = ids, ids.flip(0)
+    _, clean_blocks = _block_outputs(sdpa_model, clean, {**steer, 1: lambda out: out})
+    clean_features = sae.encode(clean_blocks[1])
+
+    def patched_block(out):  # the stream moves by the decoded change of the features
+        return out + sae.decode(clean_features) - sae.decode(sae.encode(out))
+    reference, _ = _block_outputs(sdpa_model, corrupt, {**steer, 1: patched_block})
+    patched = qgraph.patch(ig, clean, corrupt, at=["layers.1.sae.features"], metric=lambda logits: logits)
+    torch.testing.assert_close(patched["layers.1.sae.features"], reference, rtol=0, atol=1e-5)
+
+    activations, features = ig.top_features(clean, layer=1, k=4)
+    want = clean_features.topk(4, dim=-1)
+    torch.testing.assert_close(activations, want.values, rtol=0, atol=1e-5)
+    assert torch.equal(features, want.indices)
+    unsteered = sae.encode(_block_outputs(sdpa_model, clean, {1: lambda out: out})[1][1]).topk(4, dim=-1)
+    assert not torch.equal(features, unsteered.indices)  # the fixed edit matters here

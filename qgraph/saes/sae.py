@@ -18,6 +18,10 @@ among the k largest of ``pre`` and zeros elsewhere (where fewer than k are posit
 extra picks are zeros). One implementation serves both. Qwen-Scope's model card encodes with
 ``topk(pre)`` and no relu, so a kept value can be negative: ``topk_relu=False`` reproduces it (with
 k = 50 of 32K features the k largest are positive in practice, and the two agree).
+
+A TopK SAE's sparse form, ``select(x) -> (activations, indices)`` ``[..., k]``, is the encoder's own
+selection (``encode(x) == dense(*select(x))``); the dense features cannot give it back: a raw value
+can be negative (below the zeros of the unselected features) and a relu'd one is zero like them.
 """
 from __future__ import annotations
 
@@ -70,21 +74,38 @@ class SAE(torch.nn.Module):
         return cls(**record)
 
     def encode(self, x: Tensor) -> Tensor:
-        """The dense features ``[..., d_sae]`` of ``x`` ``[..., d_in]``, in ``x``'s dtype."""
+        """The dense features ``[..., d_sae]`` of ``x`` ``[..., d_in]``, in ``x``'s dtype (a TopK SAE's
+        are ``dense(*select(x))``)."""
+        if self.activation == "topk":
+            return self.dense(*self.select(x))
+        pre = self._pre(x)
+        features = torch.relu(pre)
+        if self.activation == "jumprelu":
+            features = features * (pre > self.threshold).to(pre.dtype)
+        return features.to(x.dtype)
+
+    def select(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """A TopK SAE's own sparse form of ``x``'s features: ``(activations, indices)``, each ``[..., k]``,
+        the encoder's selection (the k largest pre-activations per token, largest first) and their
+        values after the activation (relu'd when ``topk_relu``, raw, possibly negative, when not)."""
+        if self.activation != "topk":
+            raise ValueError(f"{self.source}: the sparse form is a TopK SAE's (k features per token); this one "
+                             f"is {self.activation}: read encode(x)")
+        values, indices = self._pre(x).topk(self.k, dim=-1)
+        return (torch.relu(values) if self.topk_relu else values).to(x.dtype), indices
+
+    def dense(self, activations: Tensor, indices: Tensor) -> Tensor:
+        """The dense features ``[..., d_sae]`` of a sparse form (``select``'s, or one captured):
+        ``activations`` at ``indices``, zeros elsewhere."""
+        zeros = activations.new_zeros(*activations.shape[:-1], self.d_sae)
+        return zeros.scatter(-1, indices.long(), activations)
+
+    def _pre(self, x: Tensor) -> Tensor:
+        """The pre-activations ``[..., d_sae]``, in the SAE's dtype."""
         sae_in = x.to(self.W_enc.dtype)
         if self.subtract_b_dec:
             sae_in = sae_in - self.b_dec
-        pre = sae_in @ self.W_enc + self.b_enc
-        if self.activation == "relu":
-            features = torch.relu(pre)
-        elif self.activation == "jumprelu":
-            features = torch.relu(pre) * (pre > self.threshold).to(pre.dtype)
-        else:
-            values, indices = pre.topk(self.k, dim=-1)
-            if self.topk_relu:
-                values = torch.relu(values)
-            features = torch.zeros_like(pre).scatter(-1, indices, values)
-        return features.to(x.dtype)
+        return sae_in @ self.W_enc + self.b_enc
 
     def decode(self, features: Tensor) -> Tensor:
         """``features @ W_dec + b_dec``: ``[..., d_sae] -> [..., d_in]``, in ``features``' dtype."""

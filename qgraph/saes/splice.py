@@ -10,7 +10,9 @@ from ..passes.sae import SPLICES
 
 def check_saes(request, resolve, catalogue) -> dict:
     """``{hook value: (sae, splice)}`` for ``request = (saes, splice)``; a named error for a key that
-    is not one value, an object that is not an SAE, or an SAE whose width is not the value's."""
+    is not one value, an object that is not an SAE, an SAE whose width is not the value's, or a
+    second SAE at a tensor one already reads (two names of one node: ``mlp.mlp_output`` and the
+    ``mlp.output`` port)."""
     saes, splice = request
     if splice not in SPLICES:
         raise ValueError(f"splice={splice!r}: give 'error' (the model reads its own value; the SAE's error term "
@@ -36,5 +38,12 @@ def check_saes(request, resolve, catalogue) -> dict:
         if sae.d_in != width:
             raise ValueError(f"saes['{hook}']: the SAE reads vectors of {sae.d_in} but '{hook}' has "
                              f"{width} ({catalogue[hook].layout}): load the SAE trained on this model and value")
+        node = getattr(catalogue[hook].location, "node", None)
+        same = [other for other in checked if node is not None
+                and node is getattr(catalogue[other].location, "node", None)]
+        if same:
+            raise ValueError(f"saes: '{same[0]}' and '{hook}' are one tensor of the program: splice one SAE there "
+                             f"(SAEs at different values of a block, its layer_input and layer_output say, "
+                             f"each splice)")
         checked[hook] = (sae, splice)
     return checked
