@@ -32,6 +32,20 @@ def hf_logits(model, input_ids, attention_mask=None):
         return model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+def hooked_blocks(model, ids, hooks: dict, grad: bool = False):
+    """The HF forward with forward hooks ``{block: function(output) -> output}`` on its decoder blocks
+    (an independent reference for edits): ``(logits, {block: its output as the hook returned it})``."""
+    seen = {}
+    handles = [model.model.layers[i].register_forward_hook(lambda m, a, out, i=i, f=f: seen.setdefault(i, f(out)))
+               for i, f in hooks.items()]
+    try:
+        with torch.set_grad_enabled(grad):
+            return model(input_ids=ids).logits, seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def graph_structure(program):
     """An exported program's nodes, each as (op, target (a placeholder's name), args and kwargs with nodes
     as their positions, module scopes): two programs with equal structures compute the same."""

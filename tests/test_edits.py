@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import qgraph
+from conftest import hooked_blocks
 from qgraph import Add, EditError, Replace, Scale, Zero
 
 ATTN = "layers.3.self_attn"
@@ -203,23 +204,8 @@ def test_bad_edits_say_what_is_wrong(edited, ids, baseline):
 
 
 # -- the helpers run under the instrument's own fixed edits ------------------------------------------
-def _hooked(model, hooks: dict):
-    """Forward hooks {block: function(output) -> output} on the HF model's decoder blocks."""
-    return [model.model.layers[i].register_forward_hook(lambda m, a, out, f=f: f(out)) for i, f in hooks.items()]
-
-
-def _hf_run(model, ids, hooks: dict, capture=()):
-    """The HF forward with ``hooks`` applied: (logits, {block: its output as edited})."""
-    seen = {}
-    wrapped = {i: (lambda out, i=i, f=hooks.get(i, lambda o: o): seen.setdefault(i, f(out)))
-               for i in {*hooks, *capture}}
-    handles = _hooked(model, wrapped)
-    try:
-        with torch.no_grad():
-            return model(input_ids=ids).logits, seen
-    finally:
-        for handle in handles:
-            handle.remove()
+def _same(out):
+    return out
 
 
 def test_patch_and_logit_lens_run_under_the_fixed_edits(eager_model, ids):
@@ -229,16 +215,16 @@ def test_patch_and_logit_lens_run_under_the_fixed_edits(eager_model, ids):
     steered = qgraph.instrument(eager_model, edits=qgraph.steer([0, 2], vector))
     steer = {0: lambda out: out + vector, 2: lambda out: out + vector}
     clean, corrupt = ids, ids_of(2, 12, seed=11)
-    _, clean_blocks = _hf_run(eager_model, clean, steer, capture=[1])
-    reference, _ = _hf_run(eager_model, corrupt, {**steer, 1: lambda out: clean_blocks[1]})
+    _, clean_blocks = hooked_blocks(eager_model, clean, {**steer, 1: _same})
+    reference, _ = hooked_blocks(eager_model, corrupt, {**steer, 1: lambda out: clean_blocks[1]})
     patched = qgraph.patch(steered, clean, corrupt, at=["layers.1.layer_output"], metric=lambda logits: logits)
     torch.testing.assert_close(patched["layers.1.layer_output"], reference, atol=1e-5, rtol=0)
-    _, plain_blocks = _hf_run(eager_model, clean, {}, capture=[1])
-    plain, _ = _hf_run(eager_model, corrupt, {1: lambda out: plain_blocks[1]})
+    _, plain_blocks = hooked_blocks(eager_model, clean, {1: _same})
+    plain, _ = hooked_blocks(eager_model, corrupt, {1: lambda out: plain_blocks[1]})
     assert not torch.allclose(reference, plain, atol=1e-3)  # the steering matters here
 
     lens = steered.logit_lens(clean, positions=[-1], top=3)
-    _, blocks = _hf_run(eager_model, clean, steer, capture=[1, 2])
+    _, blocks = hooked_blocks(eager_model, clean, {0: steer[0], 1: _same, 2: steer[2]})
     for block in (1, 2):
         want = steered.project_on_vocab(blocks[block][:, [-1]]).softmax(-1).topk(3, dim=-1).indices
         assert torch.equal(lens[block][0], want)
@@ -252,14 +238,9 @@ def test_attribution_patch_runs_under_the_fixed_edits(eager_model, ids):
     clean, corrupt = ids, ids_of(2, 12, seed=12)
     metric = lambda logits: logits[:, -1, 3].sum()  # noqa: E731
     estimate = qgraph.attribution_patch(steered, clean, corrupt, at=["layers.2.layer_output"], metric=metric)
-    _, clean_blocks = _hf_run(eager_model, clean, {0: lambda out: out + vector}, capture=[2])
-    seen = {}
-    handles = _hooked(eager_model, {0: lambda out: out + vector,
-                                    2: lambda out: seen.setdefault(2, out.detach().requires_grad_())})
-    try:
-        grad, = torch.autograd.grad(metric(eager_model(input_ids=corrupt).logits), seen[2])
-    finally:
-        for handle in handles:
-            handle.remove()
+    _, clean_blocks = hooked_blocks(eager_model, clean, {0: lambda out: out + vector, 2: _same})
+    logits, seen = hooked_blocks(eager_model, corrupt, {0: lambda out: out + vector,
+                                                        2: lambda out: out.detach().requires_grad_()}, grad=True)
+    grad, = torch.autograd.grad(metric(logits), seen[2])
     want = ((clean_blocks[2] - seen[2].detach()) * grad).sum(-1)
     torch.testing.assert_close(estimate["layers.2.layer_output"], want, atol=1e-5, rtol=1e-4)

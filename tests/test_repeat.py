@@ -92,7 +92,7 @@ def test_a_seed_that_does_not_repeat_falls_back_to_a_full_export(deep_model, see
     # export_model then traces every block (the two exports stand in for torch.export here)
     traced = []
     monkeypatch.setattr(export_module, "_export", lambda model, family, images, names, blocks:
-                        traced.append(blocks) or (seed if blocks else full))
+                        traced.append(blocks) or ((seed if blocks else full), frozenset()))
     monkeypatch.setattr(export_module, "repeat_blocks", lambda *args: None)
     exported = export_model(type(deep_model)(deep_model.config).eval())
     assert traced == [[blocks], []] and exported.program is full

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qgraph
-from conftest import hf_logits
+from conftest import hf_logits, hooked_blocks
 from qgraph.capture import CaptureMismatch
 from qgraph.saes import SAE
 from qgraph.saes.fixtures import weights, write_saelens
@@ -312,19 +312,6 @@ def test_the_command_line_captures_an_saes_features(checkpoint, sdpa_model, sae,
     assert "give VALUE=PATH" in capsys.readouterr().err
 
 
-def _block_outputs(model, ids, hooks: dict):
-    """The HF forward with forward hooks {block: function(output) -> output}: (logits, {block: output})."""
-    seen = {}
-    handles = [model.model.layers[i].register_forward_hook(
-        lambda m, a, out, i=i, f=f: seen.setdefault(i, f(out))) for i, f in hooks.items()]
-    try:
-        with torch.no_grad():
-            return model(input_ids=ids).logits, seen
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def test_patching_and_top_features_run_with_the_instruments_saes_and_fixed_edits(sdpa_model, sae, ids):
     """qgraph.patch at an SAE's features, and top_features under a fixed steering edit, equal HF
     forward hooks doing the SAE's math by hand."""
@@ -332,12 +319,12 @@ def test_patching_and_top_features_run_with_the_instruments_saes_and_fixed_edits
     ig = qgraph.instrument(sdpa_model, saes={HOOK: sae}, edits=qgraph.steer(0, vector))
     steer = {0: lambda out: out + vector}
     clean, corrupt = ids, ids.flip(0)
-    _, clean_blocks = _block_outputs(sdpa_model, clean, {**steer, 1: lambda out: out})
+    _, clean_blocks = hooked_blocks(sdpa_model, clean, {**steer, 1: lambda out: out})
     clean_features = sae.encode(clean_blocks[1])
 
     def patched_block(out):  # the stream moves by the decoded change of the features
         return out + sae.decode(clean_features) - sae.decode(sae.encode(out))
-    reference, _ = _block_outputs(sdpa_model, corrupt, {**steer, 1: patched_block})
+    reference, _ = hooked_blocks(sdpa_model, corrupt, {**steer, 1: patched_block})
     patched = qgraph.patch(ig, clean, corrupt, at=["layers.1.sae.features"], metric=lambda logits: logits)
     torch.testing.assert_close(patched["layers.1.sae.features"], reference, rtol=0, atol=1e-5)
 
@@ -345,5 +332,5 @@ def test_patching_and_top_features_run_with_the_instruments_saes_and_fixed_edits
     want = clean_features.topk(4, dim=-1)
     torch.testing.assert_close(activations, want.values, rtol=0, atol=1e-5)
     assert torch.equal(features, want.indices)
-    unsteered = sae.encode(_block_outputs(sdpa_model, clean, {1: lambda out: out})[1][1]).topk(4, dim=-1)
+    unsteered = sae.encode(hooked_blocks(sdpa_model, clean, {1: lambda out: out})[1][1]).topk(4, dim=-1)
     assert not torch.equal(features, unsteered.indices)  # the fixed edit matters here
