@@ -3,26 +3,90 @@
     ig = qgraph.instrument(model, values=["layers.*.layer_output"])
     out = ig(**tokenizer(texts, return_tensors="pt", padding=True))
     out.logits, out["layers.3.layer_output"]
+
+``import qgraph`` imports nothing heavy (not even torch): each public name below is imported from
+its submodule when it is first used (PEP 562), and that first use checks the installed torch and
+transformers (``compat.check_versions``). The custom ops register when ``qgraph.kernels`` is
+imported, which every module that builds, runs or loads a program does.
 """
-from .kernels import grad as _autograd  # noqa: F401  (registers the custom ops' autograd)
-from .kernels import experts as _experts  # noqa: F401  (registers qgraph::moe_experts, which MoE programs call)
-from .kernels import slot as _slot  # noqa: F401  (registers qgraph::edit_slot, which saved programs call)
-from .compat import check_versions
-from .capture import CaptureCorrupt, CaptureMismatch, capture, load_capture
-from .edits import Add, Edit, EditError, Replace, Scale, Zero
-from .families import UnsupportedModel
-from .generate import GenerateOutput, chat_prompt
-from .instrument import InstrumentedModel, Output, instrument
-from .values.names import UnavailableValue, UnknownValue
-from .recipes import attribution_patch, expert_neurons, patch, skip_layers, steer
-from .saes import SAE
-from .saved import LoadedProgram, SavedProgramError, load
-from .distributed import Stages
-from .render import render
-from .values.support import SupportTable, support
+import sys
+from types import ModuleType
+
+# public name -> the submodule (below qgraph) that defines it
+_PUBLIC = {
+    "Add": "edits", "Edit": "edits", "EditError": "edits", "Replace": "edits", "Scale": "edits", "Zero": "edits",
+    "CaptureCorrupt": "capture", "CaptureMismatch": "capture", "capture": "capture", "load_capture": "capture",
+    "UnsupportedModel": "families",
+    "GenerateOutput": "generate", "chat_prompt": "generate",
+    "InstrumentedModel": "instrument", "Output": "instrument", "instrument": "instrument",
+    "UnavailableValue": "values.names", "UnknownValue": "values.names",
+    "attribution_patch": "recipes", "expert_neurons": "recipes", "patch": "recipes", "skip_layers": "recipes",
+    "steer": "recipes",
+    "SAE": "saes",
+    "LoadedProgram": "saved", "SavedProgramError": "saved", "load": "saved",
+    "Stages": "distributed",
+    "render": "render",
+    "SupportTable": "values.support", "support": "values.support",
+    "check_versions": "compat",
+}
 
 __all__ = ["Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
            "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render",
            "skip_layers", "steer", "support"]
 
-check_versions()  # qgraph's private calls (qgraph/compat.py) were written for one torch and transformers
+_checked = False
+
+
+def _check_versions() -> None:
+    """``compat.check_versions`` once, at the first use of a public name: qgraph's private calls
+    (qgraph/compat.py) were written for a range of torch and transformers releases."""
+    global _checked
+    if not _checked:
+        from .compat import check_versions
+        check_versions()
+        _checked = True
+
+
+def __getattr__(name: str):
+    """A public name (imported from its submodule on first use), ``__version__``, or a submodule."""
+    if name in _PUBLIC:
+        _check_versions()
+        from importlib import import_module
+        value = getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value  # later uses skip this function
+        return value
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            value = version("qgraph")
+        except PackageNotFoundError:
+            value = "unknown (not installed)"
+        globals()[name] = value
+        return value
+    if not name.startswith("__"):  # qgraph.edits, qgraph.kernels, ...: imported on first use
+        from importlib import import_module
+        try:
+            return import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as missing:
+            if missing.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC) | {"__version__"})
+
+
+class _Package(ModuleType):
+    """``qgraph`` itself. Importing the submodule ``qgraph.instrument`` (or ``.capture``, ``.render``)
+    would bind the module over the function of the same name; the function is the public name, so
+    such a submodule is left to ``sys.modules`` and the name to ``__getattr__``."""
+
+    def __setattr__(self, name, value):
+        if (isinstance(value, ModuleType) and _PUBLIC.get(name) == name
+                and value.__name__ == f"{__name__}.{name}"):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -6,7 +6,10 @@
     qgraph render --what vision_block --out vision0.svg --model /path/to/image-text-checkpoint
 
 Every command defaults to the embedded tiny Qwen3.5 (built on first use); ``--model PATH`` takes a
-local checkpoint dir, text (``Qwen3_5ForCausalLM``) or image-text (``Qwen3_5ForConditionalGeneration``)."""
+local checkpoint dir, text (``Qwen3_5ForCausalLM``) or image-text (``Qwen3_5ForConditionalGeneration``).
+
+The arguments are parsed, and the paths and the prompt checked, before torch or transformers is
+imported: ``--version``, ``--help`` and a mistake on the command line answer at once."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from .render import DETAIL, WHAT
+from .render import DETAIL, WHAT  # the render package imports graphviz and torch only when it draws
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -109,27 +112,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def version() -> str:
     """The installed qgraph's version."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-    try:
-        return installed("qgraph")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    from . import __version__
+    return __version__
 
 
 def is_user_error(error: BaseException) -> bool:
     """Whether ``error`` is a mistake in what the user asked for (then the CLI prints one line),
     not a bug (then it raises with its traceback): qgraph's named errors, a missing or unreadable
     file, and the ValueError/TypeError/IndexError/KeyError that qgraph's own argument checks raise."""
+    if isinstance(error, (UsageError, OSError)):  # before the imports below, which load torch
+        return True
+    if isinstance(error, (ValueError, TypeError, IndexError, KeyError)) and _raised_by_qgraph(error):
+        return True
     from . import EditError
     from . import UnavailableValue
     from . import UnknownValue
     from . import UnsupportedModel
     from .render import GraphvizNotFound, NoVisionEncoder
-    if isinstance(error, (UsageError, UnknownValue, UnavailableValue, EditError, UnsupportedModel,
-                          GraphvizNotFound, NoVisionEncoder, OSError)):
-        return True
-    return isinstance(error, (ValueError, TypeError, IndexError, KeyError)) and _raised_by_qgraph(error)
+    return isinstance(error, (UnknownValue, UnavailableValue, EditError, UnsupportedModel, GraphvizNotFound,
+                              NoVisionEncoder))
 
 
 def _raised_by_qgraph(error: BaseException) -> bool:
@@ -154,9 +155,10 @@ def one_line(error: BaseException) -> str:
 
 # -- loading -------------------------------------------------------------------------------------------------------
 def checkpoint_path(model: str | None) -> Path:
-    """``--model``, checked (a local dir with a config.json), or the embedded tiny checkpoint."""
-    quiet_transformers()
+    """``--model``, checked (a local dir with a config.json; before transformers loads), or the
+    embedded tiny checkpoint."""
     if model is None:
+        quiet_transformers()
         from .testing import cached_tiny_model
         return cached_tiny_model()
     path = Path(model).expanduser()
@@ -166,6 +168,7 @@ def checkpoint_path(model: str | None) -> Path:
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {model}: not a checkpoint dir, it has no config.json (give the dir "
                          f"save_pretrained wrote)")
+    quiet_transformers()
     return path
 
 
@@ -209,8 +212,8 @@ def print_table(table) -> None:
 # -- the subcommands -------------------------------------------------------------------------------------------
 def run_support(args) -> int:
     """``qgraph support``: the value table of a checkpoint."""
-    import qgraph
     path = checkpoint_path(args.model)
+    import qgraph
     model = load_model(path, args.attn_implementation)
     table = qgraph.support(model)
     print(f"checkpoint: {path} ({type(model).__name__}, attn_implementation={args.attn_implementation})")
@@ -221,15 +224,15 @@ def run_support(args) -> int:
 
 def run_demo(args) -> int:
     """``qgraph demo``: instrument a checkpoint and print what it captured for a prompt."""
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty: give some text to run (or leave --prompt out for the default)")
+    path = checkpoint_path(args.model)
     import torch
     from transformers import AutoTokenizer
 
     import qgraph
 
     from .progress import progress
-    if not args.prompt.strip():
-        raise UsageError("--prompt is empty: give some text to run (or leave --prompt out for the default)")
-    path = checkpoint_path(args.model)
     print(f"checkpoint: {path}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = load_model(path, args.attn_implementation)
@@ -314,11 +317,12 @@ def add_render_command(subparsers) -> None:
 def run_render(args) -> int:
     """Draw what ``args`` asks for; qgraph's errors (a bad block, no Graphviz) reach ``qgraph.cli.main``,
     which prints them as one line."""
+    path = checkpoint_path(args.model)
     import qgraph
     from qgraph.render import render
 
     from .progress import progress
-    model = load_model(checkpoint_path(args.model), args.attn_implementation)
+    model = load_model(path, args.attn_implementation)
     subject = qgraph.instrument(model, values=args.values, logits=True) if args.values else model
     with progress(f"drawing {args.out}"):
         written = render(subject, what=args.what, layer=args.block, path=args.out, detail=args.detail)

@@ -9,9 +9,23 @@ a thread, ``manifest`` records and checks what a dir holds, ``integrity`` checks
 the manifest's layout (``CaptureCorrupt``), ``read`` reads a capture back, ``cli`` is ``qgraph capture``
 (``qgraph.distributed.world`` splits rows by rank under torchrun).
 """
-from .integrity import CaptureCorrupt
-from .manifest import CaptureMismatch
-from .read import Capture, load_capture
-from .run import CaptureRun, capture
-
 __all__ = ["Capture", "CaptureCorrupt", "CaptureMismatch", "CaptureRun", "capture", "load_capture"]
+
+# each name's submodule, imported on first use: ``qgraph capture --help`` imports cli.py (and so this
+# package) without torch
+_NAMES = {"CaptureCorrupt": "integrity", "CaptureMismatch": "manifest", "Capture": "read", "load_capture": "read",
+          "CaptureRun": "run", "capture": "run"}
+
+
+def __getattr__(name: str):
+    """A public name, imported from its submodule on first use."""
+    if name in _NAMES:
+        from importlib import import_module
+        value = getattr(import_module(f"{__name__}.{_NAMES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES))

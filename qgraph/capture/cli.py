@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("bfloat16", "float16", "float32")  # --dtype: torch's dtypes of these names (torch loads in main)
 
 
 def add_arguments(parser) -> None:
@@ -40,10 +38,8 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    """Run ``qgraph capture`` with parsed ``args``; print a one-line summary (rank 0)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .run import capture
+    """Run ``qgraph capture`` with parsed ``args``; print a one-line summary (rank 0). The paths and
+    numbers are checked before torch and transformers load."""
     model_path = Path(args.model).expanduser()
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: no checkpoint there (no config.json); give the dir "
@@ -58,14 +54,18 @@ def main(args) -> int:
         raise ValueError(f"--shard-rows must be a positive multiple of --batch-size ({args.batch_size}), "
                          f"got {args.shard_rows}")
     saes = _saes(args.sae)
+    import torch
     import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .run import capture
     transformers.logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     if torch.cuda.is_available():
         model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     run = capture(model, tokenizer, data, args.values, args.out, context=args.context, batch_size=args.batch_size,
-                  dtype=DTYPES[args.dtype], max_tokens=args.max_tokens, shard_rows=args.shard_rows,
+                  dtype=getattr(torch, args.dtype), max_tokens=args.max_tokens, shard_rows=args.shard_rows,
                   text_column=args.text_column, chat_template=args.chat_template, compile=args.compile,
                   saes=saes)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -15,7 +15,7 @@
   ``qgraph::chunk_gated_delta_rule`` when states are asked for. Its math is
   ``qgraph.kernels.delta_states``.
 
-Every op here has autograd: ``qgraph.kernels.grad`` (imported by ``import qgraph``) registers
+Every op here has autograd: ``qgraph.kernels.grad`` (imported with ``qgraph.kernels``) registers
 backwards that recompute the op's forward under plain autograd, so gradients through a program
 equal the plain model's.
 """

@@ -15,12 +15,26 @@ from pathlib import Path
 
 # the submodule diagram.py is imported here, before the function ``diagram`` below takes its name
 from .diagram import Diagram
-from .dot import FORMATS, GraphvizNotFound, to_graphviz, write
 
 __all__ = ["FORMATS", "GraphvizNotFound", "NoVisionEncoder", "diagram", "render"]
 
 WHAT = ("block", "model", "vision_block")
 DETAIL = ("modules", "ops")
+
+_DOT = ("FORMATS", "GraphvizNotFound", "to_graphviz", "write")  # from dot.py, which imports graphviz
+
+
+def __getattr__(name: str):
+    """``dot.py``'s names, imported on first use (the ``qgraph`` command imports this package for
+    ``WHAT`` and ``DETAIL`` without needing graphviz)."""
+    if name in _DOT:
+        from . import dot
+        return getattr(dot, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_DOT))
 
 
 class NoVisionEncoder(NotImplementedError):
@@ -89,6 +103,8 @@ def render(model_or_ig, what: str = "block", layer: int | None = None, path: str
     Rendering svg, png or pdf needs Graphviz's ``dot`` program; without it the ``.dot`` source is
     written next to ``path`` and ``GraphvizNotFound`` says how to install Graphviz.
     """
+    from .dot import FORMATS, to_graphviz, write
+
     if path is not None and Path(path).suffix.lstrip(".").lower() not in FORMATS:
         raise ValueError(f"cannot render to '{Path(path).name}': the extension picks the format, one of "
                          f"{', '.join('.' + f for f in FORMATS)}")
