@@ -309,7 +309,8 @@ def test_compiled_and_with_a_config_that_asks_for_router_logits(family):
     ids = random_ids(2, 7, seed=9)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-    compiled = qgraph.instrument(model, values=["layers.1.mlp.router_weights"], compile=True)(ids)
+    # dynamo + AOTAutograd (the experts op's fake and autograd); inductor's codegen is tested in test_compile
+    compiled = qgraph.instrument(model, values=["layers.1.mlp.router_weights"], compile={"backend": "aot_eager"})(ids)
     torch.testing.assert_close(compiled.logits, expected, rtol=0, atol=1e-5)
     # a config asking the forward for the load-balancing loss: the program still computes the logits alone
     asking = AutoModelForCausalLM.from_pretrained(model.name_or_path, output_router_logits=True).eval()
