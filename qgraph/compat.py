@@ -1,13 +1,19 @@
-"""The private torch / transformers internals qgraph relies on, each with its reason.
+"""The private torch / transformers internals qgraph relies on, and the differences between the
+releases it supports, each with its reason.
 
 Every use of a private attribute lives here, so a torch or transformers upgrade breaks in one
-place. ``pyproject.toml`` pins torch 2.13 and transformers 5.24; ``check_versions`` says so by name
-when another version is installed.
+place. A difference between supported releases is told by feature detection (does this function,
+attribute or argument exist?), never by comparing version strings. ``TESTED`` holds the ranges the
+tests ran on (README "Supported versions"); ``check_versions`` refuses a release older than a
+range's floor and warns about one newer than its top.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import re
+import warnings
 from importlib import metadata
 
 import torch
@@ -15,7 +21,34 @@ from torch._C import DispatchKey
 from torch.export import ExportedProgram
 from torch.nn.modules import module as _module
 
-SUPPORTED = {"torch": "2.13", "transformers": "5.24"}
+# The releases the tests ran on: (floor, newest tested), as major.minor. Below the floor qgraph
+# does not import (an ImportError names the floor); past the newest it imports with a warning.
+# transformers' floor is 5.23, the first whose gated DeltaNet hands its kernel the queries and keys
+# num_k_heads wide (the kernel repeats them to the value heads): before, the module repeats them
+# first, so the kernel's arguments, which qgraph's attention_queries / attention_keys are, would be
+# num_v_heads wide. Older releases differ further (README "Supported versions").
+TESTED = {"torch": ("2.13", "2.14"), "transformers": ("5.23", "5.24")}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string ("2.14.1+cu130" -> (2, 14, 1))."""
+    return tuple(int(part) for part in re.findall(r"\d+", re.match(r"[\d.]*", version).group()))
+
+
+def check_versions() -> None:
+    """Raise ImportError naming the floor if torch or transformers is older than the tested range;
+    warn (one line naming the tested ranges) if either is newer."""
+    ranges = ", ".join(f"{package} {low}-{high}" for package, (low, high) in TESTED.items())
+    for package, (low, high) in TESTED.items():
+        installed = metadata.version(package)
+        release = _release(installed)
+        if release[:2] < _release(low):
+            raise ImportError(f"qgraph needs {package} >= {low} (it uses {package} internals listed in "
+                              f"qgraph/compat.py); {installed} is installed: pip install '{package}>={low}'")
+        if release[:2] > _release(high):
+            warnings.warn(f"qgraph was tested with {ranges}; {package} {installed} is newer and untested",
+                          UserWarning, stacklevel=2)
+
 
 # nn.Module keeps its hooks in these dicts, and torch the global module hooks in module-level dicts;
 # torch has no public way to list or set hooks aside. Export must not trace the user's hooks (they
@@ -27,16 +60,6 @@ _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs",
                       "_global_forward_hooks_always_called", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
-
-
-def check_versions() -> None:
-    """Raise ImportError naming the package if torch or transformers is not the version qgraph's
-    private calls were written for."""
-    for package, version in SUPPORTED.items():
-        installed = metadata.version(package)
-        if not installed.startswith(version + "."):
-            raise ImportError(f"qgraph needs {package} {version}.x (it uses {package} internals listed in "
-                              f"qgraph/compat.py); {installed} is installed: pip install '{package}=={version}.*'")
 
 
 def _hook_dicts(model: torch.nn.Module):
@@ -110,8 +133,8 @@ def inductor_symbolic_strides_fix() -> None:
     """Let inductor order symbolic strides with the graph's shape env (pytorch/pytorch#185510).
 
     With grad enabled, the forward graph returns the activations the backward reads, some of them
-    views with symbolic strides (``64 * seq`` and ``64``); torch 2.13's inductor sorts those without
-    its shape env and fails with "cannot determine truth value of Relational: 1 < s53". This does
+    views with symbolic strides (``64 * seq`` and ``64``); the inductor of torch 2.13 and 2.14 sorts those
+    without its shape env and fails with "cannot determine truth value of Relational: 1 < s53". This does
     what the upstream fix (pytorch/pytorch#185871) does: sort them with the active graph's shape env.
     """
     from torch._inductor import ir
@@ -134,7 +157,7 @@ def inductor_symbolic_strides_fix() -> None:
 
 
 # -- building programs (qgraph.export.repeat, qgraph.export.disk_cache) -------------------------------------------------
-# Written for torch 2.13 (SUPPORTED). torch.export has no public way to make an ExportedProgram from
+# Alike in torch 2.13 and 2.14. torch.export has no public way to make an ExportedProgram from
 # an edited graph with a new signature, state dict or constants (repeated blocks; weights swapped
 # for placeholders before saving), so we call its constructor, which is not a documented entry
 # point and whose keywords have changed between releases (one ``verifier`` became ``verifiers``).
@@ -147,7 +170,7 @@ def exported_program(root, graph: torch.fx.Graph, signature, state_dict: dict, r
 
 
 # -- shallow twins of a model (qgraph.export.repeat) --------------------------------------------------------
-# Written for torch 2.13 (SUPPORTED). The seed export traces a twin of the model whose layer list
+# Alike in torch 2.13 and 2.14. The seed export traces a twin of the model whose layer list
 # holds only the seed blocks, without touching the model. ``copy.copy`` of a module shares its child
 # dict (``nn.Module._modules``), and torch has no public way to give a copy its own; children are
 # put in that dict directly, as ``setattr`` would also run torch's global module registration hooks.
@@ -169,7 +192,7 @@ def replace_child(parent: torch.nn.Module, name: str, replace) -> torch.nn.Modul
 
 
 # -- attention implementation (qgraph.export.fingerprint, qgraph.export.disk_cache, qgraph.export) ----------------------
-# Written for transformers 5.24 (SUPPORTED). A config's attention implementation ("sdpa", "eager",
+# Alike in transformers 5.23 and 5.24. A config's attention implementation ("sdpa", "eager",
 # ...) is only exposed as ``config._attn_implementation`` (a property over
 # ``_attn_implementation_internal``, whose setter also sets every sub-config's).
 def attn_implementation(config) -> str | None:
@@ -190,7 +213,7 @@ def attn_implementation_set(config, value: str | None):
 
 
 # -- HF generation settings (qgraph.generate) -------------------------------------------------------
-# Written for transformers 5.24 (SUPPORTED). qgraph's decoding loop applies HF's own rules for
+# Alike in transformers 5.23 and 5.24. qgraph's decoding loop applies HF's own rules for
 # generation settings (the model's generation_config merged with keyword arguments and validated;
 # eos / pad tensors; temperature, top_k, min_new_tokens, ... as logits processors), which
 # ``generate`` builds with these private GenerationMixin methods and exposes no other way.
@@ -211,16 +234,20 @@ def logits_processors(model, config, prompt_ids: torch.Tensor):
                                        device=prompt_ids.device, model_kwargs={})
 
 
-def generation_defaults() -> dict:
-    """HF's default value of each generation setting (what ``generate`` compares a setting with to
-    tell a setting left alone from one asked for)."""
+def generation_settings() -> dict:
+    """Every HF generation setting (a public field of ``GenerationConfig``) with its default: HF's
+    default value where it keeps one apart from the field's blank value, which ``generate`` compares a
+    setting with to tell a setting left alone from one asked for."""
     from transformers import GenerationConfig
 
-    return GenerationConfig._get_default_generation_params()
+    blank = GenerationConfig()
+    defaults = GenerationConfig._get_default_generation_params()
+    return {name: defaults.get(name, value) for name, value in vars(blank).items()
+            if not name.startswith("_") and name != "transformers_version"}
 
 
 # -- reading and running ops (qgraph.render.labels, qgraph.compile) ---------------------------------
-# Written for torch 2.13 (SUPPORTED). An op's argument names are only on its schema (``_schema``,
+# Alike in torch 2.13 and 2.14. An op's argument names are only on its schema (``_schema``,
 # public in practice but underscored); and a compiled program's dynamic dims are marked with dynamo's
 # ``maybe_mark_dynamic`` (``torch.compiler`` has no public counterpart), so the first call with a new
 # batch or length does not recompile.
@@ -235,7 +262,7 @@ def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
 
 
 # -- buffers a module computes from its config (qgraph.instrument's load_weights) ----------------------
-# Written for transformers 5.24 (SUPPORTED). A rotary embedding computes ``inv_freq`` (and
+# Alike in transformers 5.23 and 5.24. A rotary embedding computes ``inv_freq`` (and
 # ``original_inv_freq``) from the config in ``__init__`` and keeps it out of checkpoints
 # (non-persistent); a model built on the meta device holds it on meta. transformers recomputes it in
 # its private loading path; qgraph constructs the module's class again from the module's config.
@@ -247,3 +274,72 @@ def computed_buffers(module: torch.nn.Module, device) -> dict[str, torch.Tensor]
     with torch.device(device):
         fresh = type(module)(config=config)
     return dict(fresh.named_buffers())
+
+
+# -- the Qwen ViT's grid-dependent inputs (qgraph.families.qwen_vision) -----------------------------
+# The Qwen ViT computes from the image grids, with Python loops (``.tolist()``) that export cannot
+# follow, the attention's ``cu_seqlens``, the rotary's position ids and the indices and weights that
+# resample its learned position table to each grid; its forward takes each one precomputed instead,
+# popped from its keyword arguments under these names. The image-text program takes them as inputs,
+# computed before each call by the functions that forward calls (``transformers.vision_utils``), so
+# they are its own values. (transformers 5.9 to 5.14 took the resampling as ``bilinear_*`` [4,
+# patches] and 5.2 to 5.8 took nothing precomputed: both are below the floor, see ``TESTED``.)
+def vision_inputs(visual: torch.nn.Module, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ViT ``visual``'s grid-dependent inputs for ``grid_thw``, as its forward computes them:
+    ``cu_seqlens``, ``position_ids``, ``interp_indices`` and ``interp_weights`` (``[patches, taps]``)."""
+    from transformers import vision_utils
+
+    merge = visual.config.spatial_merge_size
+    indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=merge)
+    return {"cu_seqlens": vision_utils.get_vision_cu_seqlens(grid_thw),
+            "position_ids": vision_utils.get_vision_position_ids(grid_thw, merge),
+            "interp_indices": indices, "interp_weights": weights}
+
+
+# -- forwards transformers runs under torch.no_grad (qgraph.export.trace) ---------------------------
+# transformers up to 5.23 decorates its rotary embeddings' forward (the text and the vision one) with
+# ``@torch.no_grad()``; 5.24 does not. Exported, such a forward becomes a
+# ``wrap_with_set_grad_enabled`` higher-order op, which torch.compile refuses (the program's symbolic
+# sizes are free variables of the wrapped graph) and which a model on the meta device cannot run with
+# weights from elsewhere. Whether a forward is so decorated is read off torch's decorator (a
+# ``functools.wraps`` wrapper whose closure holds the ``torch.no_grad`` instance it enters). While
+# exporting, each such class's forward is its undecorated function with every tensor it returns
+# detached: the same values, and no gradient flows through its outputs, as under no_grad.
+def _under_no_grad(forward):
+    """The function ``forward`` runs under ``torch.no_grad`` (its ``@torch.no_grad()``), or None."""
+    inner = getattr(forward, "__wrapped__", None)
+    cells = getattr(forward, "__closure__", None) or ()
+    entered = (getattr(_cell(cell), "__self__", None) for cell in cells)  # torch.no_grad().clone, bound
+    return inner if inner is not None and any(isinstance(context, torch.no_grad) for context in entered) else None
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+@contextlib.contextmanager
+def export_patches(model: torch.nn.Module):
+    """While exporting ``model``: the forwards of its module classes that transformers decorates with
+    ``@torch.no_grad()`` run undecorated, their returned tensors detached (the classes' forwards are
+    restored afterwards)."""
+    owners = {next(klass for klass in type(module).__mro__ if "forward" in vars(klass)) for module in model.modules()}
+    saved = {cls: vars(cls)["forward"] for cls in owners if _under_no_grad(vars(cls)["forward"]) is not None}
+    for cls, forward in saved.items():
+        cls.forward = _detached(_under_no_grad(forward))
+    try:
+        yield
+    finally:
+        for cls, forward in saved.items():
+            cls.forward = forward
+
+
+def _detached(forward):
+    @functools.wraps(forward)
+    def detached(*args, **kwargs):
+        return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, forward(*args, **kwargs))
+    return detached

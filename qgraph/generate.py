@@ -184,9 +184,7 @@ def _check_keywords(kwargs: dict) -> None:
     """Unknown keyword arguments raise a TypeError listing what generate takes; HF generation-config
     fields that generate does not implement (beam search, several sequences per prompt, ...) raise a
     NotImplementedError when set to anything but their default."""
-    from transformers import GenerationConfig
-    blank = GenerationConfig()
-    fields = {name for name in vars(blank) if not name.startswith("_") and name != "transformers_version"}
+    fields = compat.generation_settings()  # {name: HF's default}
     unknown = sorted(name for name in kwargs if name not in fields)
     if unknown:
         raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}; it takes "
@@ -194,10 +192,8 @@ def _check_keywords(kwargs: dict) -> None:
     if kwargs.get("num_beams") not in (None, 1):
         raise NotImplementedError("beam search is not supported (num_beams="
                                   f"{kwargs['num_beams']!r}): generate decodes greedily or by sampling")
-    defaults = compat.generation_defaults()
     for name, value in kwargs.items():
-        default = defaults.get(name, getattr(blank, name))
-        plain = isinstance(value, (bool, int, float, str)) and value == default
+        plain = isinstance(value, (bool, int, float, str)) and value == fields[name]
         if name not in SETTINGS and value is not None and not plain:
             raise NotImplementedError(f"generate does not support {name}={value!r}: it decodes one sequence per "
                                       f"prompt, greedily or by sampling; leave {name} unset")

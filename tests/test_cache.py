@@ -35,6 +35,7 @@ def _load(checkpoint):
     return AutoModelForCausalLM.from_pretrained(checkpoint).eval()
 
 
+@pytest.mark.compat
 def test_second_model_object_loads_the_program_and_gives_identical_values(checkpoint, disk_cache):
     ids = random_ids(2, 70, seed=5)
     first = qgraph.instrument(_load(checkpoint), values=VALUES, edits=["layers.1.layer_output"])

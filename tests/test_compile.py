@@ -52,6 +52,7 @@ def slotted(sdpa_model):
             qgraph.instrument(sdpa_model, values=values, edits=fixed, logits=False, compile={"backend": "eager"}))
 
 
+@pytest.mark.compat
 def test_compiled_program_with_edit_slots(slotted):
     eager, compiled, fixed_eager, fixed_compiled = slotted
     edits = {"layers.0.layer_output": lambda x: x * 2, "layers.1.linear_attn.attention_head_outputs": qgraph.Zero(heads=[1])}

@@ -47,6 +47,7 @@ def reference_states(query, key, value, g, beta, initial_state):
 
 @pytest.mark.parametrize("seq", SEQS)
 @pytest.mark.parametrize("initial", [False, True])
+@pytest.mark.compat
 def test_matches_transformers_chunked_kernel(seq, initial):
     q, k, v, g, beta, s0 = make_inputs(seq, initial=initial)
     ref_out, ref_state = torch_chunk_gated_delta_rule(

@@ -53,6 +53,7 @@ def test_zeroing_one_head_changes_only_its_premix_slice(edited, ids, baseline):
     assert out[f"{ATTN}.attention_head_outputs"][:, :, 2].eq(0).all()  # captured as edited
 
 
+@pytest.mark.compat
 def test_steer_equals_adding_by_hand_and_moves_downstream(edited, eager_model, ids, baseline):
     vector = torch.randn(64, generator=torch.Generator().manual_seed(1))
     out = edited(ids, edits=qgraph.steer(1, vector, factor=2.0, positions=[3, -1]))
@@ -74,6 +75,7 @@ def test_steer_equals_adding_by_hand_and_moves_downstream(edited, eager_model, i
     torch.testing.assert_close(out.logits, by_hook, atol=1e-6, rtol=0)
 
 
+@pytest.mark.compat
 def test_skip_layers_passes_the_stream_through(edited, eager_model, ids, baseline):
     out = edited(ids, edits=qgraph.skip_layers(1, 2))
     assert torch.equal(out["layers.2.layer_output"], out["layers.1.layer_input"])

@@ -46,6 +46,7 @@ def generated(gen_ig, prompt):
     return gen_ig.generate(prompt, max_new_tokens=NEW)
 
 
+@pytest.mark.compat
 def test_greedy_ids_equal_hf_generate(sdpa_model, gen_ig, prompt, generated):
     reference = hf_generate(sdpa_model, prompt)
     assert torch.equal(generated.sequences, reference)
@@ -56,6 +57,7 @@ def test_greedy_ids_equal_hf_generate(sdpa_model, gen_ig, prompt, generated):
     assert generated.steps[1]["layers[-1].layer_output"].shape == (1, 1, 64)
 
 
+@pytest.mark.compat
 def test_left_padded_batch_equals_hf_generate(sdpa_model, gen_ig, padded):
     ids, mask = padded
     out = gen_ig.generate(ids, mask, max_new_tokens=NEW)
@@ -134,6 +136,7 @@ def _hooked(model, layer, vector, calls=None):
 
 
 @pytest.mark.parametrize("steps, calls", [(None, None), ([0], {0}), (slice(1, None), set(range(1, 100)))])
+@pytest.mark.compat
 def test_steering_at_steps_matches_a_hook_on_hf_generate(sdpa_model, gen_ig, prompt, generated, steps, calls):
     vector = 4.0 * torch.randn(64, generator=torch.Generator().manual_seed(7))
     out = gen_ig.generate(prompt, max_new_tokens=NEW, edits={"layers.1.layer_output": qgraph.Add(vector)}, steps=steps)
@@ -164,6 +167,7 @@ def test_edits_at_prompt_only_leave_the_decode_steps_unedited(gen_ig, prompt):
                                vector.expand(1, 1, 64), atol=1e-5, rtol=0)
 
 
+@pytest.mark.compat
 def test_sampling_is_reproducible_and_follows_hf(sdpa_model, gen_ig, prompt):
     settings = dict(max_new_tokens=NEW, do_sample=True, temperature=1.5, top_k=50, top_p=0.95)
     first = gen_ig.generate(prompt, seed=1, **settings)
@@ -222,6 +226,7 @@ def hf_sequences(model, ids, **kwargs):
     ({"max_new_tokens": 3, "max_length": 30}, 3),  # max_new_tokens wins
     ({"max_new_tokens": 3, "max_length": 5}, 3),
 ], ids=["max_new_tokens", "max_length", "default", "max_new_tokens_none", "both", "both_max_length_short"])
+@pytest.mark.compat
 def test_length_arguments_equal_hf_generate(sdpa_model, gen_ig, prompt, lengths, new):
     out = gen_ig.generate(prompt, **lengths)
     reference = hf_sequences(sdpa_model, prompt, **lengths)
@@ -243,6 +248,7 @@ def test_model_generation_config_max_length_applies_as_in_hf(sdpa_model, gen_ig,
 
 
 @pytest.mark.parametrize("minimum", [{"min_new_tokens": 5}, {"min_length": 12 + 5}])
+@pytest.mark.compat
 def test_min_lengths_keep_eos_out_as_in_hf(sdpa_model, gen_ig, prompt, generated, minimum):
     eos = int(generated.sequences[0, 13])  # the greedy 2nd new token: generation would stop at once
     early = gen_ig.generate(prompt, max_new_tokens=NEW, eos_token_id=eos)

@@ -226,6 +226,7 @@ def hooked_output(model, path, run):
 
 
 @pytest.mark.parametrize("load", ["sdpa_model", "eager_model"])
+@pytest.mark.compat
 def test_param_grads_of_a_logits_loss_equal_hf(request, load):
     model = request.getfixturevalue(load)
     ids, mask = left_padded()
@@ -252,6 +253,7 @@ def test_param_grads_of_a_loss_on_a_captured_value_equal_hf(sdpa_model):
     assert worst_param_difference(got, want) <= TOLERANCE
 
 
+@pytest.mark.compat
 def test_param_grads_through_the_states_kernel_equal_hf(sdpa_model):
     ids, mask = left_padded()
     ig = qgraph.instrument(sdpa_model, values={"layers.0.linear_attn.states": {}, "layers.1.linear_attn.state":
@@ -261,6 +263,7 @@ def test_param_grads_through_the_states_kernel_equal_hf(sdpa_model):
     assert worst_param_difference(got, want) <= TOLERANCE
 
 
+@pytest.mark.compat
 def test_param_grads_with_two_images_equal_hf(processor, vl_model):
     inputs = processor(text=prompt(processor, 2), images=[image(64, 64, 0), image(40, 100, 1)])
     mask = inputs["attention_mask"]

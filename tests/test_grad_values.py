@@ -42,6 +42,7 @@ def _hf_grads(model, ids, mask):
     return embeds.grad, seen["layer"].grad, seen["premix"].grad
 
 
+@pytest.mark.compat
 def test_value_gradients_equal_hf_autograd(watched, sdpa_model):
     ids = random_ids(2, 70, seed=11)
     mask = torch.ones_like(ids)

@@ -48,6 +48,7 @@ def test_repeated_seed_is_the_full_export_node_for_node(deep_model, seed_and_ful
     assert all(repeated.state_dict[name] is tensor for name, tensor in full.state_dict.items())
 
 
+@pytest.mark.compat
 def test_instrumented_deep_model_equals_hooks_and_hf(deep_model):
     ig = qgraph.instrument(deep_model, values=["layers.*.layer_output", "layers.5.linear_attn.decays",
                                                "layers.7.self_attn.attention_gate"])

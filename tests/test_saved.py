@@ -72,6 +72,7 @@ def test_fresh_process_never_imports_the_modeling_file(saved, checkpoint, tmp_pa
     assert (expected.logits - ig(ids, mask).logits).abs().max() > 1e-3  # the edit did something
 
 
+@pytest.mark.compat
 def test_weights_from_the_model_and_gradients(saved, sdpa_model):
     """Loaded with weights=model: the values equal the in-memory program's, and gradients reach the
     model's parameters as through it."""

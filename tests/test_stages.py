@@ -99,6 +99,7 @@ def test_two_processes_under_torchrun(model, single, checkpoint, tmp_path):
     _same(expected, None, ranks[0]["meta"][1], first)
 
 
+@pytest.mark.compat
 def test_a_model_on_meta_runs_with_weights_read_from_the_checkpoint(model, single, checkpoint):
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):

@@ -83,6 +83,7 @@ def test_states_with_padded_prompts(sdpa_model, plain):
         torch.testing.assert_close(states[:, t], prefix, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.compat
 def test_states_agree_with_a_token_by_token_recurrence(with_states, ids):
     out = with_states(ids)
     reference = reference_states(out, 0)

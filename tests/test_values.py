@@ -142,6 +142,7 @@ def test_fused_sdpa_equals_decomposed(ig, ig_fused, out, out_fused):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.compat
 def test_scores_under_sdpa(sdpa_model, eager_model, out_eager, ids):
     """attention_scores/probabilities under an sdpa load: either the eager numbers, or unavailable
     with a reason that says to load eager (and an error saying so on request)."""
@@ -210,6 +211,7 @@ def test_delta_rule_from_taps(out, block):
 
 
 @pytest.mark.parametrize("block", range(3))
+@pytest.mark.compat
 def test_delta_rule_inputs(out, sdpa_model, block):
     """decays and betas are the model's gates computed from in_proj_a / in_proj_b."""
     dn, module = f"layers.{block}.linear_attn", sdpa_model.model.layers[block].linear_attn
@@ -263,6 +265,7 @@ def test_call_inputs_are_values(out, ids):
 
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("program", ["ig", "ig_fused"])
+@pytest.mark.compat
 def test_logits_match_hf_at_every_length(request, sdpa_model, batch, program):
     ig = request.getfixturevalue(program)
     for seq in (1, 7, 64, 65, 130):
@@ -276,6 +279,7 @@ def test_logits_match_hf_at_every_length(request, sdpa_model, batch, program):
 
 
 @pytest.mark.parametrize("values", ["ig", "ig_fused"])
+@pytest.mark.compat
 def test_logits_match_hf_left_padded(request, sdpa_model, tokenizer, values):
     """All positions, padding included: with no edits the program is the model's forward."""
     program = request.getfixturevalue(values)
@@ -297,6 +301,7 @@ def test_logits_match_hf_left_padded(request, sdpa_model, tokenizer, values):
                                    rtol=0, atol=1e-4)
 
 
+@pytest.mark.compat
 def test_logits_match_hf_eager(ig_eager, eager_model):
     ids = random_ids(2, 33, seed=5)
     torch.testing.assert_close(ig_eager(input_ids=ids).logits, hf_logits(eager_model, ids), rtol=0, atol=1e-6)
@@ -334,6 +339,7 @@ def _hooked_forward(model, family, input_ids):
 
 
 @pytest.mark.parametrize("load", ["sdpa", "eager"])
+@pytest.mark.compat
 def test_ports_equal_forward_hooks(request, ids, load):
     ig = request.getfixturevalue("ig" if load == "sdpa" else "ig_eager")
     out = request.getfixturevalue("out" if load == "sdpa" else "out_eager")

@@ -66,6 +66,7 @@ def test_the_two_images_have_different_grids(two_images):
 
 
 @pytest.mark.parametrize("case", ["one image", "two images", "batch of two prompts", "text only"])
+@pytest.mark.compat
 def test_logits_equal_the_plain_forward(processor, vl_model, vl_ig, case):
     if case == "one image":
         inputs = processor(text=prompt(processor, 1), images=[image(48, 80, 2)])
@@ -83,6 +84,7 @@ def test_logits_equal_the_plain_forward(processor, vl_model, vl_ig, case):
         assert inputs["attention_mask"][0].eq(0).any()  # the first prompt really is padded
 
 
+@pytest.mark.compat
 def test_image_features_are_what_the_first_block_reads_at_image_tokens(two_images, vl_model):
     inputs, out = two_images
     mask = out["vision.image_token_mask"]
@@ -181,6 +183,7 @@ def test_support_table_lists_vision_values(vl_model, vl_ig):
     assert row.blocks == {0: None, 1: None} and row.shape == (1, "patches", 32)
 
 
+@pytest.mark.compat
 def test_text_only_generation_on_the_image_text_model(processor, vl_model, vl_ig):
     """generate runs the text program of the image-text model: HF's greedy ids, left padding included;
     images are refused with a clear message (issue 8)."""

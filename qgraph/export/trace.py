@@ -32,7 +32,7 @@ from torch.export import Dim, ExportedProgram
 
 from . import constants, disk_cache
 from ..kernels import ops
-from ..compat import hooks_set_aside
+from ..compat import export_patches, hooks_set_aside
 from ..families import Family, family_for
 from ..progress import progress
 from .fingerprint import structure
@@ -141,7 +141,8 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)
     patches = family.images.patches(model) if images else contextlib.nullcontext()
     family_patches = family.export_patches(model) if family.export_patches else contextlib.nullcontext()
-    with hooks_set_aside(model), _delta_rule_ops(family), _port_markers(model, family), family_patches, patches, \
+    with hooks_set_aside(model), export_patches(model), _delta_rule_ops(family), _port_markers(model, family), \
+            family_patches, patches, \
             constants.recording(twin) as reads:
         program = torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
     return program, frozenset(reads)

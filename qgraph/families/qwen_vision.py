@@ -3,8 +3,9 @@
 The image-text program takes the tensors that depend on the image grids through Python loops,
 computed before each call with transformers' own functions: the M-RoPE ``position_ids``
 (``get_rope_index``), and the vision tower's ``cu_seqlens``, rotary positions and pos_embed
-resampling indices and weights. While the image-text program is exported, the vision attention runs
-as one ``qgraph::varlen_attention`` node over all images and the image features stay packed, so one
+resampling indices and weights (``compat.vision_inputs``, the functions the ViT's forward calls).
+While the image-text program is exported, the vision attention runs as one
+``qgraph::varlen_attention`` node over all images and the image features stay packed, so one
 program serves every number and size of images. Every family with this tower uses ``IMAGES``.
 """
 from __future__ import annotations
@@ -13,12 +14,8 @@ import contextlib
 
 import torch
 from torch.export import Dim
-from transformers import AttentionInterface
-from transformers.utils.generic import accepts_precomputed_kwargs
-from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
-                                       get_vision_position_ids)
 
-from ..compat import attn_implementation_set
+from ..compat import attn_implementation_set, vision_inputs
 from ..inputs import as_tensor
 from ..inputs import prepare as prepare_inputs
 from .base import Images
@@ -37,14 +34,9 @@ def prepare(model, input_ids, attention_mask, pixel_values=None, image_grid_thw=
         mm_token_type_ids = (input_ids == config.image_token_id).int()
     position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
                                                  image_grid_thw=image_grid_thw, attention_mask=attention_mask)
-    vision, visual = config.vision_config, model.model.visual
-    indices, weights = get_vision_interpolation_indices_and_weights(
-        image_grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
-        align_corners=visual.interpolation_align_corners, spatial_merge_size=vision.spatial_merge_size)
+    vision = vision_inputs(model.model.visual, image_grid_thw)  # cu_seqlens, position_ids, interp_*
     return {"position_ids": position_ids, "pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
-            "image_cu_seqlens": get_vision_cu_seqlens(image_grid_thw),
-            "image_position_ids": get_vision_position_ids(image_grid_thw, vision.spatial_merge_size),
-            "image_interp_indices": indices, "image_interp_weights": weights}
+            **{f"image_{name}": tensor for name, tensor in vision.items()}}
 
 
 def example(model):
@@ -78,6 +70,8 @@ def patches(model):
     """While exporting the image-text program: the vision attention runs once over all patches
     (``qgraph::varlen_attention``, through transformers' varlen path), and the image features stay
     packed instead of being split per image with ``tolist()``."""
+    from transformers import AttentionInterface
+
     image_model = type(model.model)  # the class whose get_image_features splits per image
     original_features = image_model.get_image_features
     AttentionInterface.register(_VARLEN, _varlen_attention)
@@ -97,8 +91,11 @@ def _varlen_attention(module, query, key, value, attention_mask=None, scaling=No
     return torch.ops.qgraph.varlen_attention(query, key, value, cu_seq_lens_q, scaling), None
 
 
-@accepts_precomputed_kwargs(modality="image")
 def _packed_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+    """get_image_features, the features left packed. The model's forward passes on its other keyword
+    arguments: the ``image_*`` ones (the precomputed inputs) reach the ViT without the prefix, as
+    transformers' own get_image_features takes them; ``video_*`` ones are not for it."""
+    kwargs = {name.removeprefix("image_"): value for name, value in kwargs.items() if not name.startswith("video_")}
     outputs = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw, **kwargs)
     outputs.pooler_output = (outputs.pooler_output,)  # one packed tensor: the caller concatenates
     return outputs
@@ -163,5 +160,7 @@ def _pixels(model, pixel_values: torch.Tensor, device: torch.device) -> torch.Te
     return pixel_values.to(model.model.visual.dtype)
 
 
+# max_seqlen is read by flash kernels only (qgraph's varlen op does not): given, the ViT does not read it
+# off cu_seqlens with .item()
 IMAGES = Images(keys=KEYS, inputs=INPUTS, prepare=prepare, example=example, patches=patches,
                 forward_kwargs={"image_max_seqlen": 1})
