@@ -13,7 +13,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from .values.catalogue import Entry, build_catalogue
-from .values.saes import prefix_of, sae_entries
+from .values.saes import sae_entries
 from .export import ExportedModel
 from .kernels.buffers import BufferPool, reusing
 from .passes import Found, Locator, OnRequest
@@ -91,7 +91,7 @@ class Program:
         readers read, so its gradient can be read after a backward."""
         options = options or {}
         self.slots = dict(slots)
-        spliced = [f"{prefix_of(hook)}.sae.features" for hook, (_, splice) in self.saes.items() if splice != "error"]
+        spliced = [f"{hook}.sae.features" for hook, (_, splice) in self.saes.items() if splice != "error"]
         self.make([*values, *slots, *make, *spliced], options)
         if rewrite is not None:
             run_passes(self.module, [rewrite], self.passes_run)

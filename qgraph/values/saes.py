@@ -29,12 +29,6 @@ PARTS = {
 SPARSE = ("activations", "indices")
 
 
-def prefix_of(hook: str) -> str:
-    """The name an SAE's values are under: the value it reads (``layers.5.layer_output`` ->
-    ``layers.5.layer_output.sae.features``), one per SAE."""
-    return hook
-
-
 def host_of(hook: str) -> str:
     """The host of the value an SAE reads (``layers.5.layer_output`` -> ``layers.5``): its short names'."""
     return hook.rpartition(".")[0]
