@@ -14,17 +14,24 @@ from types import ModuleType
 
 # public name -> the submodule (below qgraph) that defines it
 _PUBLIC = {
-    "Add": "edits", "Edit": "edits", "EditError": "edits", "Replace": "edits", "Scale": "edits", "Zero": "edits",
-    "CaptureCorrupt": "capture", "CaptureMismatch": "capture", "capture": "capture", "load_capture": "capture",
-    "UnsupportedModel": "families",
+    "Add": "edits", "Edit": "edits", "Replace": "edits", "Scale": "edits", "Zero": "edits",
+    "capture": "capture", "load_capture": "capture",
+    # the errors (qgraph/errors.py): every one a QgraphError; their first use checks no versions
+    "QgraphError": "errors", "InternalError": "errors", "InvalidArgument": "errors", "InvalidType": "errors",
+    "OutOfRange": "errors", "NotSupported": "errors", "MissingFile": "errors", "InvalidState": "errors",
+    "CaptureCorrupt": "errors", "CaptureMismatch": "errors", "EditError": "errors", "NoVisionEncoder": "errors",
+    "NotCaptured": "errors", "UnavailableValue": "errors", "UnknownValue": "errors", "UsageError": "errors",
+    "WeightsMismatch": "errors",
+    "GraphvizNotFound": "render",  # a QgraphError and graphviz's ExecutableNotFound (render/dot.py)
+    "UnsupportedModel": "errors", "SavedProgramError": "errors",
     "GenerateOutput": "generate", "chat_prompt": "generate",
     "InstrumentedModel": "instrument", "Output": "instrument", "instrument": "instrument",
-    "UnavailableValue": "values.names", "UnknownValue": "values.names",
     "attribution_patch": "recipes", "expert_neurons": "recipes", "patch": "recipes", "skip_layers": "recipes",
     "steer": "recipes",
     "SAE": "saes",
-    "LoadedProgram": "saved", "SavedProgramError": "saved", "load": "saved",
+    "LoadedProgram": "saved", "load": "saved",
     "Stages": "distributed",
+    "register_family": "families",
     "render": "render",
     "SupportTable": "values.support", "support": "values.support",
     "check_versions": "compat",
@@ -32,7 +39,10 @@ _PUBLIC = {
 
 __all__ = ["Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
            "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render",
-           "skip_layers", "steer", "support"]
+           "skip_layers", "steer", "support",
+           "QgraphError", "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",
+           "InvalidState", "NotCaptured", "NoVisionEncoder", "WeightsMismatch", "GraphvizNotFound", "UsageError",
+           "register_family"]
 
 _checked = False
 
@@ -50,7 +60,8 @@ def _check_versions() -> None:
 def __getattr__(name: str):
     """A public name (imported from its submodule on first use), ``__version__``, or a submodule."""
     if name in _PUBLIC:
-        _check_versions()
+        if _PUBLIC[name] != "errors":  # an error class needs no torch: `except qgraph.QgraphError` stays cheap
+            _check_versions()
         from importlib import import_module
         value = getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
         globals()[name] = value  # later uses skip this function

@@ -19,13 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from .errors import InternalError, QgraphError, UsageError
 from .render import DETAIL, WHAT  # the render package imports graphviz and torch only when it draws
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
-
-
-class UsageError(Exception):
-    """A mistake in the command line (a bad path, an empty prompt): printed as one line, exit 2."""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -118,19 +115,14 @@ def version() -> str:
 
 def is_user_error(error: BaseException) -> bool:
     """Whether ``error`` is a mistake in what the user asked for (then the CLI prints one line),
-    not a bug (then it raises with its traceback): qgraph's named errors, a missing or unreadable
-    file, and the ValueError/TypeError/IndexError/KeyError that qgraph's own argument checks raise."""
-    if isinstance(error, (UsageError, OSError)):  # before the imports below, which load torch
+    not a bug (then it raises with its traceback): every ``QgraphError`` but ``InternalError`` (a
+    broken invariant of qgraph's own, a bug), a missing or unreadable file, and the
+    ValueError/TypeError/IndexError/KeyError that qgraph's own argument checks raise."""
+    if isinstance(error, InternalError):
+        return False
+    if isinstance(error, (QgraphError, OSError)):  # before the imports below, which load torch
         return True
-    if isinstance(error, (ValueError, TypeError, IndexError, KeyError)) and _raised_by_qgraph(error):
-        return True
-    from . import EditError
-    from . import UnavailableValue
-    from . import UnknownValue
-    from . import UnsupportedModel
-    from .render import GraphvizNotFound, NoVisionEncoder
-    return isinstance(error, (UnknownValue, UnavailableValue, EditError, UnsupportedModel, GraphvizNotFound,
-                              NoVisionEncoder))
+    return isinstance(error, (ValueError, TypeError, IndexError, KeyError)) and _raised_by_qgraph(error)
 
 
 def _raised_by_qgraph(error: BaseException) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .compat import inductor_symbolic_strides_fix, mark_dynamic
+from .errors import InvalidType
 
 
 class CompiledProgram:
@@ -73,4 +74,4 @@ def compile_options(compile) -> dict | None:
         return {}
     if isinstance(compile, dict):
         return dict(compile)
-    raise TypeError(f"compile= takes True, False or a dict of torch.compile options, not {compile!r}")
+    raise InvalidType(f"compile= takes True, False or a dict of torch.compile options, not {compile!r}")

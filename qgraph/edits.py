@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .errors import EditError, InvalidArgument, InvalidType
+
 # Which layout dims each selector addresses, in order of preference.
 _AXES = {
     "batch": ("batch",),
@@ -28,10 +30,6 @@ _AXES = {
     "neurons": ("intermediate_size", "shared_intermediate_size", "expert_intermediate_size", "d_sae"),
     "experts": ("num_experts",),
 }
-
-
-class EditError(ValueError):
-    """An edit that does not fit the value it is applied to; the message names the value and its layout."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +130,8 @@ class Add(Edit):
         super().__post_init__()
         _check_data(self.tensor, "Add(tensor=...)")
         if not _is_number(self.scale):
-            raise TypeError(f"Add(scale={self.scale!r}): scale takes a number (the vector is added scale times); "
-                            f"give a tensor as Add's tensor instead")
+            raise InvalidType(f"Add(scale={self.scale!r}): scale takes a number (the vector is added scale times); "
+                              f"give a tensor as Add's tensor instead")
 
     def change(self, region, target, index):
         return region + self.scale * self._fit(self.tensor, region, target)
@@ -189,22 +187,22 @@ def indices(chosen, what: str, where: str) -> list[int]:
              f"e.g. {what}=[0, -1]")
     if isinstance(chosen, torch.Tensor):
         if chosen.dim() > 1 or chosen.is_floating_point() or chosen.is_complex() or chosen.dtype == torch.bool:
-            raise TypeError(f"{where}: got a {chosen.dtype} tensor of shape {tuple(chosen.shape)}; {takes}")
+            raise InvalidType(f"{where}: got a {chosen.dtype} tensor of shape {tuple(chosen.shape)}; {takes}")
         chosen = chosen.tolist()
     if type(chosen).__module__ == "numpy":  # an array or a numpy int
         chosen = chosen.tolist()
     if isinstance(chosen, slice):
-        raise TypeError(f"{where}: got {chosen!r}; {takes} (for a range write list(range(start, stop)))")
+        raise InvalidType(f"{where}: got {chosen!r}; {takes} (for a range write list(range(start, stop)))")
     if _is_int(chosen):
         return [int(chosen)]
     if isinstance(chosen, (str, bytes)) or not isinstance(chosen, Sequence):
-        raise TypeError(f"{where}: got {type(chosen).__name__} {chosen!r}; {takes}")
+        raise InvalidType(f"{where}: got {type(chosen).__name__} {chosen!r}; {takes}")
     bad = [item for item in chosen if not _is_int(item)]
     if bad:
-        raise TypeError(f"{where}: {bad!r} are not ints; {takes}")
+        raise InvalidType(f"{where}: {bad!r} are not ints; {takes}")
     if not chosen:
-        raise ValueError(f"{where}: the list is empty, so it selects nothing; {takes} (leave {what} out to "
-                         f"select all)")
+        raise InvalidArgument(f"{where}: the list is empty, so it selects nothing; {takes} (leave {what} out to "
+                              f"select all)")
     return [int(item) for item in chosen]
 
 
@@ -223,8 +221,8 @@ def _check_data(data, where: str) -> None:
     try:
         torch.as_tensor(data, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"{where}: got {type(data).__name__} {str(data)[:60]!r}; it takes a tensor (or a number, or a "
-                        f"nested list of numbers) broadcastable to the value or the region selected") from None
+        raise InvalidType(f"{where}: got {type(data).__name__} {str(data)[:60]!r}; it takes a tensor (or a number, or a "
+                          f"nested list of numbers) broadcastable to the value or the region selected") from None
 
 
 def _check_tensor(tensor: torch.Tensor, value: torch.Tensor, where: str, what: str = "the tensor") -> None:

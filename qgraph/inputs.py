@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InvalidArgument, InvalidType
+
 
 # Keyword arguments of a Hugging Face forward that an instrumented call does not take, and what to do instead
 _INSTEAD = {
@@ -33,8 +35,8 @@ def prepare(model, images, input_ids=None, attention_mask=None, *, with_images: 
     unexpected = [name for name in inputs if name not in keys]
     if unexpected:
         hints = "".join(f"; {name}: {_INSTEAD[name]}" for name in sorted(unexpected) if name in _INSTEAD)
-        raise TypeError(f"unexpected inputs {sorted(unexpected)}: an instrumented model takes input_ids, "
-                        f"attention_mask{''.join(', ' + key for key in keys) if with_images else ''} and edits{hints}")
+        raise InvalidType(f"unexpected inputs {sorted(unexpected)}: an instrumented model takes input_ids, "
+                          f"attention_mask{''.join(', ' + key for key in keys) if with_images else ''} and edits{hints}")
     input_ids, attention_mask = _text(model, input_ids, attention_mask)
     prepared = {"input_ids": input_ids, "attention_mask": attention_mask}
     if with_images:
@@ -65,28 +67,28 @@ def check_text(input_ids, attention_mask, rows: int, device: torch.device):
 def _ids(input_ids) -> torch.Tensor:
     """``input_ids`` as a LongTensor [batch, seq] with at least one token (lists and arrays are converted)."""
     if input_ids is None:
-        raise TypeError("input_ids is required: a LongTensor [batch, seq] (e.g. ig(**tokenizer(text, return_tensors='pt')))")
+        raise InvalidType("input_ids is required: a LongTensor [batch, seq] (e.g. ig(**tokenizer(text, return_tensors='pt')))")
     if isinstance(input_ids, str):
-        raise TypeError(f"input_ids is the text {input_ids[:40]!r}: tokenize it first, "
-                        f"ig(**tokenizer(text, return_tensors='pt'))")
+        raise InvalidType(f"input_ids is the text {input_ids[:40]!r}: tokenize it first, "
+                          f"ig(**tokenizer(text, return_tensors='pt'))")
     input_ids = as_tensor(input_ids, "input_ids")
     if input_ids.dim() == 1:
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; it must be [batch, seq]: "
-                         f"add the batch dim with input_ids[None]")
+        raise InvalidArgument(f"input_ids has shape {tuple(input_ids.shape)}; it must be [batch, seq]: "
+                              f"add the batch dim with input_ids[None]")
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
-                         f"{tuple(input_ids.shape)}")
+        raise InvalidArgument(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
+                              f"{tuple(input_ids.shape)}")
     if input_ids.numel() == 0:
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: an empty prompt; give at least one prompt "
-                         f"of at least one token (an empty text tokenizes to nothing: add text or the chat template)")
+        raise InvalidArgument(f"input_ids has shape {tuple(input_ids.shape)}: an empty prompt; give at least one prompt "
+                              f"of at least one token (an empty text tokenizes to nothing: add text or the chat template)")
     return input_ids.long()
 
 
 def _check_device(device: torch.device, input_ids: torch.Tensor) -> None:
     """input_ids must be where the embedding is (a model on meta, not loaded yet, is not checked)."""
     if input_ids.device != device and device.type != "meta":
-        raise ValueError(f"input_ids is on {input_ids.device} but the model's embedding is on {device}: pass "
-                         f"input_ids.to('{device}') (and the attention_mask too)")
+        raise InvalidArgument(f"input_ids is on {input_ids.device} but the model's embedding is on {device}: pass "
+                              f"input_ids.to('{device}') (and the attention_mask too)")
 
 
 def _check_vocabulary(rows: int, input_ids: torch.Tensor) -> None:
@@ -94,36 +96,36 @@ def _check_vocabulary(rows: int, input_ids: torch.Tensor) -> None:
     low, high = (int(v) for v in torch.aminmax(input_ids))
     if low < 0 or high >= rows:
         bad = low if low < 0 else high
-        raise ValueError(f"input_ids hold {bad}, outside the vocabulary: the model's embedding has {rows} rows "
-                         f"(ids 0 to {rows - 1}). Tokenize with this model's tokenizer (and replace any -100 or "
-                         f"-1 padding ids with its pad_token_id)")
+        raise InvalidArgument(f"input_ids hold {bad}, outside the vocabulary: the model's embedding has {rows} rows "
+                              f"(ids 0 to {rows - 1}). Tokenize with this model's tokenizer (and replace any -100 or "
+                              f"-1 padding ids with its pad_token_id)")
 
 
 def _mask(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:
     """The attention mask as a LongTensor of 0/1 of input_ids' shape, every row with a token."""
     attention_mask = as_tensor(attention_mask, "attention_mask")
     if attention_mask.device != input_ids.device:
-        raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids is on {input_ids.device}: "
-                         f"pass both on the model's device")
+        raise InvalidArgument(f"attention_mask is on {attention_mask.device} but input_ids is on {input_ids.device}: "
+                              f"pass both on the model's device")
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
-                         f"{tuple(input_ids.shape)}; they must match (a [batch, seq] mask of 1 for tokens, "
-                         f"0 for padding, as the tokenizer returns it)")
+        raise InvalidArgument(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                              f"{tuple(input_ids.shape)}; they must match (a [batch, seq] mask of 1 for tokens, "
+                              f"0 for padding, as the tokenizer returns it)")
     if attention_mask.is_floating_point() or attention_mask.is_complex():
-        raise TypeError(f"attention_mask is {attention_mask.dtype}; it must be bool or integer 1 (token) / 0 "
-                        f"(padding), as the tokenizer returns it: pass attention_mask.long() if it holds 0/1 "
-                        f"(an additive mask of 0/-inf is not taken)")
+        raise InvalidType(f"attention_mask is {attention_mask.dtype}; it must be bool or integer 1 (token) / 0 "
+                          f"(padding), as the tokenizer returns it: pass attention_mask.long() if it holds 0/1 "
+                          f"(an additive mask of 0/-inf is not taken)")
     if attention_mask.dtype != torch.bool:
         stray = (attention_mask != 0) & (attention_mask != 1)
         if bool(stray.any()):
             found = sorted(set(attention_mask[stray].unique()[:5].tolist()))
-            raise ValueError(f"attention_mask holds {found}; it must hold only 1 (token) and 0 (padding)")
+            raise InvalidArgument(f"attention_mask holds {found}; it must hold only 1 (token) and 0 (padding)")
     empty = ~attention_mask.bool().any(-1)
     if bool(empty.any()):
         rows = empty.nonzero().flatten().tolist()
-        raise ValueError(f"attention_mask rows {rows} are all padding: those prompts hold no token, and a model's "
-                         f"output for them is meaningless (Hugging Face returns arbitrary finite values). Drop those "
-                         f"rows, or give each at least one token")
+        raise InvalidArgument(f"attention_mask rows {rows} are all padding: those prompts hold no token, and a model's "
+                              f"output for them is meaningless (Hugging Face returns arbitrary finite values). Drop those "
+                              f"rows, or give each at least one token")
     return attention_mask.long()
 
 

@@ -5,15 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import InvalidState, NotCaptured
 from .passes import views
 from .values.names import canonical
-
-
-class NotCaptured(KeyError):
-    """A name that the call did not capture (or not with gradients); the message says what was."""
-
-    def __str__(self):  # KeyError quotes its message; show it as written
-        return self.args[0]
 
 
 @dataclass
@@ -42,10 +36,10 @@ class Output:
         key = self._watched(name)
         tensor, view = self.watched[key]
         if not tensor.requires_grad:
-            raise RuntimeError(f"'{key}' has no gradient: the call ran with gradients off (torch.no_grad or "
+            raise InvalidState(f"'{key}' has no gradient: the call ran with gradients off (torch.no_grad or "
                                f"inference_mode); call the instrumented model outside it")
         if tensor.grad is None:
-            raise RuntimeError(f"no gradient has reached '{key}' yet: call backward() on a loss computed from this "
+            raise InvalidState(f"no gradient has reached '{key}' yet: call backward() on a loss computed from this "
                                f"call's outputs first (a loss that does not depend on '{key}' gives it none)")
         return views.apply(tensor.grad, view)
 
@@ -63,7 +57,7 @@ class Output:
         if key not in self.watched:
             asked = ", ".join(self.watched) or "none"
             raise NotCaptured(f"'{name}' was not asked with gradients: instrument with values={{'{name}': {{'grad': True}}}} "
-                           f"(values with gradients: {asked})")
+                              f"(values with gradients: {asked})")
         return key
 
     def __contains__(self, name: str) -> bool:

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from .edits import _AXES, Add, Replace, Zero
+from .errors import InvalidArgument, InvalidType
 
 # the axes attribution keeps: one estimate per batch row, position and head
 _KEPT_AXES = {*_AXES["batch"], *_AXES["positions"], *_AXES["heads"]}
@@ -19,7 +20,7 @@ def steer(layers: int | Iterable[int], vector: torch.Tensor, factor: float = 1.0
     layers = [layers] if isinstance(layers, int) else layers
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable) \
             or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-        raise TypeError(f"steer takes a block index or a list of them, not {layers!r}: e.g. steer([2, 3], vector)")
+        raise InvalidType(f"steer takes a block index or a list of them, not {layers!r}: e.g. steer([2, 3], vector)")
     positions = None if positions is None else list(positions)
     return {f"layers.{i}.layer_output": Add(vector, scale=factor, positions=positions) for i in layers}
 
@@ -28,8 +29,8 @@ def skip_layers(start: int, end: int) -> dict:
     """The edits that make blocks ``start..end`` (inclusive) pass their input through, so that
     ``layers.{end}.layer_output == layers.{start}.layer_input``: each block's mixer and MLP add zero."""
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in (start, end)) or not 0 <= start <= end:
-        raise ValueError(f"skip_layers(start, end) takes block indices with 0 <= start <= end (both skipped), "
-                         f"not ({start!r}, {end!r})")
+        raise InvalidArgument(f"skip_layers(start, end) takes block indices with 0 <= start <= end (both skipped), "
+                              f"not ({start!r}, {end!r})")
     edits = {}
     for i in range(start, end + 1):
         edits[f"layers.{i}.*.attention_output"] = Zero()  # whichever mixer the block has
@@ -73,8 +74,8 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
         out = watcher(**corrupt)
         score = metric(out.logits)
         if not isinstance(score, torch.Tensor) or score.numel() != 1:
-            raise ValueError(f"attribution_patch needs metric(logits) to return a scalar tensor to differentiate, "
-                             f"got {type(score).__name__}{tuple(score.shape) if isinstance(score, torch.Tensor) else ''}")
+            raise InvalidArgument(f"attribution_patch needs metric(logits) to return a scalar tensor to differentiate, "
+                                  f"got {type(score).__name__}{tuple(score.shape) if isinstance(score, torch.Tensor) else ''}")
         grads = out.gradients(score.reshape(()), names)
     attributions = {}
     for name in names:
@@ -89,13 +90,13 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
 def _pair(clean, corrupt, metric) -> tuple[dict, dict]:
     """The clean and corrupt inputs as dicts, checked to be comparable position by position."""
     if not callable(metric):
-        raise TypeError(f"metric must be a function of the logits, e.g. lambda logits: logits[:, -1, token].sum(); "
-                        f"got {metric!r}")
+        raise InvalidType(f"metric must be a function of the logits, e.g. lambda logits: logits[:, -1, token].sum(); "
+                          f"got {metric!r}")
     clean, corrupt = _inputs(clean), _inputs(corrupt)
     shapes = [tuple(getattr(x.get("input_ids"), "shape", ())) for x in (clean, corrupt)]
     if shapes[0] != shapes[1]:
-        raise ValueError(f"clean {shapes[0]} and corrupt {shapes[1]} inputs must have the same shape to compare "
-                         f"them position by position")
+        raise InvalidArgument(f"clean {shapes[0]} and corrupt {shapes[1]} inputs must have the same shape to compare "
+                              f"them position by position")
     return clean, corrupt
 
 

@@ -17,9 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-
-class WeightsMismatch(ValueError):
-    """Weights that do not fit what they are loaded for; the message names the tensor."""
+from .errors import MissingFile, WeightsMismatch
 
 
 def files(location) -> list[Path]:
@@ -27,8 +25,8 @@ def files(location) -> list[Path]:
     location = Path(location)
     found = sorted(location.glob("*.safetensors")) if location.is_dir() else [location]
     if not found or not all(file.is_file() for file in found):
-        raise FileNotFoundError(f"no safetensors weights at {location} (give a .safetensors file or a checkpoint "
-                                f"folder holding them)")
+        raise MissingFile(f"no safetensors weights at {location} (give a .safetensors file or a checkpoint "
+                          f"folder holding them)")
     return found
 
 

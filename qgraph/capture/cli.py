@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import InvalidArgument, MissingFile
+
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype: torch's dtypes of these names (torch loads in main)
 
 
@@ -42,17 +44,17 @@ def main(args) -> int:
     numbers are checked before torch and transformers load."""
     model_path = Path(args.model).expanduser()
     if not (model_path / "config.json").is_file():
-        raise FileNotFoundError(f"--model {args.model}: no checkpoint there (no config.json); give the dir "
-                                f"save_pretrained wrote")
+        raise MissingFile(f"--model {args.model}: no checkpoint there (no config.json); give the dir "
+                          f"save_pretrained wrote")
     data = Path(args.data).expanduser()
     if not data.exists():
-        raise FileNotFoundError(f"--data {args.data}: no such file or directory")
+        raise MissingFile(f"--data {args.data}: no such file or directory")
     for label, value in (("--context", args.context), ("--batch-size", args.batch_size)):
         if value < 1:
-            raise ValueError(f"{label} must be at least 1, got {value}")
+            raise InvalidArgument(f"{label} must be at least 1, got {value}")
     if args.shard_rows is not None and (args.shard_rows < 1 or args.shard_rows % args.batch_size):
-        raise ValueError(f"--shard-rows must be a positive multiple of --batch-size ({args.batch_size}), "
-                         f"got {args.shard_rows}")
+        raise InvalidArgument(f"--shard-rows must be a positive multiple of --batch-size ({args.batch_size}), "
+                              f"got {args.shard_rows}")
     saes = _saes(args.sae)
     import torch
     import transformers
@@ -83,9 +85,9 @@ def _saes(specs: list[str]) -> dict:
     for spec in specs:
         value, _, path = spec.partition("=")
         if not value or not path:
-            raise ValueError(f"--sae {spec}: give VALUE=PATH, e.g. --sae layers.5.layer_output=sae_dir/")
+            raise InvalidArgument(f"--sae {spec}: give VALUE=PATH, e.g. --sae layers.5.layer_output=sae_dir/")
         if not Path(path).expanduser().exists():
-            raise FileNotFoundError(f"--sae {spec}: no such file or directory: {path}")
+            raise MissingFile(f"--sae {spec}: no such file or directory: {path}")
         block = re.match(r"layers\.(\d+)\.", value)
         saes[value] = SAE.load(Path(path).expanduser(), layer=int(block.group(1)) if block else None)
     return saes

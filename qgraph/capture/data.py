@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import InvalidArgument, InvalidType, MissingFile
+
 # file suffix -> the ``datasets`` builder that reads it (streamed: nothing is converted or cached)
 _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text"}
 _TOKENIZE_CHUNK = 64  # documents tokenized per tokenizer call
@@ -44,16 +46,16 @@ def open_dataset(dataset, text_column: str = "text"):
         dataset = list(dataset)
     if isinstance(dataset, torch.Tensor):
         if dataset.dim() != 2:
-            raise ValueError(f"a tensor dataset is [documents, tokens] token ids, got shape {tuple(dataset.shape)}")
+            raise InvalidArgument(f"a tensor dataset is [documents, tokens] token ids, got shape {tuple(dataset.shape)}")
         return dataset.tolist(), {"type": "tensor", "documents": dataset.shape[0], "tokens": dataset.numel()}
     if isinstance(dataset, dict):
         if "input_ids" not in dataset:
-            raise ValueError(f"a dict dataset needs 'input_ids' (one token id list per document), it has "
-                             f"{sorted(dataset)}")
+            raise InvalidArgument(f"a dict dataset needs 'input_ids' (one token id list per document), it has "
+                                  f"{sorted(dataset)}")
         return open_dataset(dataset["input_ids"], text_column)
     kind = f"{type(dataset).__module__}.{type(dataset).__name__}"
     if kind.startswith("datasets.") and "Dict" in type(dataset).__name__:
-        raise ValueError(f"the dataset has splits {list(dataset)}: pass one of them (dataset['train'])")
+        raise InvalidArgument(f"the dataset has splits {list(dataset)}: pass one of them (dataset['train'])")
     if kind.startswith("datasets."):
         description = {"type": type(dataset).__name__, "columns": sorted(dataset.column_names or [])}
         if hasattr(dataset, "__len__"):
@@ -61,29 +63,29 @@ def open_dataset(dataset, text_column: str = "text"):
         return dataset, description
     if isinstance(dataset, (list, tuple)):
         return dataset, {"type": "list", "documents": len(dataset)}
-    raise TypeError(f"dataset: {type(dataset).__name__} is not a datasets.Dataset / IterableDataset, a path, "
-                    f"a [documents, tokens] tensor or array, or a list of texts or token id lists")
+    raise InvalidType(f"dataset: {type(dataset).__name__} is not a datasets.Dataset / IterableDataset, a path, "
+                      f"a [documents, tokens] tensor or array, or a list of texts or token id lists")
 
 
 def _open_path(path: Path):
     import datasets
     if not path.exists():
-        raise FileNotFoundError(f"dataset {path}: no such file or directory")
+        raise MissingFile(f"dataset {path}: no such file or directory")
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
             splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-            raise ValueError(f"dataset {path} is a DatasetDict with splits {splits}: give one split's dir "
-                             f"({path / splits[0]})" if splits else f"dataset {path} is an empty DatasetDict")
+            raise InvalidArgument(f"dataset {path} is a DatasetDict with splits {splits}: give one split's dir "
+                                  f"({path / splits[0]})" if splits else f"dataset {path} is an empty DatasetDict")
         if not (path / "state.json").is_file():
-            raise ValueError(f"dataset {path}: not a dir that datasets' save_to_disk wrote (it has no state.json); "
-                             f"give that dir, or a parquet, jsonl or text file")
+            raise InvalidArgument(f"dataset {path}: not a dir that datasets' save_to_disk wrote (it has no state.json); "
+                                  f"give that dir, or a parquet, jsonl or text file")
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         return datasets.load_from_disk(str(path)), {"path": str(path.resolve()), "read_as": "datasets.load_from_disk",
                                                      "bytes": size}
     builder = _BUILDERS.get(path.suffix.lower())
     if builder is None:
-        raise ValueError(f"dataset {path}: unknown file type '{path.suffix}'; give a .parquet, .jsonl, .json or "
-                         f".txt file, or a dir that datasets' save_to_disk wrote")
+        raise InvalidArgument(f"dataset {path}: unknown file type '{path.suffix}'; give a .parquet, .jsonl, .json or "
+                              f".txt file, or a dir that datasets' save_to_disk wrote")
     examples = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
     how = f"datasets.load_dataset('{builder}', streaming=True)" + (", one document per line" if builder == "text" else "")
     return examples, {"path": str(path.resolve()), "read_as": how, "bytes": path.stat().st_size}
@@ -102,7 +104,7 @@ def documents(examples, tokenizer=None, text_column: str = "text", chat_template
                 texts.append(_text_of(example, text_column, tokenizer, chat_template))
         if texts:
             if tokenizer is None:
-                raise ValueError("the dataset holds text: pass the tokenizer (or a dataset of input_ids)")
+                raise InvalidArgument("the dataset holds text: pass the tokenizer (or a dataset of input_ids)")
             encoded = iter(tokenizer(texts, add_special_tokens=not chat_template)["input_ids"])
             tokens = [next(encoded) + ([eos] if eos is not None else []) if ids is None else ids for ids in tokens]
         yield from tokens
@@ -116,8 +118,8 @@ def _ids_of(example):
         integer = (np.issubdtype(example.dtype, np.integer) if isinstance(example, np.ndarray)
                    else not (example.dtype.is_floating_point or example.dtype.is_complex))
         if example.ndim != 1 or not integer:
-            raise ValueError(f"a document's token ids are a 1-D sequence of ints, got a {type(example).__name__} of "
-                             f"shape {tuple(example.shape)} and dtype {example.dtype}")
+            raise InvalidArgument(f"a document's token ids are a 1-D sequence of ints, got a {type(example).__name__} of "
+                                  f"shape {tuple(example.shape)} and dtype {example.dtype}")
         return example.tolist()
     if isinstance(example, (list, tuple)) and all(isinstance(token, (int, np.integer)) for token in example):
         return [int(token) for token in example]
@@ -128,15 +130,15 @@ def _text_of(example, text_column: str, tokenizer, chat_template: bool) -> str:
     text = example
     if isinstance(example, dict):
         if text_column not in example:
-            raise ValueError(f"the dataset has no column '{text_column}' (it has {sorted(example)}); pass "
-                             f"text_column= (--text-column) naming the text, or give input_ids")
+            raise InvalidArgument(f"the dataset has no column '{text_column}' (it has {sorted(example)}); pass "
+                                  f"text_column= (--text-column) naming the text, or give input_ids")
         text = example[text_column]
     if chat_template:
         messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
         return tokenizer.apply_chat_template(messages, tokenize=False)
     if not isinstance(text, str):
-        raise ValueError(f"column '{text_column}' holds {type(text).__name__}, neither text nor token ids (ints) "
-                         f"(chat messages need chat_template=True)")
+        raise InvalidArgument(f"column '{text_column}' holds {type(text).__name__}, neither text nor token ids (ints) "
+                              f"(chat messages need chat_template=True)")
     return text
 
 

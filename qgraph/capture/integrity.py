@@ -14,14 +14,12 @@ import json
 import os
 from pathlib import Path
 
+from ..errors import CaptureCorrupt
+
 METADATA_KEY = "qgraph_capture"  # the one metadata key of a shard (one key: the header is deterministic)
 PLACE = ("rank", "index", "row_start", "row_step", "rows")  # what a shard's metadata says it is
 REPAIR = ("rerun the capture that wrote this dir (the same call or command, the same out): it checks every "
           "shard, captures damaged ones again and rewrites the manifest; or capture into a new dir")
-
-
-class CaptureCorrupt(ValueError):
-    """A capture dir's shards or manifest are not what the capture wrote (changed, truncated, edited)."""
 
 
 def shard_file(rank: int, index: int) -> str:

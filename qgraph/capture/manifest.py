@@ -21,15 +21,12 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CaptureMismatch
 from .integrity import damage
 
 FORMAT = "qgraph-capture/2"  # 2: every weight hashed, shards carry their place in their metadata
 META = ("input_ids", "attention_mask", "doc_id", "position")  # int64 [rows, context] in every shard
 _CHUNK = 1 << 24  # elements hashed per step (a GPU tensor is copied to the CPU a chunk at a time)
-
-
-class CaptureMismatch(ValueError):
-    """The out dir holds a capture of another setup (model, values, dataset...)."""
 
 
 def model_identity(model: torch.nn.Module) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidArgument, MissingFile, OutOfRange, UnknownValue
 from .integrity import REPAIR, CaptureCorrupt, check_bytes, check_header, check_layout
 from .manifest import FORMAT, META
 
@@ -32,7 +33,7 @@ class Capture(torch.utils.data.Dataset):
         self.out = Path(out)
         path = self.out / "manifest.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{self.out}: no manifest.json, not a capture dir")
+            raise MissingFile(f"{self.out}: no manifest.json, not a capture dir")
         try:
             self.manifest = json.loads(path.read_text())
             kind = self.manifest.get("format")
@@ -43,7 +44,7 @@ class Capture(torch.utils.data.Dataset):
             raise CaptureCorrupt(f"{path} is a {kind!r} manifest, this qgraph reads {FORMAT}: capture again with "
                                  f"this qgraph")
         if not self.manifest.get("complete"):
-            raise ValueError(f"{self.out}: the capture is not finished (rerun the same capture to complete it)")
+            raise InvalidArgument(f"{self.out}: the capture is not finished (rerun the same capture to complete it)")
         check_layout(self.out, self.manifest)
         self.names = [value["name"] for value in self.manifest["identity"]["values"]]
         for shard in self.manifest["shards"]:
@@ -60,7 +61,7 @@ class Capture(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
-            raise IndexError(f"row {index} of a capture of {len(self)} rows")
+            raise OutOfRange(f"row {index} of a capture of {len(self)} rows")
         position, k = self._where[index]
         file = self._open(position)
         return {name: file.get_slice(name)[k] for name in file.keys()}
@@ -79,7 +80,7 @@ class Capture(torch.utils.data.Dataset):
     def values(self, name: str) -> torch.Tensor:
         """``name`` (a value or input_ids, attention_mask, doc_id, position) over every row, in row order."""
         if name not in self.names and name not in META:
-            raise KeyError(f"'{name}' is not in this capture; it holds {self.names} and {list(META)}")
+            raise UnknownValue(f"'{name}' is not in this capture; it holds {self.names} and {list(META)}")
         return torch.stack([self[index][name] for index in range(len(self))]) if len(self) else torch.empty(0)
 
     def to_datasets(self, path: str | Path | None = None, names=None):
@@ -96,16 +97,16 @@ class Capture(torch.utils.data.Dataset):
 
         names = list(names or self.names)
         if not len(self):
-            raise ValueError(f"{self.out}: the capture holds no rows (its dataset gave no tokens): nothing to "
-                             f"export; capture a dataset with tokens")
+            raise InvalidArgument(f"{self.out}: the capture holds no rows (its dataset gave no tokens): nothing to "
+                                  f"export; capture a dataset with tokens")
         first = self[0]
         columns, features = {}, {}
         for name in names:
             if name not in first:
-                raise KeyError(f"'{name}' is not in this capture; it holds {self.names}")
+                raise UnknownValue(f"'{name}' is not in this capture; it holds {self.names}")
             if first[name].dim() != 2:
-                raise ValueError(f"'{name}' is {tuple(first[name].shape)} per row; a datasets column for SAELens "
-                                 f"holds [context, width] per row: read it with cap.values('{name}') instead")
+                raise InvalidArgument(f"'{name}' is {tuple(first[name].shape)} per row; a datasets column for SAELens "
+                                      f"holds [context, width] per row: read it with cap.values('{name}') instead")
             dtype = torch.float32 if first[name].dtype == torch.bfloat16 else first[name].dtype
             columns[name] = saelens_name(name)
             features[columns[name]] = Array2D(shape=tuple(first[name].shape), dtype=str(dtype).removeprefix("torch."))
@@ -116,8 +117,8 @@ class Capture(torch.utils.data.Dataset):
         if padded:  # only the last row is ever padded (see data.pack)
             rows -= 1
             if not rows:
-                raise ValueError(f"{self.out}: the capture's only row is padded ({context - padded} real tokens "
-                                 f"of {context}): nothing to export; capture at least context={context} tokens")
+                raise InvalidArgument(f"{self.out}: the capture's only row is padded ({context - padded} real tokens "
+                                      f"of {context}): nothing to export; capture at least context={context} tokens")
             warnings.warn(f"qgraph: to_datasets leaves out the capture's last row, padded at {padded} of its "
                           f"{context} positions (SAELens reads whole rows); its {context - padded} real tokens "
                           f"are not in the dataset, which has {rows} rows", stacklevel=2)

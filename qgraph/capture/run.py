@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidArgument
 from ..instrument import instrument
 from .data import documents, open_dataset, pack
 from ..distributed.world import join
@@ -161,7 +162,7 @@ def _values(ig, model, request: dict, context: int, dtype: torch.dtype):
                              for key, value in (option or {}).items()}
     names = ig.resolve(list(request))
     if not names:
-        raise ValueError(f"values={list(request)} selects no value")
+        raise InvalidArgument(f"values={list(request)} selects no value")
     table = ig.catalogue
     records = []
     for name in names:
@@ -233,10 +234,10 @@ class _quiet:
 def _check_arguments(context, batch_size, dtype, max_tokens, shard_rows) -> None:
     for label, value in (("context", context), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{label} must be a positive int, got {value!r}")
+            raise InvalidArgument(f"{label} must be a positive int, got {value!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch dtype (torch.bfloat16, torch.float32), got {dtype!r}")
+        raise InvalidArgument(f"dtype must be a floating torch dtype (torch.bfloat16, torch.float32), got {dtype!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+        raise InvalidArgument(f"max_tokens must be a positive int or None, got {max_tokens!r}")
     if shard_rows is not None and (not isinstance(shard_rows, int) or shard_rows < 1 or shard_rows % batch_size):
-        raise ValueError(f"shard_rows must be a positive multiple of batch_size ({batch_size}), got {shard_rows!r}")
+        raise InvalidArgument(f"shard_rows must be a positive multiple of batch_size ({batch_size}), got {shard_rows!r}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidArgument
 from .pipeline import Pipeline
 from .split import cuts_for, split
 from .world import World, join
@@ -29,7 +30,7 @@ class Stages:
         if isinstance(self.split, list):
             object.__setattr__(self, "split", tuple(self.split))
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise ValueError(f"microbatches takes a positive int, not {self.microbatches!r}")
+            raise InvalidArgument(f"microbatches takes a positive int, not {self.microbatches!r}")
 
     @classmethod
     def of(cls, stages) -> "Stages | None":
@@ -54,8 +55,8 @@ def stage_program(program, stages: Stages) -> Pipeline:
         return None
 
     if stages.microbatches > 1 and program.exported.images:
-        raise ValueError("micro-batches cut input_ids and attention_mask, not the images: call the image-text model "
-                         "with microbatches=1 (or without images)")
+        raise InvalidArgument("micro-batches cut input_ids and attention_mask, not the images: call the image-text model "
+                              "with microbatches=1 (or without images)")
     plan = split(program.module, block_of, cuts)
     device = next(iter(program.model.parameters()), torch.empty(0)).device
     world = join(device if device.type != "meta" else torch.device("cpu"))

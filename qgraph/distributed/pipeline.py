@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidArgument, InvalidType
 from .split import Plan
 from .world import World
 
@@ -39,9 +40,9 @@ class Pipeline:
         self.plan, self.world, self.batched, self.microbatches = plan, world, batched, microbatches
         self.gathering = gather
         if world is not None and world.size != len(plan):
-            raise ValueError(f"stages={len(plan)} runs one stage per process, but this torch.distributed world has "
+            raise InvalidArgument(f"stages={len(plan)} runs one stage per process, but this torch.distributed world has "
                              f"{world.size}: launch with torchrun --nproc_per_node {len(plan)} (or instrument without "
-                             f"torch.distributed initialised to run every stage in this process)")
+                                  f"torch.distributed initialised to run every stage in this process)")
 
     def local_inputs(self, count: int) -> list[int]:
         """The program inputs (of ``count``) this process's stage reads (all of them in one process)."""
@@ -121,9 +122,9 @@ def _isend(value, dst: int, tag: int) -> list:
         kind, dtype = _SCALARS[type(value)]
         payload = torch.tensor(value, dtype=dtype)
     else:
-        raise TypeError(f"a stage sends {type(value).__name__}, which qgraph cannot send between processes")
+        raise InvalidType(f"a stage sends {type(value).__name__}, which qgraph cannot send between processes")
     if payload.dim() > _HEADER - 3:
-        raise ValueError(f"a stage sends a {payload.dim()}-dim tensor; qgraph sends at most {_HEADER - 3} dims")
+        raise InvalidArgument(f"a stage sends a {payload.dim()}-dim tensor; qgraph sends at most {_HEADER - 3} dims")
     header = torch.full((_HEADER,), -1, dtype=torch.int64)
     header[:3] = torch.tensor([kind, _DTYPES.index(payload.dtype), payload.dim()])
     header[3:3 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)

@@ -21,22 +21,24 @@ from dataclasses import dataclass, field
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
+from ..errors import InternalError, InvalidArgument, InvalidType
+
 
 def cuts_for(stages, blocks: int) -> list[int]:
     """The first block of each stage after the first, from ``stages=N`` (blocks spread evenly) or a
     list of those first blocks; a named error otherwise."""
     if isinstance(stages, bool) or not isinstance(stages, (int, list, tuple)):
-        raise TypeError(f"stages= takes a number of stages or a list of the blocks that start stages 1, 2, ..., "
-                        f"not {stages!r}")
+        raise InvalidType(f"stages= takes a number of stages or a list of the blocks that start stages 1, 2, ..., "
+                          f"not {stages!r}")
     if isinstance(stages, int):
         if not 1 <= stages <= blocks:
-            raise ValueError(f"stages={stages}: a model of {blocks} blocks splits into 1 to {blocks} stages")
+            raise InvalidArgument(f"stages={stages}: a model of {blocks} blocks splits into 1 to {blocks} stages")
         return [round(k * blocks / stages) for k in range(1, stages)]
     cuts = list(stages)
     if not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts) or cuts != sorted(set(cuts)) \
             or (cuts and not 0 < cuts[0] <= cuts[-1] < blocks):
-        raise ValueError(f"stages={cuts}: give the first block of each stage after the first, increasing, within "
-                         f"1 to {blocks - 1} (e.g. stages=[{blocks // 2}] splits at block {blocks // 2})")
+        raise InvalidArgument(f"stages={cuts}: give the first block of each stage after the first, increasing, within "
+                              f"1 to {blocks - 1} (e.g. stages=[{blocks // 2}] splits at block {blocks // 2})")
     return cuts
 
 
@@ -98,7 +100,7 @@ def _plan(split_gm: GraphModule, count: int) -> Plan:
             return ("stage", calls[node], None)  # a stage with one output returns it bare
         if node.target is operator.getitem and node.args[0] in calls:
             return ("stage", calls[node.args[0]], node.args[1])
-        raise ValueError(f"split: unexpected node {node.format_node()} between stages")
+        raise InternalError(f"split: unexpected node {node.format_node()} between stages")
 
     for node, index in calls.items():
         module = split_gm.get_submodule(node.target)
@@ -108,7 +110,7 @@ def _plan(split_gm: GraphModule, count: int) -> Plan:
         plan.inputs[index] = [source(arg) for arg in node.args]
     for index in range(count):
         if plan.modules[index] is None:
-            raise ValueError(f"stage {index} holds no computation: put fewer stages or cut elsewhere")
+            raise InvalidArgument(f"stage {index} holds no computation: put fewer stages or cut elsewhere")
         for kind, *where in plan.inputs[index]:
             if kind == "stage":
                 plan.readers[where[0]][where[1] or 0].append(index)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidState
+
 
 @dataclass
 class World:
@@ -37,7 +39,7 @@ def join(device: torch.device) -> World:
     if size <= 1:
         return World()
     if not dist.is_available():
-        raise RuntimeError("WORLD_SIZE > 1 but this torch has no torch.distributed")
+        raise InvalidState("WORLD_SIZE > 1 but this torch has no torch.distributed")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

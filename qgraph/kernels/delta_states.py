@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidArgument
 from . import native
 from .buffers import empty
 
@@ -178,9 +179,9 @@ def _write_all_states(out, scratch, state0, key, new_values, cum, pairwise, bloc
 
 def _check_index(name, index, limit):
     if index.dim() != 1 or index.dtype in (torch.bool,) or index.is_floating_point() or index.is_complex():
-        raise ValueError(f"{name} must be a 1-D integer tensor, got {tuple(index.shape)} {index.dtype}")
+        raise InvalidArgument(f"{name} must be a 1-D integer tensor, got {tuple(index.shape)} {index.dtype}")
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= limit):
-        raise ValueError(f"{name} must lie in [0, {limit}), got {index.tolist()}")
+        raise InvalidArgument(f"{name} must lie in [0, {limit}), got {index.tolist()}")
 
 
 def chunk_gated_delta_rule_with_states(
@@ -232,9 +233,9 @@ def chunk_gated_delta_rule_with_states(
     batch, seq, num_k_heads, k_dim = key.shape
     num_v_heads, v_dim = value.shape[-2:]
     if num_v_heads % num_k_heads:
-        raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+        raise InvalidArgument(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        raise InvalidArgument(f"chunk_size must be positive, got {chunk_size}")
     if positions is not None:
         _check_index("positions", positions, seq)
     if heads is not None:

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..errors import InternalError
 from .delta_states import chunk_gated_delta_rule_with_states
 
 # The kernels the ops run, by name: each delta-rule node names its kernels in its last argument, so a
@@ -45,7 +46,7 @@ def register_kernels(module: str, kernels: dict[str, Callable]) -> str:
         held = KERNELS.setdefault(name, dict(kernels))
         if all(held.get(kind) is function for kind, function in kernels.items()):
             return name
-    raise AssertionError("unreachable: a free name is always found")
+    raise InternalError("unreachable: a free name is always found")
 
 
 def _own_kernel(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 # the submodule diagram.py is imported here, before the function ``diagram`` below takes its name
 from .diagram import Diagram
+from ..errors import InvalidArgument, InvalidType, NoVisionEncoder, OutOfRange
 
 __all__ = ["FORMATS", "GraphvizNotFound", "NoVisionEncoder", "diagram", "render"]
 
@@ -37,10 +38,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_DOT))
 
 
-class NoVisionEncoder(NotImplementedError):
-    """``what="vision_block"`` on a model without a vision encoder."""
-
-
 def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detail: str = "modules", highlight=()):
     """The ``Diagram`` (boxes, wires, clusters) that ``render`` draws; see ``render`` for the arguments."""
     from ..export import export_model
@@ -51,9 +48,9 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
     from .model import model_diagram
 
     if what not in WHAT:
-        raise ValueError(f"what={what!r}: draw one of {', '.join(map(repr, WHAT))}")
+        raise InvalidArgument(f"what={what!r}: draw one of {', '.join(map(repr, WHAT))}")
     if detail not in DETAIL:
-        raise ValueError(f"detail={detail!r}: pick 'modules' (modules and values) or 'ops' (every graph node)")
+        raise InvalidArgument(f"detail={detail!r}: pick 'modules' (modules and values) or 'ops' (every graph node)")
     model, marks = _unpack(model_or_ig)
     family = family_for(model)
     mixers = family.block_mixers(model.config)
@@ -64,12 +61,12 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
                                   f"is no vision block to draw (draw what='block' or what='model' instead)")
         layer = 0 if layer is None else layer
         if not -depth <= layer < depth:
-            raise IndexError(f"vision block {layer}: the vision encoder has blocks 0 to {depth - 1}")
+            raise OutOfRange(f"vision block {layer}: the vision encoder has blocks 0 to {depth - 1}")
     if what == "block":
         if layer is None:
             layer = next((i for i, m in enumerate(mixers) if not family.mixer(m).recurrent), 0)
         if not -len(mixers) <= layer < len(mixers):
-            raise IndexError(f"block {layer}: the model has blocks 0 to {len(mixers) - 1}")
+            raise OutOfRange(f"block {layer}: the model has blocks 0 to {len(mixers) - 1}")
 
     exported = model_or_ig.exported if isinstance(model_or_ig, InstrumentedModel) else export_model(model)
     view = GraphView(model, exported, requested=list(marks), saes=getattr(model_or_ig, "saes", None))
@@ -106,8 +103,8 @@ def render(model_or_ig, what: str = "block", layer: int | None = None, path: str
     from .dot import FORMATS, to_graphviz, write
 
     if path is not None and Path(path).suffix.lstrip(".").lower() not in FORMATS:
-        raise ValueError(f"cannot render to '{Path(path).name}': the extension picks the format, one of "
-                         f"{', '.join('.' + f for f in FORMATS)}")
+        raise InvalidArgument(f"cannot render to '{Path(path).name}': the extension picks the format, one of "
+                              f"{', '.join('.' + f for f in FORMATS)}")
     drawn = diagram(model_or_ig, what, layer, detail=detail, highlight=highlight)
     if path is None:
         return to_graphviz(drawn)
@@ -124,4 +121,4 @@ def _unpack(model_or_ig):
         return model_or_ig.model, marks
     if hasattr(model_or_ig, "config") and hasattr(model_or_ig, "named_modules"):
         return model_or_ig, {}
-    raise TypeError(f"render takes a Qwen3.5 model or a qgraph.instrument(...) result, not {type(model_or_ig).__name__}")
+    raise InvalidType(f"render takes a Qwen3.5 model or a qgraph.instrument(...) result, not {type(model_or_ig).__name__}")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import graphviz
 
+from ..errors import InvalidArgument, InvalidState, QgraphError
+
 FONT = "Helvetica"
 FORMATS = ("svg", "png", "pdf", "dot")
 
@@ -71,7 +73,7 @@ CLUSTER_STYLES = {
 }
 
 
-class GraphvizNotFound(graphviz.ExecutableNotFound):
+class GraphvizNotFound(QgraphError, graphviz.ExecutableNotFound):
     """The ``dot`` program is not installed; the DOT source was written instead (a ``RuntimeError``)."""
 
     def __init__(self, message: str) -> None:
@@ -150,8 +152,8 @@ def write(diagram, path: str | Path, *, dpi: int = 110) -> Path:
     path = Path(path)
     fmt = path.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
-        raise ValueError(f"cannot render to '{path.name}': the extension picks the format, one of "
-                         f"{', '.join('.' + f for f in FORMATS)}")
+        raise InvalidArgument(f"cannot render to '{path.name}': the extension picks the format, one of "
+                              f"{', '.join('.' + f for f in FORMATS)}")
     graph = to_graphviz(diagram)
     source = graph.source
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +174,7 @@ def write(diagram, path: str | Path, *, dpi: int = 110) -> Path:
             f"run `dot -T{fmt} {dot_path} -o {path}`.") from missing
     except graphviz.CalledProcessError as failed:
         stderr = failed.stderr.decode(errors="replace") if isinstance(failed.stderr, bytes) else str(failed.stderr)
-        raise RuntimeError(f"dot failed to render {path}: {stderr.strip()}") from failed
+        raise InvalidState(f"dot failed to render {path}: {stderr.strip()}") from failed
     path.write_bytes(drawn)
     return path
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidArgument
+
 
 def weights(d_in: int, d_sae: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """The record's weights of a seed: ``W_enc [d_in, d_sae]``, ``b_enc``, ``W_dec [d_sae, d_in]``,
@@ -43,7 +45,7 @@ def write_saelens(dir, d_in: int, d_sae: int, architecture: str = "topk", k: int
     Returns the folder."""
     from safetensors.torch import save_file
     if (architecture == "topk") != (k is not None):
-        raise ValueError(f"write_saelens: k={k!r} with architecture={architecture!r}: give k for topk only")
+        raise InvalidArgument(f"write_saelens: k={k!r} with architecture={architecture!r}: give k for topk only")
     folder = Path(dir)
     folder.mkdir(parents=True, exist_ok=True)
     w = weights(d_in, d_sae, seed)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidArgument, MissingFile, NotSupported
+
 # SAELens / TransformerLens hook names -> qgraph's values of block i
 _SAELENS_HOOKS = {"hook_resid_pre": "layer_input", "hook_resid_mid": "layer_mid",
                   "hook_resid_post": "layer_output", "hook_mlp_out": "mlp.mlp_output"}
@@ -32,31 +34,31 @@ def read(path, layer: int | None = None, k: int | None = None) -> dict:
     layers (and must agree with the SAE's own where that is known); ``k`` overrides a TopK SAE's k."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no SAE at {path}: the path does not exist (give a local file or folder: "
-                                f"{_LAYOUTS})")
+        raise MissingFile(f"no SAE at {path}: the path does not exist (give a local file or folder: "
+                          f"{_LAYOUTS})")
     if path.is_file():
         if path.suffix == ".pt":
             record = _qwen_scope(path, k)
         elif path.name in ("cfg.json", "sae_weights.safetensors", "sae.safetensors"):
             return read(path.parent, layer, k)
         else:
-            raise ValueError(f"{path}: not a file of a format qgraph reads ({_LAYOUTS})")
+            raise InvalidArgument(f"{path}: not a file of a format qgraph reads ({_LAYOUTS})")
     elif (path / "cfg.json").is_file() and (path / "sae_weights.safetensors").is_file():
         record = _saelens(path, k)
     elif (path / "cfg.json").is_file() and (path / "sae.safetensors").is_file():
         record = _sparsify(path, k)
     elif (path / "cfg.json").is_file():
-        raise FileNotFoundError(f"{path}: cfg.json has no weights beside it (sae_weights.safetensors for SAELens, "
-                                f"sae.safetensors for sparsify)")
+        raise MissingFile(f"{path}: cfg.json has no weights beside it (sae_weights.safetensors for SAELens, "
+                          f"sae.safetensors for sparsify)")
     elif files := _numbered(path, r"layer(\d+)\.sae\.pt", want_dir=False):
         record = _qwen_scope(_pick(files, layer, path, "layer{i}.sae.pt files"), k)
     elif folders := _numbered(path, r"layers\.(\d+)", want_dir=True):
         return read(_pick(folders, layer, path, "layers.{i} folders"), layer, k)
     else:
-        raise FileNotFoundError(f"no SAE in {path}: expected {_LAYOUTS}")
+        raise MissingFile(f"no SAE in {path}: expected {_LAYOUTS}")
     own = _layer_of(record["hook"])
     if layer is not None and own is not None and own != layer:
-        raise ValueError(f"{record['source']} is the SAE of layer {own} ({record['hook']}), not layer={layer}")
+        raise InvalidArgument(f"{record['source']} is the SAE of layer {own} ({record['hook']}), not layer={layer}")
     return record
 
 
@@ -64,16 +66,16 @@ def _qwen_scope(file: Path, k: int | None) -> dict:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # a pickle weights_only refuses, or not a torch file at all
-        raise ValueError(f"{file}: not a Qwen-Scope checkpoint torch.load(weights_only=True) can read ({error})") \
+        raise InvalidArgument(f"{file}: not a Qwen-Scope checkpoint torch.load(weights_only=True) can read ({error})") \
             from error
     if not isinstance(state, dict):
-        raise ValueError(f"{file}: holds a {type(state).__name__}, not the dict of W_enc, b_enc, W_dec, b_dec "
-                         f"Qwen-Scope files hold")
+        raise InvalidArgument(f"{file}: holds a {type(state).__name__}, not the dict of W_enc, b_enc, W_dec, b_dec "
+                              f"Qwen-Scope files hold")
     _check_layout(file, state, {"W_enc": "d_sae d_in", "b_enc": "d_sae", "W_dec": "d_in d_sae", "b_dec": "d_in"})
     k = k if k is not None else k_from_name(file)
     if k is None:
-        raise ValueError(f"{file}: Qwen-Scope files do not store TopK's k and the path names none: give k= "
-                         f"(the repo name says it: ...-L0_50 is k=50)")
+        raise InvalidArgument(f"{file}: Qwen-Scope files do not store TopK's k and the path names none: give k= "
+                              f"(the repo name says it: ...-L0_50 is k=50)")
     match = re.fullmatch(r"layer(\d+)\.sae\.pt", file.name)
     # Contiguous, as the other formats' records: a transposed view would take another GEMM kernel,
     # so the same SAE read from two formats would not give bit-identical features.
@@ -93,16 +95,16 @@ def _saelens(folder: Path, k: int | None) -> dict:
     if architecture == "standard" and function == "topk":  # SAELens < 6 wrote TopK SAEs this way
         architecture = "topk"
     if architecture not in _SAELENS_ARCHITECTURES:
-        raise ValueError(f"{where}: unknown SAE architecture {architecture!r} (qgraph reads "
-                         f"{', '.join(_SAELENS_ARCHITECTURES)})")
+        raise InvalidArgument(f"{where}: unknown SAE architecture {architecture!r} (qgraph reads "
+                              f"{', '.join(_SAELENS_ARCHITECTURES)})")
     if architecture == "standard" and function not in (None, "relu"):
-        raise NotImplementedError(f"{where}: activation_fn {function!r}: qgraph reads standard SAEs with relu")
+        raise NotSupported(f"{where}: activation_fn {function!r}: qgraph reads standard SAEs with relu")
     for key, plain in (("normalize_activations", "none"), ("reshape_activations", "none")):
         if cfg.get(key) not in (None, plain):
-            raise NotImplementedError(f"{where}: {key}={cfg[key]!r} is not supported (only 'none'): fold the "
-                                      f"normalization into the weights first")
+            raise NotSupported(f"{where}: {key}={cfg[key]!r} is not supported (only 'none'): fold the "
+                               f"normalization into the weights first")
     if cfg.get("finetuning_scaling_factor"):
-        raise NotImplementedError(f"{where}: finetuning_scaling_factor is not supported: fold it into W_dec first")
+        raise NotSupported(f"{where}: finetuning_scaling_factor is not supported: fold it into W_dec first")
     weights = folder / "sae_weights.safetensors"
     tensors = _safetensors(weights)
     if architecture == "jumprelu" and "threshold" not in tensors and "log_threshold" in tensors:
@@ -115,7 +117,7 @@ def _saelens(folder: Path, k: int | None) -> dict:
     if architecture == "topk":
         k = k if k is not None else cfg.get("k", kwargs.get("k", nested.get("k")))
         if k is None:
-            raise ValueError(f"{where}: a TopK SAE with no k (at the top, in activation_fn_kwargs): give k=")
+            raise InvalidArgument(f"{where}: a TopK SAE with no k (at the top, in activation_fn_kwargs): give k=")
         k = int(k) if isinstance(k, float) and k.is_integer() else k
     metadata = cfg.get("metadata") or cfg.get("meta") or {}
     hook_name = cfg.get("hook_name", cfg.get("hook_point", metadata.get("hook_name")))
@@ -128,11 +130,11 @@ def _saelens(folder: Path, k: int | None) -> dict:
 def _sparsify(folder: Path, k: int | None) -> dict:
     cfg, where = _json(folder / "cfg.json"), folder / "cfg.json"
     if cfg.get("transcode"):
-        raise NotImplementedError(f"{where}: a transcoder (transcode=true), not an SAE: qgraph reads SAEs")
+        raise NotSupported(f"{where}: a transcoder (transcode=true), not an SAE: qgraph reads SAEs")
     if cfg.get("skip_connection"):
-        raise NotImplementedError(f"{where}: skip_connection=true (a W_skip term) is not supported")
+        raise NotSupported(f"{where}: skip_connection=true (a W_skip term) is not supported")
     if cfg.get("activation", "topk") != "topk":
-        raise NotImplementedError(f"{where}: activation {cfg['activation']!r} is not supported (only 'topk')")
+        raise NotSupported(f"{where}: activation {cfg['activation']!r} is not supported (only 'topk')")
     weights = folder / "sae.safetensors"
     tensors = _safetensors(weights)
     d_in, d_sae = _check_layout(weights, tensors, {"encoder.weight": "d_sae d_in", "encoder.bias": "d_sae",
@@ -141,7 +143,7 @@ def _sparsify(folder: Path, k: int | None) -> dict:
     _check_sizes(where, {"d_in": cfg.get("d_in"), "num_latents": latents}, {"d_in": d_in, "num_latents": d_sae})
     k = k if k is not None else cfg.get("k")
     if k is None:
-        raise ValueError(f"{where}: no k: give k=")
+        raise InvalidArgument(f"{where}: no k: give k=")
     return dict(W_enc=tensors["encoder.weight"].T.contiguous(), b_enc=tensors["encoder.bias"], W_dec=tensors["W_dec"],
                 b_dec=tensors["b_dec"], activation="topk", k=k, subtract_b_dec=True, topk_relu=True,
                 hook=sparsify_hook(folder.name), source=f"sparsify {folder}")
@@ -187,7 +189,7 @@ def _pick(found: dict[int, Path], layer: int | None, folder: Path, what: str) ->
     if layer not in found:
         have = ", ".join(map(str, sorted(found)))
         said = "no layer= was given" if layer is None else f"layer={layer} is not there"
-        raise ValueError(f"{folder} holds {what} for layers {have}; {said}: give layer= one of them")
+        raise InvalidArgument(f"{folder} holds {what} for layers {have}; {said}: give layer= one of them")
     return found[layer]
 
 
@@ -200,9 +202,9 @@ def _json(file: Path) -> dict:
     try:
         cfg = json.loads(file.read_text())
     except ValueError as error:
-        raise ValueError(f"{file}: not valid JSON ({error})") from error
+        raise InvalidArgument(f"{file}: not valid JSON ({error})") from error
     if not isinstance(cfg, dict):
-        raise ValueError(f"{file}: holds a JSON {type(cfg).__name__}, not an object of settings")
+        raise InvalidArgument(f"{file}: holds a JSON {type(cfg).__name__}, not an object of settings")
     return cfg
 
 
@@ -211,7 +213,7 @@ def _safetensors(file: Path) -> dict:
     try:
         return load_file(str(file))
     except Exception as error:
-        raise ValueError(f"{file}: not a safetensors file that can be read ({error})") from error
+        raise InvalidArgument(f"{file}: not a safetensors file that can be read ({error})") from error
 
 
 def _check_layout(file: Path, tensors: dict, layout: dict[str, str]) -> tuple[int, int]:
@@ -220,18 +222,18 @@ def _check_layout(file: Path, tensors: dict, layout: dict[str, str]) -> tuple[in
     sizes: dict[str, int] = {}
     for name, dims in layout.items():
         if not isinstance(tensors.get(name), torch.Tensor):
-            raise ValueError(f"{file}: no tensor '{name}' (it holds {', '.join(sorted(map(str, tensors)))}); "
-                             f"expected {', '.join(layout)}")
+            raise InvalidArgument(f"{file}: no tensor '{name}' (it holds {', '.join(sorted(map(str, tensors)))}); "
+                                  f"expected {', '.join(layout)}")
         shape, dims = list(tensors[name].shape), dims.split()
         known = ", ".join(f"{dim}={size}" for dim, size in sizes.items())
         fits = len(shape) == len(dims) and all(sizes.setdefault(dim, size) == size for dim, size in zip(dims, shape))
         if not fits:
-            raise ValueError(f"{file}: '{name}' has shape {shape}, expected [{' '.join(dims)}]"
-                             + (f" ({known} from the tensors before it)" if known else ""))
+            raise InvalidArgument(f"{file}: '{name}' has shape {shape}, expected [{' '.join(dims)}]"
+                                  + (f" ({known} from the tensors before it)" if known else ""))
     return sizes["d_in"], sizes["d_sae"]
 
 
 def _check_sizes(where: Path, cfg: dict, sizes: dict[str, int]) -> None:
     for key, size in sizes.items():
         if cfg.get(key) is not None and cfg[key] != size:
-            raise ValueError(f"{where}: says {key}={cfg[key]} but the weights have {size}")
+            raise InvalidArgument(f"{where}: says {key}={cfg[key]} but the weights have {size}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidArgument, OutOfRange
 from ..values.saes import prefixes
 
 
@@ -15,7 +16,7 @@ def top_features(ig, input_ids, layer: int | None = None, k: int = 10, attention
     hook = _pick(ig, layer, value)
     sae = ig.saes[hook][0]
     if not isinstance(k, int) or not 1 <= k <= sae.d_sae:
-        raise ValueError(f"k={k!r}: give a number of features from 1 to the SAE's {sae.d_sae}")
+        raise InvalidArgument(f"k={k!r}: give a number of features from 1 to the SAE's {sae.d_sae}")
     names = [f"{prefix}.sae.features" for prefix in prefixes(ig.saes)[hook]]
     name = next((name for name in names if name in ig.values), names[0])
     reader = ig if name in ig.values else ig.variant([name], logits=False)
@@ -30,7 +31,7 @@ def _pick(ig, layer: int | None, value: str | None) -> str:
     if layer is not None:
         blocks = len(ig.family.kinds(ig.config))
         if not isinstance(layer, int) or not -blocks <= layer < blocks:
-            raise IndexError(f"layer={layer!r}: the model has blocks 0 to {blocks - 1}")
+            raise OutOfRange(f"layer={layer!r}: the model has blocks 0 to {blocks - 1}")
         layer %= blocks
         hooks, asked = [hook for hook in hooks if hook.startswith(f"layers.{layer}.")], [f"block {layer}"]
     if value is not None:
@@ -39,9 +40,9 @@ def _pick(ig, layer: int | None, value: str | None) -> str:
     where = " and ".join(asked) or "this model"
     if not hooks:
         example = value or f"layers.{layer or 0}.layer_output"
-        raise ValueError(f"no SAE is spliced at {where} (SAEs at: {sorted(ig.saes) or 'none'}): instrument with "
-                         f"saes={{'{example}': sae}}")
+        raise InvalidArgument(f"no SAE is spliced at {where} (SAEs at: {sorted(ig.saes) or 'none'}): instrument with "
+                              f"saes={{'{example}': sae}}")
     if len(hooks) > 1:
-        raise ValueError(f"{where} has {len(hooks)} SAEs ({', '.join(hooks)}): pick one with value=, e.g. "
-                         f"value='{hooks[0]}'")
+        raise InvalidArgument(f"{where} has {len(hooks)} SAEs ({', '.join(hooks)}): pick one with value=, e.g. "
+                              f"value='{hooks[0]}'")
     return hooks[0]

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..errors import InvalidArgument, OutOfRange
+
 ACTIVATIONS = ("topk", "jumprelu", "relu")
 
 
@@ -41,14 +43,14 @@ class SAE(torch.nn.Module):
         super().__init__()
         self.source = source
         if activation not in ACTIVATIONS:
-            raise ValueError(f"{source}: activation {activation!r} is not one of {ACTIVATIONS}")
+            raise InvalidArgument(f"{source}: activation {activation!r} is not one of {ACTIVATIONS}")
         _check_shapes(source, W_enc, b_enc, W_dec, b_dec, threshold, activation)
         self.d_in, self.d_sae = W_enc.shape
         if activation == "topk":
             if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.d_sae:
-                raise ValueError(f"{source}: a TopK SAE needs k from 1 to its d_sae {self.d_sae}, not {k!r}")
+                raise InvalidArgument(f"{source}: a TopK SAE needs k from 1 to its d_sae {self.d_sae}, not {k!r}")
         elif k is not None:
-            raise ValueError(f"{source}: k={k!r} is for TopK SAEs; this one is {activation}")
+            raise InvalidArgument(f"{source}: k={k!r} is for TopK SAEs; this one is {activation}")
         self.activation, self.k = activation, k
         self.subtract_b_dec, self.topk_relu, self.hook = bool(subtract_b_dec), bool(topk_relu), hook
         dtype = W_enc.dtype
@@ -89,8 +91,8 @@ class SAE(torch.nn.Module):
         the encoder's selection (the k largest pre-activations per token, largest first) and their
         values after the activation (relu'd when ``topk_relu``, raw, possibly negative, when not)."""
         if self.activation != "topk":
-            raise ValueError(f"{self.source}: the sparse form is a TopK SAE's (k features per token); this one "
-                             f"is {self.activation}: read encode(x)")
+            raise InvalidArgument(f"{self.source}: the sparse form is a TopK SAE's (k features per token); this one "
+                                  f"is {self.activation}: read encode(x)")
         values, indices = self._pre(x).topk(self.k, dim=-1)
         return (torch.relu(values) if self.topk_relu else values).to(x.dtype), indices
 
@@ -118,14 +120,14 @@ class SAE(torch.nn.Module):
     def direction(self, j: int) -> Tensor:
         """Feature ``j``'s decoder direction ``W_dec[j]`` ``[d_in]`` (what one unit of it adds)."""
         if not isinstance(j, int) or not -self.d_sae <= j < self.d_sae:
-            raise IndexError(f"feature {j!r}: {self.source} has features 0 to {self.d_sae - 1}")
+            raise OutOfRange(f"feature {j!r}: {self.source} has features 0 to {self.d_sae - 1}")
         return self.W_dec[j]
 
     def check_fits(self, hidden_size: int, name: str) -> None:
         """A ValueError unless the SAE reads vectors as wide as the value ``name`` (``hidden_size``)."""
         if self.d_in != hidden_size:
-            raise ValueError(f"{self.source} reads vectors of d_in={self.d_in}, but '{name}' has {hidden_size}: "
-                             f"load the SAE trained on this model and value")
+            raise InvalidArgument(f"{self.source} reads vectors of d_in={self.d_in}, but '{name}' has {hidden_size}: "
+                                  f"load the SAE trained on this model and value")
 
     def extra_repr(self) -> str:
         kind = f"topk k={self.k}" + ("" if self.topk_relu else " (raw values)") if self.activation == "topk" \
@@ -143,17 +145,17 @@ def _frozen(tensor: Tensor, dtype: torch.dtype) -> torch.nn.Parameter:
 def _check_shapes(source: str, W_enc, b_enc, W_dec, b_dec, threshold, activation: str) -> None:
     """A ValueError naming ``source`` and the tensor when the record's shapes disagree."""
     if not isinstance(W_enc, Tensor) or W_enc.dim() != 2:
-        raise ValueError(f"{source}: W_enc should be a [d_in, d_sae] tensor, not {_shape(W_enc)}")
+        raise InvalidArgument(f"{source}: W_enc should be a [d_in, d_sae] tensor, not {_shape(W_enc)}")
     d_in, d_sae = W_enc.shape
     expected = {"b_enc": (b_enc, (d_sae,)), "W_dec": (W_dec, (d_sae, d_in)), "b_dec": (b_dec, (d_in,))}
     if activation == "jumprelu":
         expected["threshold"] = (threshold, (d_sae,))
     elif threshold is not None:
-        raise ValueError(f"{source}: a threshold is for JumpReLU SAEs; this one is {activation}")
+        raise InvalidArgument(f"{source}: a threshold is for JumpReLU SAEs; this one is {activation}")
     for name, (tensor, shape) in expected.items():
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape:
-            raise ValueError(f"{source}: {name} has shape {_shape(tensor)}, but W_enc [d_in={d_in}, d_sae={d_sae}] "
-                             f"makes it {list(shape)}")
+            raise InvalidArgument(f"{source}: {name} has shape {_shape(tensor)}, but W_enc [d_in={d_in}, d_sae={d_sae}] "
+                                  f"makes it {list(shape)}")
 
 
 def _shape(tensor) -> str:

@@ -7,18 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ..errors import InvalidType, UnavailableValue, UnknownValue
 from .catalogue import Entry
-
-
-class UnknownValue(KeyError):
-    """A name that matches no value of this model; the message lists the closest names."""
-
-    def __str__(self):  # KeyError quotes its message; show it as written
-        return self.args[0]
-
-
-class UnavailableValue(ValueError):
-    """A value this model has, but not under this load or on this block; the message says why."""
 
 
 def normalize(name: str) -> str:
@@ -60,14 +50,14 @@ def patterns_of(patterns) -> list[str]:
     if isinstance(patterns, str):
         return [patterns]
     if isinstance(patterns, (bytes, torch.Tensor)) or not isinstance(patterns, Iterable):
-        raise TypeError(f"{type(patterns).__name__} {patterns!r} is not a value name or a list of them: give names "
-                        f"as strings, e.g. ['layers.*.layer_output', 'layers.3.mlp.mlp_neurons'] "
-                        f"(values= also takes a dict {{name: options}})")
+        raise InvalidType(f"{type(patterns).__name__} {patterns!r} is not a value name or a list of them: give names "
+                          f"as strings, e.g. ['layers.*.layer_output', 'layers.3.mlp.mlp_neurons'] "
+                          f"(values= also takes a dict {{name: options}})")
     patterns = list(patterns)  # a dict gives its keys
     bad = [pattern for pattern in patterns if not isinstance(pattern, str)]
     if bad:
-        raise TypeError(f"{', '.join(f'{type(b).__name__} {b!r}' for b in bad)}: not a value name; names are "
-                        f"strings, e.g. 'layers.3.layer_output' (block 3) or 'layers.*.layer_output' (every block)")
+        raise InvalidType(f"{', '.join(f'{type(b).__name__} {b!r}' for b in bad)}: not a value name; names are "
+                          f"strings, e.g. 'layers.3.layer_output' (block 3) or 'layers.*.layer_output' (every block)")
     return patterns
 
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 import torch
 
 from ..edits import indices
+from ..errors import InvalidArgument, InvalidType
 
 # The options a value takes (every value takes ``grad``)
 OPTIONS = {"states": ("dtype", "heads"), "state": ("positions", "dtype", "heads")}
@@ -17,23 +18,23 @@ def check_options(values, resolve, catalogue, names) -> dict[str, dict]:
     if isinstance(values, Mapping):
         for pattern, option in values.items():
             if option is not None and not isinstance(option, Mapping):
-                raise TypeError(f"values={{'{pattern}': {option!r}}}: a value's options are a dict, e.g. "
-                                f"{{'grad': True}} or {{'positions': [0, -1]}} (or {{}} for none)")
+                raise InvalidType(f"values={{'{pattern}': {option!r}}}: a value's options are a dict, e.g. "
+                                  f"{{'grad': True}} or {{'positions': [0, -1]}} (or {{}} for none)")
             given.update(dict.fromkeys(resolve(pattern), dict(option or {})))
     options = {}
     for name in names:
         kind = catalogue[name].spec.name if catalogue[name].spec else ""
         option, allowed = given.get(name, {}), OPTIONS.get(kind, ()) + ("grad",)
         if option.get("grad") and catalogue[name].derived:
-            raise ValueError(f"'{name}' is computed after the run from other values, so it has no gradient "
-                             f"of its own: ask 'grad' of the values it comes from")
+            raise InvalidArgument(f"'{name}' is computed after the run from other values, so it has no gradient "
+                                  f"of its own: ask 'grad' of the values it comes from")
         unknown = set(option) - set(allowed)
         if unknown:
-            raise ValueError(f"'{name}' takes no option {sorted(unknown)}"
-                             + (f"; it takes {list(allowed)}" if allowed else ""))
+            raise InvalidArgument(f"'{name}' takes no option {sorted(unknown)}"
+                                  + (f"; it takes {list(allowed)}" if allowed else ""))
         if kind == "state" and "positions" not in option:
-            raise ValueError(f"'{name}' needs positions: ask values={{'{name}': {{'positions': [...]}}}}, the "
-                             f"tokens after which to read the state (or ask for 'states', every token)")
+            raise InvalidArgument(f"'{name}' needs positions: ask values={{'{name}': {{'positions': [...]}}}}, the "
+                                  f"tokens after which to read the state (or ask for 'states', every token)")
         option = dict(option)
         for selector in ("positions", "heads"):
             if selector in option:
@@ -43,13 +44,13 @@ def check_options(values, resolve, catalogue, names) -> dict[str, dict]:
             heads = entry.shape[entry.spec.dims.index("value_heads")]
             bad = [head for head in option["heads"] if not -heads <= head < heads]
             if bad:
-                raise ValueError(f"'{name}' option heads: {bad} out of range; it has {heads} heads (0 to "
-                                 f"{heads - 1}, or negative from the end)")
+                raise InvalidArgument(f"'{name}' option heads: {bad} out of range; it has {heads} heads (0 to "
+                                      f"{heads - 1}, or negative from the end)")
             option["heads"] = [head % heads for head in option["heads"]]
         dtype = option.get("dtype", torch.float32)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"'{name}' option dtype: {dtype!r} is not a floating torch dtype; give one such as "
-                            f"torch.float32 or torch.bfloat16")
+            raise InvalidType(f"'{name}' option dtype: {dtype!r} is not a floating torch dtype; give one such as "
+                              f"torch.float32 or torch.bfloat16")
         if option:
             options[name] = option
     return options
