@@ -177,24 +177,24 @@ def text_example(model):
 def _delta_rule_ops(family: Family):
     """Route the family's delta-rule kernels (module-level functions) through the custom ops, each
     op naming the kernels it runs (``ops.register_kernels``), so the program carries them."""
-    module = importlib.import_module(family.kernel_module)
-    saved = {kind: getattr(module, name) for kind, name in family.delta_rule_kernels.items()}
-    kernels = ops.register_kernels(family.kernel_module, saved)
-    for kind, name in family.delta_rule_kernels.items():
+    module = importlib.import_module(family.kernels.module)
+    saved = {kind: getattr(module, name) for kind, name in family.kernels.functions.items()}
+    kernels = ops.register_kernels(family.kernels.module, saved)
+    for kind, name in family.kernels.functions.items():
         setattr(module, name, _as_op(kind, kernels))
     try:
         yield
     finally:
-        for kind, name in family.delta_rule_kernels.items():
+        for kind, name in family.kernels.functions.items():
             setattr(module, name, saved[kind])
 
 
 def _use_kernels(program: ExportedProgram, family: Family) -> None:
     """A program loaded from the disk cache runs the kernels the family's module has in this process:
     its delta-rule nodes are pointed at them (the file names the exporting process's)."""
-    module = importlib.import_module(family.kernel_module)
-    kernels = ops.register_kernels(family.kernel_module, {kind: getattr(module, name)
-                                                          for kind, name in family.delta_rule_kernels.items()})
+    module = importlib.import_module(family.kernels.module)
+    kernels = ops.register_kernels(family.kernels.module, {kind: getattr(module, name)
+                                                           for kind, name in family.kernels.functions.items()})
     for node in program.graph.nodes:
         if node.target in ops.DELTA_RULE_OPS:
             node.update_arg(len(node.args) - 1, kernels)

@@ -1,24 +1,37 @@
 """The schema a model family fills in: everything qgraph knows about one kind of model, as data.
 
-A family file (``qwen3_5.py``) builds one ``Family``. The rest of qgraph asks the family, never the
-model's config or module names: which rule finds which value (``values``), how module paths are
-named (``module_renames``), which mixer each block carries (``mixers``), what a decoding step
-carries from one token to the next (``Mixer.memory``), where the rotary reads its position ids,
-which blocks trace alike (``repeated_blocks``), and, for an image-text model, its image inputs and
-the patches its export needs (``Images``).
+A family file (``qwen3_5.py``) builds one ``Family`` and registers it (``registry``). The rest of
+qgraph asks the family, never the model's config or module names: which rule finds which value
+(``values``), how module paths are named (``module_renames``), which mixer each block carries
+(``mixers``), what a decoding step carries from one token to the next (``Mixer.memory``), where the
+rotary reads its position ids, which blocks trace alike (``repeated_blocks``), which delta-rule
+kernels its DeltaNet calls (``Kernels``), and, for an image-text model, its image part (``Images``:
+the image inputs, the export patches, and the vision tower's values, hosts, dims and blocks).
+
+Families are composed by named operations: ``with_images`` adds an image part and ``without_images``
+removes exactly it; ``with_host_values`` swaps the values of one host (a dense MLP's for a MoE block's).
 """
 from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
-from typing import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable
 
+from ..errors import InvalidArgument
 from .rules import ValueSpec
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
-class UnsupportedModel(TypeError):
-    """The model is not of a family qgraph knows."""
+# A layout dim's size: an attribute of the text config, or a function of the model's config
+DimSource = str | Callable[["PretrainedConfig"], int]
+# (model) -> a context manager active while a program is exported
+ExportPatches = Callable[["torch.nn.Module"], AbstractContextManager[Any]]
+# (config) -> why a model of the family cannot be served, or None
+Check = Callable[["PretrainedConfig"], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -63,19 +76,44 @@ class RepeatedBlocks:
 
 @dataclass(frozen=True)
 class Images:
-    """An image-text model's inputs and export patches."""
+    """An image-text model's image part: its inputs and export patches, and the vision tower's values,
+    hosts, dims and blocks. ``Family.with_images`` adds it to a family, ``without_images`` removes it."""
 
     keys: tuple[str, ...]  # what a call takes beyond the text (the processor's outputs)
     inputs: tuple[str, ...]  # what the image-text program takes beyond the text inputs
-    prepare: Callable  # (model, input_ids, attention_mask, **keys) -> {program input: tensor}, checked
-    example: Callable  # (model) -> (example program inputs, their dynamic dims) for the export
-    patches: Callable  # (model) -> a context manager active while the image-text program is exported
-    forward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the exported forward
+    # (model, input_ids, attention_mask, **keys) -> {program input: tensor}, checked
+    prepare: Callable[..., dict[str, "torch.Tensor"]]
+    # (model) -> (example program inputs, their dynamic dims) for the export
+    example: Callable[["torch.nn.Module"], tuple[dict[str, "torch.Tensor"], dict[str, dict[int, Any]]]]
+    patches: ExportPatches  # active while the image-text program is exported
+    values: tuple[ValueSpec, ...]  # the vision tower's values (after every text value in the family's)
+    hosts: dict[str, str]  # vision host kind -> module path template ({j}: vision block)
+    dims: dict[str, DimSource]  # the vision tower's layout dims
+    mixer: str  # the vision blocks' attention module, by its name in the block
+    blocks: tuple[RepeatedBlocks, ...] = ()  # the vision blocks that trace alike (image_only)
+    forward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of the exported forward
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The delta-rule kernels a family's DeltaNet calls: module-level functions, routed through
+    qgraph's custom ops while exporting."""
+
+    module: str  # the module whose functions they are
+    chunk: str  # the chunked (prompt) kernel's function name
+    recurrent: str  # the recurrent (one token) kernel's function name
+
+    @property
+    def functions(self) -> dict[str, str]:
+        """Kernel kind ("chunk", "recurrent") -> function name in ``module``."""
+        return {"chunk": self.chunk, "recurrent": self.recurrent}
 
 
 @dataclass(frozen=True, eq=False)
 class Family:
-    """One model family: its value table and the facts the pipeline asks about its models."""
+    """One model family: its value table and the facts the pipeline asks about its models. An
+    image-text family is a text family ``with_images``: its values, hosts, dims and repeated blocks
+    then include its image part's."""
 
     name: str
     model_types: tuple[str, ...]  # the text config's model_type values that load as this family
@@ -84,20 +122,66 @@ class Family:
     hosts: dict[str, str]  # value host kind -> module path template ({i}: text block, {j}: vision block)
     mixers: dict[str, Mixer]  # block kind (an entry of the text config's block_kinds list) -> its mixer
     block_kinds: str  # the text config's attribute listing each block's kind
-    dims: dict  # layout dim -> text config attribute, or a function of the model's config
+    dims: dict[str, DimSource]  # layout dim -> text config attribute, or a function of the model's config
     module_renames: tuple[tuple[str, str], ...]  # module path -> spec name; the first matching pattern renames
     no_ports: tuple[str, ...]  # the model itself and its wrappers: no ports, spec name ""
     readout: tuple[str, str]  # the final norm and the unembedding, by spec name
     rotary: str  # the text rotary's spec name (the decode pass feeds its position ids)
     position_rows: int  # rows of the position ids the rotary reads ([rows, batch, seq]; 3 for M-RoPE)
-    kernel_module: str  # the module whose functions are the delta-rule kernels
-    delta_rule_kernels: dict[str, str]  # "chunk" / "recurrent" -> function name in kernel_module
+    kernels: Kernels  # the delta-rule kernels
     repeated_blocks: tuple[RepeatedBlocks, ...] = ()
-    images: Images | None = None
-    vision_mixer: str | None = None  # the vision blocks' attention module, by its name in the block
-    export_patches: Callable | None = None  # (model) -> a context manager active while any program is exported
-    forward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of every exported forward
-    check: Callable | None = None  # (config) -> why a model of the family cannot be served, or None
+    images: Images | None = None  # the image part, added by with_images
+    export_patches: ExportPatches | None = None  # active while any program is exported
+    forward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every exported forward
+    check: Check | None = None
+
+    def __post_init__(self):
+        part = self.images
+        if part is None:
+            return
+        if not (all(spec in self.values for spec in part.values) and part.hosts.items() <= self.hosts.items()
+                and part.dims.keys() <= self.dims.keys() and all(b in self.repeated_blocks for b in part.blocks)):
+            raise InvalidArgument(f"family {self.name!r}: its image part's values, hosts, dims and blocks are not all its "
+                                  f"own; build an image-text family with Family.with_images")
+
+    @property
+    def vision_mixer(self) -> str | None:
+        """The vision blocks' attention module, by its name in the block (None without images)."""
+        return self.images.mixer if self.images is not None else None
+
+    def with_images(self, images: Images) -> Family:
+        """This text family with the image part ``images``: its values after every text value, its
+        hosts, dims and repeated blocks added."""
+        if self.images is not None:
+            raise InvalidArgument(f"family {self.name!r} already has images")
+        return replace(self, values=(*self.values, *images.values), hosts={**self.hosts, **images.hosts},
+                       dims={**self.dims, **images.dims}, repeated_blocks=(*self.repeated_blocks, *images.blocks),
+                       images=images)
+
+    def without_images(self) -> Family:
+        """This family without its image part: no vision values, hosts, dims or image-only blocks."""
+        part = self.images
+        if part is None:
+            return self
+        return replace(self, values=tuple(spec for spec in self.values if spec not in part.values),
+                       hosts={host: path for host, path in self.hosts.items() if host not in part.hosts},
+                       dims={name: source for name, source in self.dims.items() if name not in part.dims},
+                       repeated_blocks=tuple(b for b in self.repeated_blocks if b not in part.blocks), images=None)
+
+    def with_host_values(self, host: str, values: tuple[ValueSpec, ...], *, hosts: dict[str, str] | None = None,
+                         dims: dict[str, DimSource] | None = None, drop_dims: tuple[str, ...] = ()) -> Family:
+        """This family with every value of ``host`` replaced by ``values``, placed where the first of
+        them was; ``hosts`` (the new values' other host templates) and ``dims`` added, ``drop_dims`` dropped."""
+        at = next((i for i, spec in enumerate(self.values) if spec.host == host), None)
+        if at is None:
+            raise InvalidArgument(f"family {self.name!r} has no values of host {host!r} to replace")
+        unknown = set(drop_dims) - self.dims.keys()
+        if unknown:
+            raise InvalidArgument(f"family {self.name!r} has no dims {sorted(unknown)} to drop")
+        kept = tuple(spec for spec in self.values[at:] if spec.host != host)
+        return replace(self, values=(*self.values[:at], *values, *kept), hosts={**self.hosts, **(hosts or {})},
+                       dims={**{name: source for name, source in self.dims.items() if name not in drop_dims},
+                             **(dims or {})})
 
     def title(self, module: str) -> str:
         """What diagrams and messages call a mixer module (``gated DeltaNet``)."""
@@ -137,10 +221,14 @@ class Family:
         vision = getattr(config, "vision_config", None)
         return vision.depth if vision is not None and self.images is not None else 0
 
+    def of_images(self, spec_host: str) -> bool:
+        """Whether values of kind ``spec_host`` belong to the image-text part (the vision tower's)."""
+        return self.images is not None and spec_host in self.images.hosts
+
     def hosts_of(self, spec_host: str, config) -> list[str]:
         """Every module path hosting values of kind ``spec_host`` on this model."""
         template = self.hosts[spec_host]
-        if spec_host.startswith("vision") and not self.vision_blocks(config):
+        if self.of_images(spec_host) and not self.vision_blocks(config):
             return []
         if "{i}" in template:
             mixers = self.block_mixers(config)

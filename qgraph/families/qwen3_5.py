@@ -5,10 +5,11 @@ Llama's pre-norm block with a hybrid mixer: three blocks in four carry a gated D
 Every RMSNorm but the DeltaNet's own multiplies by ``1 + weight``. The image-text model adds the
 Qwen ViT (``qwen_vision``) and M-RoPE position ids (three rows: time, height, width).
 """
-from .base import Family, Memory, Mixer, RepeatedBlocks
+from .base import Family, Kernels, Memory, Mixer, RepeatedBlocks
 from .qwen_vision import IMAGES
-from .rules import (BATCH1, HEADS, Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput,
-                    ProgramOutput, ProjectionHalf, ScatterSource, ValueSpec, VarlenAttention)
+from .registry import register_family
+from .rules import (HEADS, Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput,
+                    ProgramOutput, ProjectionHalf, ValueSpec)
 
 # Module paths as the spec names them: the text stack's prefix drops, the vision tower is "vision"
 # with its blocks' modules named like the text blocks', its merger is "projector". The first
@@ -36,22 +37,18 @@ MIXERS = {
         Memory("keys", ("num_kv_heads", "past", "head_dim")),
         Memory("values", ("num_kv_heads", "past", "head_dim")))),
 }
-# Where each kind of host lives: {i} runs over the text blocks (a mixer only on blocks that have it),
-# {j} over the vision blocks; hosts named vision* exist only on the image-text model.
+# Where each kind of host lives: {i} runs over the text blocks (a mixer only on blocks that have it);
+# the vision tower's hosts are its image part's (qwen_vision.IMAGES).
 HOSTS = {
     "model": "",
     "layer": "layers.{i}",
     "linear_attn": "layers.{i}.linear_attn",
     "self_attn": "layers.{i}.self_attn",
     "mlp": "layers.{i}.mlp",
-    "vision": "vision",
-    "vision_layer": "vision.layers.{j}",
-    "vision_self_attn": "vision.layers.{j}.self_attn",
-    "vision_mlp": "vision.layers.{j}.mlp",
 }
 
 # Layout dim -> config attribute of the text config, or a function of the model's config
-# (batch, seq, query, key, patches and image_tokens are the call's own sizes)
+# (batch, seq, query and key are the call's own sizes; the vision tower's dims are qwen_vision's)
 DIMS = {
     "hidden_size": "hidden_size",
     "vocab_size": "vocab_size",
@@ -66,10 +63,6 @@ DIMS = {
     "value_dim": "linear_value_head_dim",
     "conv_dim": lambda config: _conv_dim(config.get_text_config()),
     "conv_context": lambda config: config.get_text_config().linear_conv_kernel_dim - 1,
-    "vision_hidden_size": lambda config: config.vision_config.hidden_size,
-    "vision_num_heads": lambda config: config.vision_config.num_heads,
-    "vision_head_dim": lambda config: config.vision_config.hidden_size // config.vision_config.num_heads,
-    "vision_intermediate_size": lambda config: config.vision_config.intermediate_size,
 }
 
 
@@ -168,58 +161,10 @@ VALUES = (
     ValueSpec("mlp_neurons", "mlp", "Neurons [batch seq intermediate_size]",
               "What the down projection receives: act(gate) * up", Port("down_proj", "input")),
     ValueSpec("mlp_output", "mlp", RESIDUAL, "What the MLP adds to the residual stream", Port("", "output")),
-    # the vision tower (image-text model): stream values are served [1, patches, width]
-    ValueSpec("image_token_mask", "vision", "ImageTokenMask [batch seq]",
-              "Which positions hold image tokens: input_ids == the config's image_token_id; read-only",
-              Derived(("input_ids",), "image_token_mask")),
-    ValueSpec("patch_embeddings", "vision", "Patches [1 patches vision_hidden_size]",
-              "The patch embedding's output, one row per patch (before the learned pos_embed)",
-              Port("patch_embed", "output", view=BATCH1)),
-    ValueSpec("tower_output", "vision", "Patches [1 patches vision_hidden_size]",
-              "The last block's stream, what the projector reads", Port("projector", "input", BATCH1, absolute=True)),
-    ValueSpec("image_features", "vision", "ImageFeatures [image_tokens hidden_size]",
-              "The image features the text model receives at the image tokens, flat over them", ScatterSource()),
-    ValueSpec("layer_input", "vision_layer", "Patches [1 patches vision_hidden_size]",
-              "The tower's stream entering the block", Port("", "input", BATCH1)),
-    ValueSpec("attention_norm_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
-              "The normed stream entering the attention", Port("input_layernorm", "output", BATCH1)),
-    ValueSpec("layer_mid", "vision_layer", "Patches [1 patches vision_hidden_size]",
-              "The tower's stream after the attention add", Port("post_attention_layernorm", "input", BATCH1)),
-    ValueSpec("mlp_norm_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
-              "The normed stream entering the MLP", Port("post_attention_layernorm", "output", BATCH1)),
-    ValueSpec("mlp_input", "vision_layer", "Patches [1 patches vision_hidden_size]",
-              "What the MLP is called with", Port("mlp", "input", BATCH1)),
-    ValueSpec("layer_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
-              "The tower's stream leaving the block", Port("", "output", BATCH1)),
-    ValueSpec("attention_queries", "vision_self_attn", "Queries [1 vision_num_heads patches vision_head_dim]",
-              "The queries of every image, after the 2D rotary", VarlenAttention("queries")),
-    ValueSpec("attention_keys", "vision_self_attn", "Keys [1 vision_num_heads patches vision_head_dim]",
-              "The keys of every image, after the 2D rotary", VarlenAttention("keys")),
-    ValueSpec("attention_values", "vision_self_attn", "Values [1 vision_num_heads patches vision_head_dim]",
-              "The values of every image", VarlenAttention("values")),
-    ValueSpec("attention_scores", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
-              "Each image's scaled scores entering the softmax: a list, one tensor per image; read-only",
-              Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_scores")),
-    ValueSpec("attention_probabilities", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
-              "Each image's attention pattern: a list, one tensor per image; read-only",
-              Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_probabilities")),
-    ValueSpec("attention_head_outputs", "vision_self_attn", "HeadOutputs [1 patches vision_num_heads vision_head_dim]",
-              "The per-head outputs before the output projection", VarlenAttention("head_outputs")),
-    ValueSpec("attention_premix", "vision_self_attn", "HeadOutputs [1 patches vision_num_heads vision_head_dim]",
-              "Every head's output side by side, as the output projection takes it",
-              Port("proj", "input", view=BATCH1 + (("heads", "vision_num_heads", "vision_head_dim"),))),
-    ValueSpec("attention_output", "vision_self_attn", "Patches [1 patches vision_hidden_size]",
-              "What the attention adds to the tower's stream", Port("", "output", BATCH1)),
-    ValueSpec("mlp_activation", "vision_mlp", "Neurons [1 patches vision_intermediate_size]",
-              "The activation function's output", Port("act_fn", "output", BATCH1)),
-    ValueSpec("mlp_neurons", "vision_mlp", "Neurons [1 patches vision_intermediate_size]",
-              "What the second projection receives", Port("linear_fc2", "input", BATCH1)),
-    ValueSpec("mlp_output", "vision_mlp", "Patches [1 patches vision_hidden_size]",
-              "What the MLP adds to the tower's stream", Port("", "output", BATCH1)),
 )
 
 
-QWEN3_5 = Family(
+QWEN3_5 = register_family(Family(
     name="qwen3_5_text",
     model_types=("qwen3_5_text",),
     classes="Qwen3_5ForCausalLM and Qwen3_5ForConditionalGeneration",
@@ -233,12 +178,8 @@ QWEN3_5 = Family(
     readout=("norm", "lm_head"),
     rotary="rotary_emb",
     position_rows=3,
-    # the delta-rule kernels: module-level functions the DeltaNet calls, routed through custom ops
-    kernel_module="transformers.models.qwen3_5.modeling_qwen3_5",
-    delta_rule_kernels={"chunk": "torch_chunk_gated_delta_rule", "recurrent": "torch_recurrent_gated_delta_rule"},
+    kernels=Kernels("transformers.models.qwen3_5.modeling_qwen3_5",
+                    chunk="torch_chunk_gated_delta_rule", recurrent="torch_recurrent_gated_delta_rule"),
     repeated_blocks=(RepeatedBlocks("model.layers", "layer_types"),
-                     RepeatedBlocks("model.language_model.layers", "layer_types"),
-                     RepeatedBlocks("model.visual.blocks", None, image_only=True)),
-    images=IMAGES,
-    vision_mixer="self_attn",
-)
+                     RepeatedBlocks("model.language_model.layers", "layer_types")),
+).with_images(IMAGES))

@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from .base import UnsupportedModel
+from ..errors import UnsupportedModel
 from .rules import Port, Routing, ValueSpec
 
 RESIDUAL = "Residual [batch seq hidden_size]"

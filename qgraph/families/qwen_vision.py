@@ -1,4 +1,6 @@
-"""The Qwen ViT of the image-text Qwen3.5 / Qwen3.6 models: its call inputs and its export patches.
+"""The Qwen ViT of the image-text Qwen3.5 / Qwen3.6 models: the image part a family adds with
+``Family.with_images(IMAGES)``: the vision tower's values, hosts and dims, its call inputs and its
+export patches.
 
 The image-text program takes the tensors that depend on the image grids through Python loops,
 computed before each call with transformers' own functions: the M-RoPE ``position_ids``
@@ -6,7 +8,7 @@ computed before each call with transformers' own functions: the M-RoPE ``positio
 resampling indices and weights (``compat.vision_inputs``, the functions the ViT's forward calls).
 While the image-text program is exported, the vision attention runs as one
 ``qgraph::varlen_attention`` node over all images and the image features stay packed, so one
-program serves every number and size of images. Every family with this tower uses ``IMAGES``.
+program serves every number and size of images. Every family with this tower adds ``IMAGES``.
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import contextlib
 import torch
 from torch.export import Dim
 
+from ..errors import InvalidArgument, InvalidType
 from ..compat import attn_implementation_set, vision_inputs
 from ..inputs import as_tensor
 from ..inputs import prepare as prepare_inputs
-from .base import Images
+from .base import Images, RepeatedBlocks
+from .rules import BATCH1, Derived, Port, ScatterSource, ValueSpec, VarlenAttention
 
 KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 INPUTS = ("position_ids", "pixel_values", "image_grid_thw", "image_cu_seqlens", "image_position_ids",
@@ -105,41 +109,41 @@ def _images(model, input_ids, pixel_values, image_grid_thw, mm_token_type_ids):
     """The image inputs, checked against each other and the prompt; pixel_values in the vision tower's dtype."""
     config = model.config
     if image_grid_thw is None:
-        raise ValueError("pixel_values came without image_grid_thw: pass both, as the processor returns them "
-                         "(ig(**processor(text=..., images=..., return_tensors='pt')))")
+        raise InvalidArgument("pixel_values came without image_grid_thw: pass both, as the processor returns them "
+                              "(ig(**processor(text=..., images=..., return_tensors='pt')))")
     image_grid_thw = _grid(as_tensor(image_grid_thw, "image_grid_thw"), config.vision_config.spatial_merge_size)
     pixel_values = _pixels(model, as_tensor(pixel_values, "pixel_values"), input_ids.device)
     merge = config.vision_config.spatial_merge_size
     patches = int(image_grid_thw.prod(-1).sum())
     if pixel_values.shape[0] != patches:
-        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_thw "
-                         f"{image_grid_thw.tolist()} describes {patches}")
+        raise InvalidArgument(f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_thw "
+                              f"{image_grid_thw.tolist()} describes {patches}")
     expected = patches // merge**2
     found = int((input_ids == config.image_token_id).sum())
     if found != expected:
-        raise ValueError(f"input_ids hold {found} image tokens (id {config.image_token_id}) but the images give "
-                         f"{expected} (image_grid_thw {image_grid_thw.tolist()}, {merge}x{merge} patches per "
-                         f"token): build the prompt with the processor so each image's placeholder is expanded")
+        raise InvalidArgument(f"input_ids hold {found} image tokens (id {config.image_token_id}) but the images give "
+                              f"{expected} (image_grid_thw {image_grid_thw.tolist()}, {merge}x{merge} patches per "
+                              f"token): build the prompt with the processor so each image's placeholder is expanded")
     if mm_token_type_ids is not None:
         mm_token_type_ids = as_tensor(mm_token_type_ids, "mm_token_type_ids")
         if mm_token_type_ids.shape != input_ids.shape:
-            raise ValueError(f"mm_token_type_ids has shape {tuple(mm_token_type_ids.shape)} but input_ids has "
-                             f"{tuple(input_ids.shape)}; they must match (or leave it out: it is computed from "
-                             f"the image tokens)")
+            raise InvalidArgument(f"mm_token_type_ids has shape {tuple(mm_token_type_ids.shape)} but input_ids has "
+                                  f"{tuple(input_ids.shape)}; they must match (or leave it out: it is computed from "
+                                  f"the image tokens)")
     return pixel_values, image_grid_thw, mm_token_type_ids
 
 
 def _grid(image_grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     """image_grid_thw as a LongTensor [images, 3] of positive (t, h, w), h and w multiples of the merge."""
     if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3:
-        raise ValueError(f"image_grid_thw has shape {tuple(image_grid_thw.shape)}; it must be [images, 3], one "
+        raise InvalidArgument(f"image_grid_thw has shape {tuple(image_grid_thw.shape)}; it must be [images, 3], one "
                          f"(t, h, w) row per image, as the processor returns it (image_grid_thw[None] for one image)")
     image_grid_thw = image_grid_thw.long()
     bad = (image_grid_thw < 1).any(-1) | (image_grid_thw[:, 1:] % merge != 0).any(-1)
     if bool(bad.any()):
-        raise ValueError(f"image_grid_thw rows {image_grid_thw[bad].tolist()} are not image grids: t, h and w must be "
-                         f"positive and h, w multiples of the {merge}x{merge} merge; pass the processor's "
-                         f"image_grid_thw")
+        raise InvalidArgument(f"image_grid_thw rows {image_grid_thw[bad].tolist()} are not image grids: t, h and w must be "
+                              f"positive and h, w multiples of the {merge}x{merge} merge; pass the processor's "
+                              f"image_grid_thw")
     return image_grid_thw
 
 
@@ -148,19 +152,90 @@ def _pixels(model, pixel_values: torch.Tensor, device: torch.device) -> torch.Te
     vision = model.config.vision_config
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     if pixel_values.dim() != 2 or pixel_values.shape[1] != width:
-        raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; it must be [patches, {width}] (each row "
-                         f"one {vision.temporal_patch_size}x{vision.patch_size}x{vision.patch_size} patch of "
-                         f"{vision.in_channels} channels): pass the processor's pixel_values, not an image tensor")
+        raise InvalidArgument(f"pixel_values has shape {tuple(pixel_values.shape)}; it must be [patches, {width}] (each row "
+                              f"one {vision.temporal_patch_size}x{vision.patch_size}x{vision.patch_size} patch of "
+                              f"{vision.in_channels} channels): pass the processor's pixel_values, not an image tensor")
     if not pixel_values.is_floating_point():
-        raise TypeError(f"pixel_values is {pixel_values.dtype}; it must be the processor's normalised floating "
-                        f"patches, not raw pixels")
+        raise InvalidType(f"pixel_values is {pixel_values.dtype}; it must be the processor's normalised floating "
+                          f"patches, not raw pixels")
     if pixel_values.device != device:
-        raise ValueError(f"pixel_values is on {pixel_values.device} but input_ids is on {device}: move both to the "
-                         f"model's device")
+        raise InvalidArgument(f"pixel_values is on {pixel_values.device} but input_ids is on {device}: move both to the "
+                              f"model's device")
     return pixel_values.to(model.model.visual.dtype)
 
+
+# Where each kind of vision host lives: {j} runs over the vision blocks (named like the text blocks'
+# by the family's module_renames); they exist only on the image-text model
+HOSTS = {
+    "vision": "vision",
+    "vision_layer": "vision.layers.{j}",
+    "vision_self_attn": "vision.layers.{j}.self_attn",
+    "vision_mlp": "vision.layers.{j}.mlp",
+}
+
+# The vision tower's layout dims, functions of the model's config (patches and image_tokens are the
+# call's own sizes)
+DIMS = {
+    "vision_hidden_size": lambda config: config.vision_config.hidden_size,
+    "vision_num_heads": lambda config: config.vision_config.num_heads,
+    "vision_head_dim": lambda config: config.vision_config.hidden_size // config.vision_config.num_heads,
+    "vision_intermediate_size": lambda config: config.vision_config.intermediate_size,
+}
+
+# The vision tower's values: stream values are served [1, patches, width]
+VALUES = (
+    ValueSpec("image_token_mask", "vision", "ImageTokenMask [batch seq]",
+              "Which positions hold image tokens: input_ids == the config's image_token_id; read-only",
+              Derived(("input_ids",), "image_token_mask")),
+    ValueSpec("patch_embeddings", "vision", "Patches [1 patches vision_hidden_size]",
+              "The patch embedding's output, one row per patch (before the learned pos_embed)",
+              Port("patch_embed", "output", view=BATCH1)),
+    ValueSpec("tower_output", "vision", "Patches [1 patches vision_hidden_size]",
+              "The last block's stream, what the projector reads", Port("projector", "input", BATCH1, absolute=True)),
+    ValueSpec("image_features", "vision", "ImageFeatures [image_tokens hidden_size]",
+              "The image features the text model receives at the image tokens, flat over them", ScatterSource()),
+    ValueSpec("layer_input", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The tower's stream entering the block", Port("", "input", BATCH1)),
+    ValueSpec("attention_norm_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The normed stream entering the attention", Port("input_layernorm", "output", BATCH1)),
+    ValueSpec("layer_mid", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The tower's stream after the attention add", Port("post_attention_layernorm", "input", BATCH1)),
+    ValueSpec("mlp_norm_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The normed stream entering the MLP", Port("post_attention_layernorm", "output", BATCH1)),
+    ValueSpec("mlp_input", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "What the MLP is called with", Port("mlp", "input", BATCH1)),
+    ValueSpec("layer_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
+              "The tower's stream leaving the block", Port("", "output", BATCH1)),
+    ValueSpec("attention_queries", "vision_self_attn", "Queries [1 vision_num_heads patches vision_head_dim]",
+              "The queries of every image, after the 2D rotary", VarlenAttention("queries")),
+    ValueSpec("attention_keys", "vision_self_attn", "Keys [1 vision_num_heads patches vision_head_dim]",
+              "The keys of every image, after the 2D rotary", VarlenAttention("keys")),
+    ValueSpec("attention_values", "vision_self_attn", "Values [1 vision_num_heads patches vision_head_dim]",
+              "The values of every image", VarlenAttention("values")),
+    ValueSpec("attention_scores", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
+              "Each image's scaled scores entering the softmax: a list, one tensor per image; read-only",
+              Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_scores")),
+    ValueSpec("attention_probabilities", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
+              "Each image's attention pattern: a list, one tensor per image; read-only",
+              Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_probabilities")),
+    ValueSpec("attention_head_outputs", "vision_self_attn", "HeadOutputs [1 patches vision_num_heads vision_head_dim]",
+              "The per-head outputs before the output projection", VarlenAttention("head_outputs")),
+    ValueSpec("attention_premix", "vision_self_attn", "HeadOutputs [1 patches vision_num_heads vision_head_dim]",
+              "Every head's output side by side, as the output projection takes it",
+              Port("proj", "input", view=BATCH1 + (("heads", "vision_num_heads", "vision_head_dim"),))),
+    ValueSpec("attention_output", "vision_self_attn", "Patches [1 patches vision_hidden_size]",
+              "What the attention adds to the tower's stream", Port("", "output", BATCH1)),
+    ValueSpec("mlp_activation", "vision_mlp", "Neurons [1 patches vision_intermediate_size]",
+              "The activation function's output", Port("act_fn", "output", BATCH1)),
+    ValueSpec("mlp_neurons", "vision_mlp", "Neurons [1 patches vision_intermediate_size]",
+              "What the second projection receives", Port("linear_fc2", "input", BATCH1)),
+    ValueSpec("mlp_output", "vision_mlp", "Patches [1 patches vision_hidden_size]",
+              "What the MLP adds to the tower's stream", Port("", "output", BATCH1)),
+)
 
 # max_seqlen is read by flash kernels only (qgraph's varlen op does not): given, the ViT does not read it
 # off cu_seqlens with .item()
 IMAGES = Images(keys=KEYS, inputs=INPUTS, prepare=prepare, example=example, patches=patches,
+                values=VALUES, hosts=HOSTS, dims=DIMS, mixer="self_attn",
+                blocks=(RepeatedBlocks("model.visual.blocks", None, image_only=True),),
                 forward_kwargs={"image_max_seqlen": 1})
