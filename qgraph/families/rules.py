@@ -6,10 +6,24 @@ A rule says *where* a value lives, relative to the module that hosts it; ``passe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+
+class Rule:
+    """What every rule is, with its traits (class-level, or a property where they depend on a field):
+
+    ``read_only``: its value can be read but not edited; ``by_name_only``: only its own name selects
+    the value, never a glob (a value that rewrites its block when asked for); ``derived``: computed
+    after the run from other values. ``passes.locate`` registers one locator per rule type
+    (``@locates``)."""
+
+    read_only: ClassVar[bool] = False
+    by_name_only: ClassVar[bool] = False
+    derived: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
-class Port:
+class Port(Rule):
     """A module's first input or its output (what a forward pre-hook or hook would read).
 
     ``module`` is relative to the host ("" is the host itself), or a full module name with
@@ -29,7 +43,7 @@ BATCH1 = (("batch1",),)
 
 
 @dataclass(frozen=True)
-class DeltaRule:
+class DeltaRule(Rule):
     """An argument or output of the host's gated delta-rule kernel node."""
 
     part: str  # queries keys values decays betas state_input | head_outputs state_output
@@ -39,31 +53,36 @@ class DeltaRule:
 
 
 @dataclass(frozen=True)
-class DeltaRuleStates:
+class DeltaRuleStates(Rule):
     """The host's recurrent state after every token (``positions=False``) or after chosen tokens:
     made on request by swapping the kernel node for the state-emitting op (``passes.swap``)."""
+
+    read_only: ClassVar[bool] = True
+    by_name_only: ClassVar[bool] = True  # swaps its block's kernel when asked for
 
     at_positions: bool
 
 
 @dataclass(frozen=True)
-class ConvContext:
+class ConvContext(Rule):
     """The left context of the host's causal conv (``input``: what it starts from, zeros at a
     prompt's start; ``output``: its last columns, the next call's context): made on request by
     giving the conv an explicit context (``passes.swap.open_conv_context``)."""
+
+    by_name_only: ClassVar[bool] = True  # opens its block's conv when asked for
 
     side: str  # "input" | "output"
 
 
 @dataclass(frozen=True)
-class Attention:
+class Attention(Rule):
     """A tensor of the host's attention core: the sdpa node, or the eager softmax pattern."""
 
     part: str  # queries keys values scores probabilities head_outputs
 
 
 @dataclass(frozen=True)
-class Routing:
+class Routing(Rule):
     """A routing tensor of the host's sparse MoE block, found from its ``qgraph::moe_experts`` call:
     ``indices`` and ``expert_weights`` are the op's arguments, ``weights`` the top-k weights spread
     into ``expert_weights``, ``logits`` what the router's softmax reads, ``neurons`` the experts'
@@ -71,9 +90,13 @@ class Routing:
 
     part: str  # logits weights indices expert_weights neurons
 
+    @property
+    def read_only(self) -> bool:
+        return self.part == "indices"
+
 
 @dataclass(frozen=True)
-class ProjectionHalf:
+class ProjectionHalf(Rule):
     """One half of the per-head split of a projection's output (q_proj's query | gate halves)."""
 
     projection: str  # the projection module, relative to the host
@@ -81,21 +104,23 @@ class ProjectionHalf:
 
 
 @dataclass(frozen=True)
-class ProgramInput:
+class ProgramInput(Rule):
     """An input the program is called with."""
+
+    read_only: ClassVar[bool] = True
 
     name: str
 
 
 @dataclass(frozen=True)
-class ProgramOutput:
+class ProgramOutput(Rule):
     """The program's own output (what the model returns)."""
 
     name: str
 
 
 @dataclass(frozen=True)
-class VarlenAttention:
+class VarlenAttention(Rule):
     """An argument or the output of the host's packed per-image attention op (the vision tower)."""
 
     part: str  # queries keys values | head_outputs
@@ -104,24 +129,31 @@ class VarlenAttention:
 
 
 @dataclass(frozen=True)
-class ScatterSource:
+class ScatterSource(Rule):
     """What ``masked_scatter`` writes into the text embeddings (the image features)."""
 
 
 @dataclass(frozen=True)
-class Derived:
+class Derived(Rule):
     """A read-only value computed after the run from other values (``{host}`` is the host's name)."""
 
+    read_only: ClassVar[bool] = True
+    derived: ClassVar[bool] = True
+
     sources: tuple[str, ...]
-    how: str  # a function name in ``qgraph.values.derive``
+    how: str  # the name of a function registered in ``qgraph.values.derive.DERIVATIONS``
 
 
 @dataclass(frozen=True)
-class SAEPart:
+class SAEPart(Rule):
     """A value of a sparse autoencoder spliced at another value (``qgraph.saes``): its ``features``,
     ``reconstruction`` or ``error``. Not in a family's table: ``values.saes`` makes these entries."""
 
     part: str
+
+    @property
+    def read_only(self) -> bool:
+        return self.part != "features"
 
 
 @dataclass(frozen=True)
@@ -132,7 +164,7 @@ class ValueSpec:
     host: str  # a key of the family's HOSTS: "model", "layer", "mlp", a mixer, "vision", "vision_layer", ...
     layout: str  # "Residual [batch seq hidden_size]": a kind, then dims named after family dims
     description: str
-    rule: object
+    rule: Rule
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -141,5 +173,4 @@ class ValueSpec:
 
     @property
     def read_only(self) -> bool:
-        return isinstance(self.rule, (ProgramInput, Derived, DeltaRuleStates)) or \
-            (isinstance(self.rule, SAEPart) and self.rule.part != "features") or self.rule == Routing("indices")
+        return self.rule.read_only

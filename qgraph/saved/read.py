@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.export.graph_signature import InputKind
 
+from ..errors import InvalidType, MissingFile, SavedProgramError
 from ..edits import EditError, Target
 from ..export.fingerprint import fingerprint
 from ..inputs import check_text
@@ -33,10 +34,6 @@ from ..values.names import matching, patterns_of
 from .write import FORMAT, META, read_meta, versions
 
 
-class SavedProgramError(ValueError):
-    """A saved program that cannot be loaded here, or weights that do not fit it."""
-
-
 def load(path, weights=None) -> "LoadedProgram":
     """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` written beside
     it by ``save(..., weights=True)``), a model (its parameters, read at each call; re-read when a
@@ -44,7 +41,7 @@ def load(path, weights=None) -> "LoadedProgram":
     that lack a tensor the program reads, or hold one the model it was saved from never had, are refused."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no saved program at {path}: write one with ig.save({str(path)!r})")
+        raise MissingFile(f"no saved program at {path}: write one with ig.save({str(path)!r})")
     try:
         meta = read_meta(path)
     except (zipfile.BadZipFile, ValueError) as error:
@@ -86,8 +83,8 @@ def _weights(path: Path, meta: dict, weights) -> dict[str, Callable[[], torch.Te
         if isinstance(weights, torch.nn.Module):
             return _from_model(path, meta, weights)
         if not isinstance(weights, (str, Path)):
-            raise TypeError(f"weights= takes a model, a safetensors file or a checkpoint folder, not "
-                            f"{type(weights).__name__}")
+            raise InvalidType(f"weights= takes a model, a safetensors file or a checkpoint folder, not "
+                              f"{type(weights).__name__}")
         tensors = read(weights, meta["parameters"], meta["tied"])
         _fit(path, meta, tensors, names(weights), str(weights))
     except WeightsMismatch as error:
@@ -176,16 +173,15 @@ class LoadedProgram:
             results = list(self.module(*args))
         logits = results.pop(0) if self.meta["logits"] else None
         captured = dict(zip(self.meta["outputs"], results))
-        for name, rule in self.meta["derived"].items():
-            how = getattr(derive, rule["how"])
-            captured[name] = how(*(captured[s] for s in rule["sources"]), inputs=inputs, config=self.config)
+        derive.fill(captured, {name: (rule["how"], rule["sources"]) for name, rule in self.meta["derived"].items()},
+                    inputs, self.config)
         return Output(logits, {name: captured[name] for name in self.values if name in captured}, self.meta["blocks"])
 
     def _edits(self, edits: Mapping | None) -> dict:
         if edits is None:
             return {}
         if not isinstance(edits, Mapping):
-            raise TypeError(f"edits= takes a dict {{name: edit}}, not {type(edits).__name__}")
+            raise InvalidType(f"edits= takes a dict {{name: edit}}, not {type(edits).__name__}")
         chosen = {}
         for pattern, edit in edits.items():
             names = [name for p in patterns_of(pattern) for name in matching(p, self.slots, self.meta["blocks"])]

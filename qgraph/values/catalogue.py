@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import re
 
 from ..families import Family
-from ..families.rules import ConvContext, DeltaRuleStates, Derived, ProgramInput, ValueSpec
+from ..families.rules import ProgramInput, ValueSpec
 from ..passes.locate import Found, Locator, Missing, OnRequest
 
 
@@ -32,14 +32,15 @@ class Entry:
 
     @property
     def derived(self) -> bool:
-        return self.spec is not None and isinstance(self.spec.rule, Derived)
+        return self.spec is not None and self.spec.rule.derived
 
     @property
     def by_name_only(self) -> bool:
         """Whether only its own name selects the value, never a glob: the DeltaNet values that
         rewrite their block when asked for (``states``, large, and ``state``, which needs positions,
-        swap its kernel; the conv states open its conv), so a glob never changes the program."""
-        return self.spec is not None and isinstance(self.spec.rule, (DeltaRuleStates, ConvContext))
+        swap its kernel; the conv states open its conv), so a glob never changes the program: the
+        rule's ``by_name_only`` trait."""
+        return self.spec is not None and self.spec.rule.by_name_only
 
     @property
     def read_only(self) -> bool:
@@ -57,9 +58,9 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
         for host in family.hosts_of(spec.host, config):
             name = f"{host}.{spec.name}" if host else spec.name
             shape = tuple(int(dim) if dim.isdigit() else family.dim(config, dim) or dim for dim in spec.dims)
-            location = Missing("derived") if isinstance(spec.rule, Derived) else locator.locate(host, spec.rule)
+            location = Missing("derived") if spec.rule.derived else locator.locate(host, spec.rule)
             block = re.search(r"layers\.(\d+)", host)
-            section = 2 if host.startswith("vision") else (1 if block else 0)
+            section = 2 if family.of_images(spec.host) else (1 if block else 0)
             placed.append(((section, int(block.group(1)) if block else -1, order),
                            Entry(name, host, spec.layout, shape, spec.description, location, spec)))
     entries = {entry.name: entry for _, entry in sorted(placed, key=lambda item: item[0])}
