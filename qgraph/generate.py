@@ -23,10 +23,11 @@ import torch
 
 from . import compat
 from .values import derive
+from .errors import InvalidArgument, InvalidType, NotCaptured, NotSupported
 from .export import export_model
 from .inputs import image_keys, prepare
 from .values.names import canonical
-from .passes.decode import OpenCache, carried
+from .passes.decode import carried
 from .passes.edit import applying
 from .program import Program
 from .progress import progress
@@ -42,7 +43,7 @@ class Step(dict):
     def __getitem__(self, name):
         key = canonical(name, self._blocks) if not dict.__contains__(self, name) else name
         if not dict.__contains__(self, key):
-            raise KeyError(f"'{name}' was not captured; captured: {', '.join(self) or 'nothing'}")
+            raise NotCaptured(f"'{name}' was not captured; captured: {', '.join(self) or 'nothing'}")
         return dict.__getitem__(self, key)
 
     def __contains__(self, name):
@@ -81,7 +82,7 @@ def chat_prompt(tokenizer, messages, *, enable_thinking: bool, add_generation_pr
     ready for ``ig(**...)`` or ``ig.generate(**...)``, or the text with ``tokenize=False``.
     """
     if not isinstance(enable_thinking, bool):
-        raise TypeError("enable_thinking must be True or False: the templates' defaults differ by model size")
+        raise InvalidType("enable_thinking must be True or False: the templates' defaults differ by model size")
     batch = bool(messages) and isinstance(messages[0], (list, tuple))
     conversations = messages if batch else [messages]
     texts = [tokenizer.apply_chat_template(list(conversation), tokenize=False, enable_thinking=enable_thinking,
@@ -114,7 +115,7 @@ class Decoder:
         return program.build([name for name in values if name in present],
                              {name: slot for name, slot in slots.items() if name in present}, True,
                              {name: option for name, option in options.items() if name in present},
-                             rewrite=OpenCache(program, recurrent=recurrent), make=carried(ig.family, ig.config))
+                             cache="decode" if recurrent else "prompt", make=carried(ig.family, ig.config))
 
     def empty_cache(self, batch: int) -> dict[str, torch.Tensor]:
         """The memory before the first step: no past keys and values, zero states and contexts."""
@@ -177,7 +178,7 @@ def _check_length(name: str, value) -> None:
     low = LENGTHS[name]
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         counts = "counting the prompt" if name.endswith("length") else "not counting the prompt"
-        raise ValueError(f"{name} must be an int >= {low} ({counts}) or None, got {value!r}")
+        raise InvalidArgument(f"{name} must be an int >= {low} ({counts}) or None, got {value!r}")
 
 
 def _check_keywords(kwargs: dict) -> None:
@@ -187,16 +188,16 @@ def _check_keywords(kwargs: dict) -> None:
     fields = compat.generation_settings()  # {name: HF's default}
     unknown = sorted(name for name in kwargs if name not in fields)
     if unknown:
-        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}; it takes "
-                        f"{', '.join(ARGUMENTS)} and the HF generation settings {', '.join(SETTINGS)}")
+        raise InvalidType(f"generate() got unexpected keyword argument(s) {unknown}; it takes "
+                          f"{', '.join(ARGUMENTS)} and the HF generation settings {', '.join(SETTINGS)}")
     if kwargs.get("num_beams") not in (None, 1):
-        raise NotImplementedError("beam search is not supported (num_beams="
-                                  f"{kwargs['num_beams']!r}): generate decodes greedily or by sampling")
+        raise NotSupported("beam search is not supported (num_beams="
+                           f"{kwargs['num_beams']!r}): generate decodes greedily or by sampling")
     for name, value in kwargs.items():
         plain = isinstance(value, (bool, int, float, str)) and value == fields[name]
         if name not in SETTINGS and value is not None and not plain:
-            raise NotImplementedError(f"generate does not support {name}={value!r}: it decodes one sequence per "
-                                      f"prompt, greedily or by sampling; leave {name} unset")
+            raise NotSupported(f"generate does not support {name}={value!r}: it decodes one sequence per "
+                               f"prompt, greedily or by sampling; leave {name} unset")
 
 
 def _limit_lengths(model, config, max_length, prompt_length: int) -> None:
@@ -214,8 +215,8 @@ def _limit_lengths(model, config, max_length, prompt_length: int) -> None:
     for name in LENGTHS:
         _check_length(name, getattr(config, name))  # the model's generation_config may set them too
     if prompt_length >= config.max_length:
-        raise ValueError(f"max_length ({config.max_length}) counts the prompt and must exceed its length "
-                         f"({prompt_length}): pass max_length > {prompt_length}, or max_new_tokens instead")
+        raise InvalidArgument(f"max_length ({config.max_length}) counts the prompt and must exceed its length "
+                              f"({prompt_length}): pass max_length > {prompt_length}, or max_new_tokens instead")
     if config.min_new_tokens is not None:
         config.min_length = config.min_new_tokens + prompt_length
     if config.min_length is not None and config.min_length > config.max_length:
@@ -254,8 +255,8 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     (``SETTINGS``); unknown keyword arguments raise a TypeError, unsupported ones (``num_beams > 1``,
     ``num_return_sequences > 1``, ...) a NotImplementedError, both before any work."""
     if any(generation_kwargs.get(key) is not None for key in image_keys(ig.family)):
-        raise NotImplementedError("generate with images is not supported yet: generate takes text only "
-                                  "(input_ids, attention_mask); a text-only prompt works on the image-text model")
+        raise NotSupported("generate with images is not supported yet: generate takes text only "
+                           "(input_ids, attention_mask); a text-only prompt works on the image-text model")
     for key in image_keys(ig.family):
         generation_kwargs.pop(key, None)
     lengths = {"max_new_tokens": max_new_tokens, "max_length": max_length, "min_new_tokens": min_new_tokens,
@@ -289,10 +290,8 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
         names, options = ig.resolve(list(values)), ig.check_options(values)
     call_edits = ig.call_edits(edits)  # {name: edit}; undeclared names get slots in this decoder's programs
     key = (tuple(names), frozenset(call_edits))
-    decoders = ig.__dict__.setdefault("_decoders", {})
-    if key not in decoders:
-        decoders[key] = Decoder(ig, names, options, {name: ig._slot(name) for name in {*ig.slots, *call_edits}})
-    decoder = decoders[key]
+    decoder = ig.decoder(key, lambda: Decoder(ig, names, options,
+                                              {name: ig.slot(name) for name in {*ig.slots, *call_edits}}))
 
     batch, prompt_length = ids.shape
     blocks = len(ig.family.block_mixers(ig.config))
@@ -308,14 +307,12 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
         inputs = {"input_ids": new_ids, "attention_mask": full_mask[:, -new:], "positions": positions[:, -new:],
                   "causal_mask": causal_mask(full_mask, new), **cache}
         program = decoder.prompt if step == 0 else decoder.decode
-        active = {ig._slot(name): edit for name, edit in call_edits.items()} \
+        active = {ig.slot(name): edit for name, edit in call_edits.items()} \
             if call_edits and _selected(steps, step, max_new_tokens + 1) else {}
         with applying(active), torch.no_grad():
             logits, captured = program.run(inputs)
         cache = decoder.next_cache(captured)
-        for name, entry in program.derived.items():
-            how = getattr(derive, entry.spec.rule.how)
-            captured[name] = how(*(captured[s] for s in program.sources_of(entry)), inputs=inputs, config=ig.config)
+        derive.fill(captured, program.derivations, inputs, ig.config)
         output.steps.append(Step({name: captured[name] for name in decoder.values if name in captured},
                                  logits, blocks))
         output.logits.append(logits[:, -1])

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .errors import InvalidArgument, InvalidType, NotSupported
 from .values import derive
 from .values.catalogue import Entry
 from .compat import hooked_modules
@@ -56,7 +57,7 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     """
     options = compile_options(compile)
     if stages is not None and options is not None:
-        raise ValueError("stages= runs each stage eagerly; drop compile= (or instrument without stages)")
+        raise InvalidArgument("stages= runs each stage eagerly; drop compile= (or instrument without stages)")
     instrumented = InstrumentedModel(model, values, edits=edits, logits=logits, saes=saes, splice=splice,
                                      stages=stages)
     return instrumented if options is None else instrumented.compile(**options)
@@ -72,13 +73,19 @@ class InstrumentedModel:
     program with those slots, built on first use and kept for the next call with the same set.
     When the model changes in a way the program depends on (a replaced submodule, untied weights,
     another dtype or device, another attention implementation), the next call rebuilds the programs.
+
+    Other qgraph modules use only its public attributes (``model``, ``config``, ``family``,
+    ``exported``, ``catalogue``, ``values``, ``options``, ``slots``, ``saes``) and these methods:
+    ``resolve``, ``check_options``, ``call_edits``, ``refresh``, ``program_for`` (the built program of
+    a kind of call), ``slot`` (a value's edit slot), ``decoder`` (generation's programs, kept with the
+    others), ``use_weights`` (weights loaded for a model on meta) and ``variant`` (what the recipes run).
     """
 
     def __init__(self, model: torch.nn.Module, values=(), *, edits=(), logits=True, saes=None, splice="error",
                  stages=None):
         family_for(model)  # an unsupported model (or not a model at all) is named before anything else
         if not isinstance(logits, bool):
-            raise TypeError(f"logits= takes True or False, not {logits!r}")
+            raise InvalidType(f"logits= takes True or False, not {logits!r}")
         self.model, self.config = model, model.config
         self._request, self._logits, self._compile = (values, edits), logits, None
         self._sae_request = (saes or {}, splice)
@@ -86,6 +93,7 @@ class InstrumentedModel:
         self._weights, self._device = {}, None  # tensors loaded for a model on meta (load_weights), and where
         self._lock = threading.RLock()  # builds programs; calls themselves run unlocked
         self._variants: dict[tuple, InstrumentedModel] = {}  # what the helpers run (``variant``)
+        self._decoders: dict[tuple, object] = {}  # generation's programs (``decoder``)
         self._build()
         hooked = [self.family.module_name(path) or path for path in hooked_modules(model)]
         if hooked:
@@ -114,7 +122,7 @@ class InstrumentedModel:
                                            for name in self.resolve(edits)}
         self._call_slots: dict[str, EditSlot] = {}  # slots made for per-call edits at undeclared values
         self._programs: dict[tuple, Program] = {}
-        self._decoders = {}  # generation's programs (qgraph.generate)
+        self._decoders = {}  # generation's programs (``decoder``), of the model as it was
         self._check_stages()
         self._programs[self._key(self.exported.images)] = main.build(self.values, self.slots, self._logits,
                                                                      self.options)
@@ -133,8 +141,8 @@ class InstrumentedModel:
             return
         unbatched = [name for name in self.values if self.catalogue[name].shape[:1] != ("batch",)]
         if unbatched:
-            raise ValueError(f"micro-batches cut the batch, but {', '.join(unbatched[:3])} have no leading batch dim "
-                             f"({self.catalogue[unbatched[0]].layout}): use microbatches=1 or leave them out")
+            raise InvalidArgument(f"micro-batches cut the batch, but {', '.join(unbatched[:3])} have no leading batch dim "
+                                  f"({self.catalogue[unbatched[0]].layout}): use microbatches=1 or leave them out")
 
     def _new_slot(self, name: str, fixed=None) -> EditSlot:
         entry = self.catalogue[name]
@@ -161,14 +169,15 @@ class InstrumentedModel:
     @property
     def program(self) -> torch.fx.GraphModule:
         """The runnable program (of the image-text program on the image-text model)."""
-        return self._program_for(self.exported.images).module
+        return self.program_for(self.exported.images).module
 
     @property
     def graph(self) -> torch.fx.Graph:
         """The program's graph, taps and slots included (markers already removed)."""
         return self.program.graph
 
-    def _program_for(self, images: bool, extra=()) -> Program:
+    # -- what other qgraph modules use (generate, save, load_weights, the recipes) ---------------------
+    def program_for(self, images: bool, extra=()) -> Program:
         """The program a call runs: a text-only call to the image-text model runs its text program;
         a call with edits at undeclared values (``extra``) one that also has their slots."""
         key = self._key(images, extra)
@@ -183,7 +192,7 @@ class InstrumentedModel:
                     self._fingerprint = fingerprint(self.model, self._reads)
                 program = self._program(exported)
                 present = program.present
-                slots = {name: self._slot(name) for name in key[1] if name in present}
+                slots = {name: self.slot(name) for name in key[1] if name in present}
                 self._programs[key] = program.build([n for n in self.values if n in present], slots, self._logits,
                                                     {n: o for n, o in self.options.items() if n in present})
                 self._finish(self._programs[key], extra)
@@ -193,7 +202,7 @@ class InstrumentedModel:
         """A program builder for ``exported``, with this model's SAEs."""
         return Program(self.model, exported, saes=self.saes, weights=self._weights, device=self._device)
 
-    def _slot(self, name: str) -> EditSlot:
+    def slot(self, name: str) -> EditSlot:
         """The slot at ``name``: declared, or made for per-call edits (once, then reused)."""
         if name in self.slots:
             return self.slots[name]
@@ -201,6 +210,22 @@ class InstrumentedModel:
             if name not in self._call_slots:
                 self._call_slots[name] = self._new_slot(name)
             return self._call_slots[name]
+
+    def decoder(self, key, make):
+        """Generation's programs for ``key`` (its values and edits): ``make()`` once, then kept until the
+        model changes (``refresh`` drops them with the other programs)."""
+        with self._lock:
+            if key not in self._decoders:
+                self._decoders[key] = make()
+            return self._decoders[key]
+
+    def use_weights(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Run the programs on ``tensors`` (parameter and buffer targets of the export: weights loaded
+        for a model built on ``meta``) on ``device``, instead of the model's own; rebuilds them."""
+        with self._lock:
+            self._weights.update(tensors)
+            self._device = device
+            self._build()
 
     def variant(self, values=(), *, edits=(), logits: bool = True) -> "InstrumentedModel":
         """An instrument of the same model that runs as this one does (its SAEs, their splice and its
@@ -242,24 +267,20 @@ class InstrumentedModel:
         images = self.exported.images and inputs.get("pixel_values") is not None
         given = [key for key in image_keys(self.family) if inputs.get(key) is not None]
         if not self.exported.images and given:
-            raise TypeError(f"{type(self.model).__name__} is text-only and takes no images ({', '.join(given)}): "
-                            f"load the image-text model (one of {self.family.classes})")
+            raise InvalidType(f"{type(self.model).__name__} is text-only and takes no images ({', '.join(given)}): "
+                              f"load the image-text model (one of {self.family.classes})")
         if not images and inputs.get("image_grid_thw") is not None:
-            raise ValueError("image_grid_thw came without pixel_values: pass both, as the processor returns them")
+            raise InvalidArgument("image_grid_thw came without pixel_values: pass both, as the processor returns them")
         prepared = prepare(self.model, self.family.images, input_ids, attention_mask, with_images=images, **inputs)
         call_edits = self.call_edits(edits)
-        program = self._program_for(images, call_edits)
+        program = self.program_for(images, call_edits)
         missing = [name for name in call_edits if name not in program.slots]
         if missing:
             raise EditError(f"{missing} are not in this call's program: a call without images has no vision values")
         watched = [name for name in program.tapped if name.endswith("#grad")]
         with applying({program.slots[name]: edit for name, edit in call_edits.items()}):
             logits, captured = program.run(prepared, eager=bool(call_edits) or bool(watched))
-        for name, entry in program.derived.items():
-            if any(captured[s] is None for s in program.sources_of(entry)):
-                continue  # computed on another stage's rank
-            how = getattr(derive, entry.spec.rule.how)
-            captured[name] = how(*(captured[s] for s in program.sources_of(entry)), inputs=prepared, config=self.config)
+        derive.fill(captured, program.derivations, prepared, self.config)  # not those whose sources are on another rank
         values = {name: captured[name] for name in self.values if captured.get(name) is not None}
         grads = {}
         for key in watched:
@@ -275,13 +296,13 @@ class InstrumentedModel:
         if edits is None:
             return {}
         if not isinstance(edits, Mapping):
-            raise TypeError(f"edits= takes a dict {{name: edit}}, not {type(edits).__name__}: e.g. "
-                            f"edits={{'layers.2.layer_output': qgraph.Zero()}}")
+            raise InvalidType(f"edits= takes a dict {{name: edit}}, not {type(edits).__name__}: e.g. "
+                              f"edits={{'layers.2.layer_output': qgraph.Zero()}}")
         resolved = {}
         for pattern, edit in edits.items():
             for name in self.resolve(pattern):
                 if name not in self.slots:
-                    self._slot(name)  # checks it can be edited
+                    self.slot(name)  # checks it can be edited
                 resolved[name] = edit
         return resolved
 
@@ -321,8 +342,8 @@ class InstrumentedModel:
         (step 0 the prompt pass, step k the pass over new token k). ``edits={name: edit}`` apply at
         every step, or at ``steps=[0]`` / ``steps=slice(1, None)`` only. See ``qgraph.generate``."""
         if self._stages is not None:
-            raise NotImplementedError("generate does not run stages yet: generate with an instrument without stages= "
-                                      "(stages serve prompt passes: calls and capture)")
+            raise NotSupported("generate does not run stages yet: generate with an instrument without stages= "
+                               "(stages serve prompt passes: calls and capture)")
         from .generate import generate
         return generate(self, input_ids, attention_mask, **kwargs)
 
@@ -342,8 +363,8 @@ class InstrumentedModel:
         hidden_size = self.config.get_text_config().hidden_size
         if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0 or hidden.shape[-1] != hidden_size:
             got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-            raise ValueError(f"project_on_vocab takes a residual-stream tensor [..., {hidden_size}] (e.g. "
-                             f"out['layers.3.layer_output']), got {got}")
+            raise InvalidArgument(f"project_on_vocab takes a residual-stream tensor [..., {hidden_size}] (e.g. "
+                                  f"out['layers.3.layer_output']), got {got}")
         modules = {self.family.module_name(path): module for path, module in self.model.named_modules()}
         norm, head = (modules[path] for path in self.family.readout)
         return head(norm(hidden))
@@ -355,13 +376,13 @@ class InstrumentedModel:
         (as this instrument computes it: its fixed edits and SAEs in place)."""
         positions = [positions] if isinstance(positions, int) else list(positions)
         if not isinstance(top, int) or not 1 <= top <= self.config.get_text_config().vocab_size:
-            raise ValueError(f"top must be an int in [1, vocab size], got {top!r}")
+            raise InvalidArgument(f"top must be an int in [1, vocab size], got {top!r}")
         out = self.variant(["layers.*.layer_output"], logits=False)(input_ids, attention_mask)
         seq = out["layers.0.layer_output"].shape[1]
         bad = [p for p in positions if not isinstance(p, int) or not -seq <= p < seq]
         if bad or not positions:
-            raise ValueError(f"logit_lens positions {bad or positions} are not token positions of a {seq}-token call "
-                             f"(give ints in [-{seq}, {seq}))")
+            raise InvalidArgument(f"logit_lens positions {bad or positions} are not token positions of a {seq}-token call "
+                                  f"(give ints in [-{seq}, {seq}))")
         result = {}
         for block in range(len(self.family.block_mixers(self.config))):
             hidden = out[f"layers.{block}.layer_output"][:, list(positions)]
@@ -370,11 +391,6 @@ class InstrumentedModel:
         return result
 
     # -- looking -----------------------------------------------------------------------------------
-    @property
-    def graph(self) -> torch.fx.Graph:
-        """The program's graph, taps included (markers already removed)."""
-        return self.program.graph
-
     def __repr__(self) -> str:
         from .values.support import annotated_tree
         return annotated_tree(self.model, self.catalogue, highlight=set(self.values))

@@ -1,10 +1,9 @@
 """The one program builder: a copy of an exported graph, its catalogue, and the passes a request runs.
 
 Calls, generation and the diagrams all build their graph here. ``Program(model, exported)`` copies
-the exported graph (port markers in place) and catalogues every value. ``make(names)`` runs the
-rewrites that make on-request values (what a diagram draws); ``build(...)`` runs them and the rest,
-in one ordered list of passes (``passes.base.run_passes``): make on request, the caller's rewrite
-(the decode step's cache), edit slots, taps, strip markers, drop dead code.
+the exported graph (port markers in place) and catalogues every value. ``build(...)`` runs the
+pipeline (``passes.pipeline.PIPELINE``, once, in its order) for one request; ``make(names)`` runs its
+first pass alone, the rewrites that make on-request values (what a diagram draws).
 """
 from __future__ import annotations
 
@@ -12,17 +11,16 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
+from .errors import InvalidState
 from .values.catalogue import Entry, build_catalogue
 from .values.saes import sae_entries
 from .export import ExportedModel
 from .kernels.buffers import BufferPool, reusing
 from .passes import Found, Locator, OnRequest
-from .passes.base import run_passes
-from .passes.edit import EditSlot, InsertEditSlots
-from .passes.markers import StripMarkers
-from .passes.on_request import MakeOnRequest, input_name
-from .passes.device import OnDevice
-from .passes.tap import Prune, Tap
+from .passes.base import Build, Request, run_passes
+from .passes.edit import EditSlot
+from .passes.on_request import input_name
+from .passes.pipeline import PIPELINE, build_passes
 
 
 class Program:
@@ -71,53 +69,41 @@ class Program:
         entries = build_catalogue(self.family, self.model.config, self.locator, self.module_names)
         return {**entries, **sae_entries(entries, self.saes, self.spliced)} if self.saes else entries
 
+    def recatalogue(self) -> None:
+        """Catalogue the graph again (after a rewrite: a decomposed block's pattern is now found)."""
+        self.catalogue = self._catalogue()
+
     def make(self, names, options: dict[str, dict] | None = None) -> "Program":
-        """Run the rewrites that make the on-request values among ``names`` (``passes.on_request``)
-        and catalogue the result; the markers stay, nothing is tapped (what a diagram reads)."""
-        requests = {name: self.catalogue[name].location for name in names
-                    if name in self.catalogue and isinstance(self.catalogue[name].location, OnRequest)}
-        if requests:
-            run_passes(self.module, [MakeOnRequest(self, requests, options or {})], self.passes_run)
-            self.catalogue = self._catalogue()
+        """Run the pipeline's first pass alone: the rewrites that make the on-request values among
+        ``names``, catalogued again; the markers stay, nothing is tapped (what a diagram reads)."""
+        build = Build(self, Request(list(names), options=options or {}))
+        run_passes(self.module, build_passes(build, PIPELINE[:1]), self.passes_run)
         return self
 
     def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool,
-              options: dict[str, dict] | None = None, rewrite=None, make=()) -> "Program":
-        """Make the values that need a rewrite (and those in ``make``), run ``rewrite`` (a pass whose
-        ``taps`` are tapped too: the decode step's ``passes.decode.OpenCache``), insert the slots, tap
-        the values (and the sources of derived ones), strip the markers and drop what no output
-        needs. ``options`` holds per-value options (states' positions, heads, dtype). A value asked
-        with ``{"grad": True}`` is also tapped before its view (``grad_tap(name)``), the tensor its
-        readers read, so its gradient can be read after a backward."""
-        options = options or {}
-        self.slots = dict(slots)
+              options: dict[str, dict] | None = None, cache: str | None = None, make=()) -> "Program":
+        """Run the pipeline (``passes.pipeline.PIPELINE``) for a request: make the values that need a
+        rewrite (and those in ``make``, and the SAEs that change what the model reads), with ``cache`` (``"prompt"`` or ``"decode"``) make the graph a
+        cached decoding step, insert the ``slots``, tap the values (and the sources of derived ones),
+        strip the markers and drop what no output needs. ``options`` holds per-value options (states'
+        positions, heads, dtype). A value asked with ``{"grad": True}`` is also tapped before its view
+        (``passes.tap.grad_tap(name)``), the tensor its readers read, so its gradient can be read after a backward."""
         spliced = [f"{hook}.sae.features" for hook, (_, splice) in self.saes.items() if splice != "error"]
-        self.make([*values, *slots, *make, *spliced], options)
-        if rewrite is not None:
-            run_passes(self.module, [rewrite], self.passes_run)
-        slotted = InsertEditSlots({name: (self.catalogue[name].location, slot, self.catalogue[name].spec is None)
-                                   for name, slot in slots.items()})
-        run_passes(self.module, [slotted], self.passes_run)
+        request = Request(list(values), dict(slots), logits, options or {}, cache, (*make, *spliced))
+        self.slots = request.slots  # a spliced SAE's features read whether they are edited
+        build = Build(self, request)
+        run_passes(self.module, build_passes(build), self.passes_run)
+        self.tapped, self.returns_logits = build.tapped, logits
         self.derived = {name: self.catalogue[name] for name in values if self.catalogue[name].derived}
-        wanted = [name for name in values if name not in self.derived]
-        for entry in self.derived.values():
-            wanted += [source for source in self.sources_of(entry) if source not in wanted]
-        found = {}
-        for name in wanted:
-            location = self.catalogue[name].location
-            found[name] = Found(slotted.nodes[name], location.view) if name in slotted.nodes else location
-        for name in values:
-            if options.get(name, {}).get("grad"):
-                found[grad_tap(name)] = Found(found[name].node)
-        found.update(getattr(rewrite, "taps", {}))
-        tap = Tap(found, logits)
-        moved = [OnDevice(_device_of(self.model), self.device)] if self.device is not None else []
-        run_passes(self.module, [tap, StripMarkers(), Prune(), *moved], self.passes_run)
-        self.tapped, self.returns_logits = tap.tapped, logits
         self.module.recompile()
         self.inputs = _input_sources(self.model, self.exported, self.weights) + \
             [source for _, source, _ in self.extra_inputs]
         return self
+
+    @property
+    def derivations(self) -> dict[str, tuple[str, list[str]]]:
+        """``{name: (how, sources)}`` of the derived values it serves (``values.derive.fill``)."""
+        return {name: (entry.spec.rule.how, self.sources_of(entry)) for name, entry in self.derived.items()}
 
     def add_input(self, name: str, source, example: torch.Tensor, recipe: dict | None = None) -> Node:
         """A new program input after the existing ones, fed by ``source(call inputs)`` and shaped like
@@ -143,7 +129,7 @@ class Program:
         local = self.pipeline.local_inputs(len(args)) if self.pipeline is not None else range(len(args))
         unloaded = next((i for i in local if isinstance(args[i], torch.Tensor) and args[i].is_meta), None)
         if unloaded is not None:
-            raise RuntimeError(f"{self.input_names[unloaded]} is on the meta device (the model was built without "
+            raise InvalidState(f"{self.input_names[unloaded]} is on the meta device (the model was built without "
                                f"weights): load them with ig.load_weights(checkpoint) first")
         with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
             if self.pipeline is not None:  # its stages: this process's, or all of them (qgraph.distributed)
@@ -152,15 +138,6 @@ class Program:
                 results = list((self.module if eager or self.compiled is None else self.compiled)(*args))
         logits = results.pop(0) if self.returns_logits else None
         return logits, dict(zip(self.tapped, results))
-
-
-def grad_tap(name: str) -> str:
-    """The hidden output holding the tensor a ``grad`` value's readers read (before its view)."""
-    return f"{name}#grad"
-
-
-def _device_of(model) -> torch.device:
-    return next(iter(model.parameters()), torch.empty(0)).device
 
 
 def _input_sources(model, exported: ExportedModel, weights: dict):

@@ -154,7 +154,7 @@ def test_states_memory_is_reused_only_once_dropped(sdpa_model, ids, monkeypatch)
     del first
     third = ig(ids)["layers.0.linear_attn.states"]  # writes where `first` was
     assert third.data_ptr() == address and torch.equal(third, kept)
-    pooled = ig._program_for(False).buffers
+    pooled = ig.program_for(False).buffers
     assert pooled.nbytes > 0
     ig.release_buffers()
     assert pooled.nbytes == 0 and torch.equal(third, kept)  # a held tensor keeps its memory

@@ -19,7 +19,7 @@ from ..weights import check_fit, read, tied_groups
 def load_weights(ig, checkpoint, device="cpu") -> list[str]:
     """Load what this process's stage of ``ig``'s program reads; rebuild the programs to read it."""
     device = torch.device(device)
-    program = ig._program_for(ig.exported.images)
+    program = ig.program_for(ig.exported.images)
     specs = program.exported.program.graph_signature.input_specs
     local = program.pipeline.local_inputs(len(specs)) if program.pipeline is not None else range(len(specs))
     wanted = [specs[i] for i in local if i < len(specs) and specs[i].kind in (InputKind.PARAMETER, InputKind.BUFFER)]
@@ -32,9 +32,7 @@ def load_weights(ig, checkpoint, device="cpu") -> list[str]:
             if attribute in computed:
                 tensors[spec.target] = computed[attribute]
     check_fit("the model", {name: (t.shape, t.dtype) for name, t in expected.items()}, tensors, str(checkpoint))
-    ig._weights.update({name: tensor.to(device) for name, tensor in tensors.items()})
-    ig._device = device
-    ig._build()
+    ig.use_weights({name: tensor.to(device) for name, tensor in tensors.items()}, device)
     return sorted(tensors)
 
 

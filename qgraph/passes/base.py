@@ -1,17 +1,27 @@
-"""The shape of a pass and the one runner that runs them, as torch's pass infrastructure has it.
+"""The shape of a pass, the build context a program's passes share, and the one runner.
 
 A pass is a ``torch.fx.passes.infra.pass_base.PassBase``: called on a graph module it runs
-``requires``, ``call`` and ``ensures`` and returns a ``PassResult(graph_module, modified)``. What a
-pass finds for the passes after it (the nodes it tapped, the slots it inserted) it keeps on itself.
+``requires``, ``call`` and ``ensures`` and returns a ``PassResult(graph_module, modified)``.
 ``run_passes`` runs a list in order, lints the graph after each, and when one fails says which, and
 which ran before it (a note on the error, whose type and message stay the pass's own).
+
+The passes that build a program (``passes.pipeline.PIPELINE``) are ``BuildPass``es: each is made
+from the ``Build`` of one request (what was asked: ``Request``) and reads its inputs from it and
+writes what it finds there for the passes after it, never on itself. Each says whether it reads the
+port markers (it runs before ``StripMarkers``) or runs after they are gone; ``requires`` checks it.
 """
 from __future__ import annotations
 
-from torch.fx import GraphModule
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-__all__ = ["GraphPass", "PassResult", "run_passes"]
+from ..errors import InternalError
+from ..kernels.ops import MARK_OP
+
+__all__ = ["Build", "BuildPass", "GraphPass", "PassResult", "Request", "run_passes"]
 
 
 class GraphPass(PassBase):
@@ -21,10 +31,66 @@ class GraphPass(PassBase):
         return type(self).__name__
 
 
+@dataclass
+class Request:
+    """What one program is built for: the values to tap, the edit slots (``{name: EditSlot}``), whether
+    it returns the logits, per-value options (states' positions, heads, dtype; ``grad``), the cached
+    step to make (None, or ``"prompt"`` / ``"decode"``: ``passes.decode.OpenCache``) and more values to
+    make on request (the memory a cached step carries)."""
+
+    values: list[str]
+    slots: dict = field(default_factory=dict)
+    logits: bool = True
+    options: dict[str, dict] = field(default_factory=dict)
+    cache: str | None = None
+    make: tuple[str, ...] = ()
+
+
+@dataclass
+class Build:
+    """One build of a program: the program being rewritten (its graph, catalogue, ``add_input``), the
+    request, and what the passes hand on: each slot's node (``InsertEditSlots``), the memory a cached
+    step taps (``OpenCache``) and the names tapped, in output order (``Tap``)."""
+
+    program: object  # qgraph.program.Program
+    request: Request
+    slot_nodes: dict[str, Node] = field(default_factory=dict)
+    cache_taps: dict = field(default_factory=dict)  # {name: Found}
+    tapped: list[str] = field(default_factory=list)
+
+
+class BuildPass(GraphPass):
+    """A pass of the program pipeline, made from a ``Build``. ``markers``: True when it reads the port
+    markers (it must run before they are stripped), False when it must run after, None when either."""
+
+    markers: ClassVar[bool | None] = None
+
+    def __init__(self, build: Build):
+        self.build = build
+
+    @classmethod
+    def wanted(cls, build: Build) -> bool:
+        """Whether this build runs the pass (a cached step's pass only for generation, ...)."""
+        return True
+
+    def requires(self, graph_module: GraphModule) -> None:
+        if graph_module is not self.build.program.module:  # what it rewrites through the program (add_input)
+            raise InternalError(f"{self!r} was given another graph module than its build's program's")
+        if self.markers is not None and has_markers(graph_module) != self.markers:
+            raise InternalError(f"{self!r} runs {'before' if self.markers else 'after'} the port markers are "
+                                f"stripped, but the graph {'has none' if self.markers else 'still has them'}: the "
+                                f"pipeline's order is broken")
+
+
+def has_markers(graph_module: GraphModule) -> bool:
+    """Whether the graph still holds port markers (``qgraph::mark``)."""
+    return bool(graph_module.graph.find_nodes(op="call_function", target=MARK_OP))
+
+
 def run_passes(module: GraphModule, passes: list[PassBase], done: list[str] | None = None) -> GraphModule:
     """Run ``passes`` in order on ``module``, linting after each; return the final graph module.
-    ``done`` is the history of passes already run on ``module`` (a builder that runs its passes in
-    steps passes its own list, so a failure names every pass before it); each pass run is added."""
+    ``done`` is the history of passes already run on ``module`` (a program's, so that a failure names
+    every pass before it); each pass run is added."""
     done = [] if done is None else done
     for graph_pass in passes:
         try:

@@ -1,7 +1,7 @@
 """The decode pass: turn a prompt program into one decoding step whose memory (its cache) is explicit.
 
-``OpenCache(program, recurrent=...)`` rewrites a text program (run as the ``rewrite`` of
-``Program.build``: after the on-request rewrites, before the edit slots) so that every piece of
+``OpenCache`` rewrites a text program (in the pipeline, ``passes.pipeline``, of a build with a
+``cache``: after the on-request rewrites, before the edit slots) so that every piece of
 memory a step needs from the steps before it is a program input, and every piece the next step
 needs is a program output:
 
@@ -31,8 +31,9 @@ import re
 import torch
 from torch.fx import Node
 
+from ..errors import InternalError
 from ..kernels.ops import DELTA_RULE_OPS
-from .base import GraphPass, PassResult
+from .base import BuildPass, PassResult
 from .emit import fake_result
 from .locate import Found, Locator, attention_core
 
@@ -42,19 +43,27 @@ _LAYER = re.compile(r"(^|\.)layers\.\d+(\.|$)")
 _BATCH_EXAMPLE = 2  # the batch of the fake examples new inputs are shaped like
 
 
-class OpenCache(GraphPass):
-    """Rewrite a prompt program into a cached step (see the module doc). Run by ``Program.build``
-    after the on-request rewrites (it asks the program to ``make`` every carried value first:
-    ``carried(family, config)``); ``taps`` holds the memory to tap after it ran."""
+class OpenCache(BuildPass):
+    """Rewrite a prompt program into a cached step (see the module doc): the build's ``cache`` is
+    ``"prompt"`` (the chunked kernel) or ``"decode"`` (one token: the token-by-token kernel). Runs after
+    the on-request rewrites (the build makes every carried value first: ``carried(family, config)``);
+    writes the memory to tap to ``build.cache_taps``."""
 
-    def __init__(self, program, recurrent: bool = False):
-        self.program, self.recurrent, self.taps = program, recurrent, {}
+    markers = True
+
+    @classmethod
+    def wanted(cls, build) -> bool:
+        return build.request.cache is not None
 
     def __repr__(self) -> str:
         return f"OpenCache(recurrent={self.recurrent})"
 
+    @property
+    def recurrent(self) -> bool:
+        return self.build.request.cache == "decode"
+
     def call(self, graph_module) -> PassResult:
-        program = self.program
+        program = self.build.program
         family, config = program.family, program.model.config
         locator = Locator(graph_module.graph, family, config)
         _feed_positions(program, locator)
@@ -62,12 +71,13 @@ class OpenCache(GraphPass):
         if any(not mixer.recurrent for _, mixer in memory):
             _feed_mask(program)
         seq_sizes = _seq_sizes(graph_module.graph)
+        taps = self.build.cache_taps
         for host, mixer in memory:
             for piece in mixer.memory:
                 if piece.carries:
-                    self.taps[f"{host}.cache_{piece.name}"] = _carry(program, host, piece)
+                    taps[f"{host}.cache_{piece.name}"] = _carry(program, host, piece)
                 else:
-                    self.taps[f"{host}.cache_{piece.name}"] = _grow(program, locator, host, piece, seq_sizes)
+                    taps[f"{host}.cache_{piece.name}"] = _grow(program, locator, host, piece, seq_sizes)
             if self.recurrent and mixer.recurrent:  # one token: the token-by-token kernel, as HF decodes
                 kernel = locator.kernel(host)
                 if kernel is not None and kernel.target is CHUNK_OP:
@@ -90,8 +100,8 @@ def _feed_positions(program, locator) -> None:
                                   torch.zeros(_BATCH_EXAMPLE, 3, dtype=torch.long))
     rotary = locator.scopes.get(family.rotary)
     if not rotary:
-        raise NotImplementedError(f"no rotary embedding module '{family.rotary}' found in the program: cannot "
-                                  f"offset positions")
+        raise InternalError(f"no rotary embedding module '{family.rotary}' found in the program: cannot "
+                            f"offset positions")
     inside = set(rotary)
     readers = {}
     for node in rotary:
@@ -101,7 +111,7 @@ def _feed_positions(program, locator) -> None:
                     and value.dim() == (3 if rows > 1 else 2):
                 readers.setdefault(arg, []).append(node)
     if len(readers) != 1:
-        raise NotImplementedError(f"expected one position-id input to the rotary, found {len(readers)}")
+        raise InternalError(f"expected one position-id input to the rotary, found {len(readers)}")
     (old_positions, users), = readers.items()
     new_positions = positions
     if rows > 1:
@@ -120,7 +130,7 @@ def _feed_mask(program) -> None:
         return _is_bool4(node) and not _in_layer(node, program.family)
     masks = [node for node in graph.nodes if outside(node) and not any(outside(user) for user in node.users)]
     if len(masks) != 1:
-        raise NotImplementedError(f"expected one 4-D boolean attention mask, found {len(masks)}")
+        raise InternalError(f"expected one 4-D boolean attention mask, found {len(masks)}")
     mask = program.add_input("causal_mask", lambda inputs: inputs["causal_mask"],
                              torch.ones(_BATCH_EXAMPLE, 1, 3, 5, dtype=torch.bool))
     masks[0].replace_all_uses_with(mask)
@@ -130,7 +140,7 @@ def _grow(program, locator, host: str, piece, seq_sizes) -> Found:
     """An attention's keys or values become ``cat(past, new)``, the past an input; returns the joined tensor."""
     core = attention_core(locator.scopes.get(host, ()))
     if core is None:
-        raise NotImplementedError(f"no attention computation found under '{host}'")
+        raise InternalError(f"no attention computation found under '{host}'")
     node = getattr(core, piece.name)
     shape = node.meta["val"].shape
     past = program.add_input(f"cache.{host}.{piece.name}", lambda inputs, k=f"{host}.{piece.name}": inputs[k],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
+from ..errors import NotSupported
 from .emit import emitter
 
 aten = torch.ops.aten
@@ -24,8 +25,8 @@ def decompose_sdpa(graph: Graph, sdpa: Node) -> None:
     dropout = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("dropout_p", 0.0)
     causal = sdpa.args[5] if len(sdpa.args) > 5 else sdpa.kwargs.get("is_causal", False)
     if dropout or causal:
-        raise NotImplementedError("decomposing sdpa with dropout or is_causal=True is not supported; load the "
-                                  "model with attn_implementation='eager' instead")
+        raise NotSupported("decomposing sdpa with dropout or is_causal=True is not supported; load the "
+                           "model with attn_implementation='eager' instead")
     query_val = query.meta["val"]
     scale = sdpa.kwargs.get("scale") or query_val.shape[-1] ** -0.5
     emit = emitter(graph, sdpa)

@@ -9,14 +9,24 @@ from __future__ import annotations
 import torch
 from torch.fx.node import map_aggregate
 
-from .base import GraphPass, PassResult
+from .base import BuildPass, PassResult
 
 
-class OnDevice(GraphPass):
-    """Every ``source`` device argument in the graph becomes ``target``."""
+class OnDevice(BuildPass):
+    """Every device argument naming the model's device (``meta``) becomes the device its weights were
+    loaded on (``program.device``)."""
 
-    def __init__(self, source: torch.device, target: torch.device):
-        self.source, self.target = torch.device(source), torch.device(target)
+    markers = False
+
+    def __init__(self, build):
+        super().__init__(build)
+        program = build.program
+        self.source = next(iter(program.model.parameters()), torch.empty(0)).device
+        self.target = torch.device(program.device)
+
+    @classmethod
+    def wanted(cls, build) -> bool:
+        return build.program.device is not None
 
     def call(self, graph_module) -> PassResult:
         modified = False

@@ -11,13 +11,11 @@ import contextvars
 from collections.abc import Mapping
 
 import torch
-from torch.fx import Graph, Node
 
 from ..edits import Target, apply_edit
 from ..kernels.ops import MARK_OP
 from . import views
-from .base import GraphPass, PassResult
-from .locate import Found
+from .base import BuildPass, PassResult
 
 
 # The edits of the call running in this context: {slot: edit}
@@ -56,42 +54,34 @@ class EditSlot(torch.nn.Module):
         return views.undo(value, self.view)
 
 
-def insert_edit_slots(graph: Graph, slots: dict[str, tuple[Found, EditSlot, bool]]) -> dict[str, Node]:
-    """Put each slot after its value's node and rewire that node's readers to the slot.
+class InsertEditSlots(BuildPass):
+    """Put each slot of the request after its value's node and rewire that node's readers to it; the
+    slots become submodules of the graph module, and each value's slot node goes to
+    ``build.slot_nodes`` (tap those to capture the edited value).
 
-    ``slots`` maps a value name to (where it is, its slot, whether it is a module port). A module
-    port's slot feeds only that module (the marker's readers); a standard value's slot feeds every
-    reader of the tensor, so e.g. an edit of ``layer_mid`` reaches both the MLP and the residual add.
-    Returns the slot node of each name (tap those to capture the edited value).
-    """
-    nodes = {}
-    for name, (found, slot, is_port) in slots.items():
-        node = found.node
-        if not is_port:
-            while node.target is MARK_OP:  # the tensor itself, not one module's view of it
-                node = node.args[0]
-        readers = list(node.users)
-        with graph.inserting_after(node):
-            slot_node = graph.call_module(name_of(name), (node,))
-        slot_node.meta["val"] = node.meta.get("val")
-        for reader in readers:
-            reader.replace_input_with(node, slot_node)
-        nodes[name] = slot_node
-    return nodes
+    A module port's slot feeds only that module (the marker's readers); a standard value's slot
+    feeds every reader of the tensor, so e.g. an edit of ``layer_mid`` reaches both the MLP and the
+    residual add."""
 
-
-class InsertEditSlots(GraphPass):
-    """``insert_edit_slots`` as a pass: the slots become submodules of the graph module; ``nodes``
-    holds each value's slot node after it ran."""
-
-    def __init__(self, slots: dict[str, tuple[Found, EditSlot, bool]]):
-        self.slots, self.nodes = slots, {}
+    markers = True
 
     def call(self, graph_module) -> PassResult:
-        for name, (_, slot, _) in self.slots.items():
+        graph, catalogue = graph_module.graph, self.build.program.catalogue
+        for name, slot in self.build.request.slots.items():
+            entry = catalogue[name]
+            node = entry.location.node
+            if entry.spec is not None:  # a standard value: the tensor itself, not one module's view of it
+                while node.target is MARK_OP:
+                    node = node.args[0]
             graph_module.add_submodule(name_of(name), slot)
-        self.nodes = insert_edit_slots(graph_module.graph, self.slots)
-        return PassResult(graph_module, bool(self.slots))
+            readers = list(node.users)
+            with graph.inserting_after(node):
+                slot_node = graph.call_module(name_of(name), (node,))
+            slot_node.meta["val"] = node.meta.get("val")
+            for reader in readers:
+                reader.replace_input_with(node, slot_node)
+            self.build.slot_nodes[name] = slot_node
+        return PassResult(graph_module, bool(self.build.request.slots))
 
 
 def name_of(value: str) -> str:

@@ -1,24 +1,25 @@
 """Remove the port markers that ``qgraph.export`` put around module inputs and outputs."""
 from __future__ import annotations
 
-from torch.fx import Graph
-
+from ..errors import InternalError
 from ..kernels.ops import MARK_OP
-from .base import GraphPass, PassResult
+from .base import BuildPass, PassResult, has_markers
 
 
-def strip_markers(graph: Graph) -> Graph:
-    """Rewire every marker's users (taps included) to the marked tensor and delete the marker."""
-    for node in list(graph.nodes):
-        if node.target is MARK_OP:
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-    return graph
+class StripMarkers(BuildPass):
+    """Rewire every marker's users (taps included) to the marked tensor and delete the marker: the
+    last rewrite that reads them."""
 
-
-class StripMarkers(GraphPass):
-    """``strip_markers`` as a pass (the last rewrite before a program runs)."""
+    markers = True
 
     def call(self, graph_module) -> PassResult:
-        strip_markers(graph_module.graph)
+        graph = graph_module.graph
+        for node in list(graph.nodes):
+            if node.target is MARK_OP:
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
         return PassResult(graph_module, True)
+
+    def ensures(self, graph_module) -> None:
+        if has_markers(graph_module):
+            raise InternalError("port markers remain after StripMarkers")

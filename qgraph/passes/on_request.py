@@ -1,7 +1,7 @@
 """The rewrites that make a value the exported graph does not hold as a node, as typed objects.
 
-``Locator`` answers ``OnRequest(node, rewrite)`` for such a value; ``MakeOnRequest`` (the pass the
-program builder runs for every value asked for) calls ``rewrite.apply``. Each rewrite says, in
+``Locator`` answers ``OnRequest(node, rewrite)`` for such a value; ``passes.make.MakeOnRequest`` (the
+pass the program builder runs for every value asked for) calls ``rewrite.apply``. Each rewrite says, in
 ``note``, what asking for the value does (the diagrams show it).
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from ..errors import OutOfRange
 from ..kernels.experts import DOWN_OP, NEURONS_OP
-from .base import GraphPass, PassResult
 from .decompose import decompose_sdpa
 from .emit import emitter
 from .swap import open_conv_context, swap_for_states
@@ -91,33 +91,6 @@ class SplitExperts(Rewrite):
         program.graph.erase_node(node)
 
 
-class MakeOnRequest(GraphPass):
-    """Apply the rewrite of each requested on-request value, once per node: ``requests`` is
-    ``{name: OnRequest}``, ``options`` the values' options (states' positions, heads, dtype)."""
-
-    def __init__(self, program, requests: dict, options: dict[str, dict]):
-        self.program, self.requests, self.options = program, requests, options
-
-    def __repr__(self) -> str:
-        return f"MakeOnRequest({', '.join(self.requests)})"
-
-    def requires(self, graph_module) -> None:
-        by_node = {}
-        for name, request in self.requests.items():
-            other = by_node.setdefault(request.node, name)
-            if other != name and isinstance(request.rewrite, SwapForStates):
-                raise ValueError(f"'{other}' and '{name}': ask a block for states (every token) or state (at "
-                                 f"positions), not both; states[:, positions] is the same")
-
-    def call(self, graph_module) -> PassResult:
-        done = set()
-        for name, request in self.requests.items():
-            if request.node not in done:  # scores and probabilities (or both conv sides) of one block: one rewrite
-                done.add(request.node)
-                request.rewrite.apply(self.program, request.node, name, self.options.get(name, {}))
-        return PassResult(graph_module, bool(done))
-
-
 def input_name(name: str) -> str:
     """A program input's placeholder name for a value's option (``layers.0.linear_attn.state.positions``)."""
     return re.sub(r"\W", "_", name)
@@ -140,6 +113,6 @@ def _positions(name: str, positions):
         seq = inputs["input_ids"].shape[1]
         bad = [p for p in positions if not -seq <= p < seq]
         if bad:
-            raise IndexError(f"'{name}' positions {bad} are out of range for a call of {seq} tokens")
+            raise OutOfRange(f"'{name}' positions {bad} are out of range for a call of {seq} tokens")
         return torch.tensor([p % seq for p in positions])
     return source

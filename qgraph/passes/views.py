@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
+from ..errors import InternalError
+
 
 def resolve(view: tuple, size_of) -> tuple:
     """A rule's view steps (``("heads", dim, dim)``, ``("batch1",)``) with dims made sizes by ``size_of``."""
@@ -18,7 +20,7 @@ def resolve(view: tuple, size_of) -> tuple:
         elif step[0] == "batch1":
             steps.append(("unsqueeze",))
         else:
-            raise ValueError(f"unknown view step {step!r}")
+            raise InternalError(f"unknown view step {step!r}")
     return tuple(steps)
 
 

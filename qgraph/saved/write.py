@@ -30,6 +30,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 
+from ..errors import InvalidArgument, InvalidType
 from ..export.disk_cache import without_weights
 from ..export.trace import text_example
 from ..kernels.slot import EDIT_SLOT_OP
@@ -60,22 +61,22 @@ def save(ig, path, weights: bool = False) -> Path:
     """Write ``ig``'s text program to ``path`` (``.pt2``), and its weights beside it if ``weights``."""
     path = Path(path)
     if path.suffix != ".pt2":
-        raise ValueError(f"save to a .pt2 file (torch.export's format), not {path.name!r}: e.g. ig.save('probe.pt2')")
+        raise InvalidArgument(f"save to a .pt2 file (torch.export's format), not {path.name!r}: e.g. ig.save('probe.pt2')")
     if not isinstance(weights, bool):
-        raise TypeError(f"weights= takes True (write the weights beside the program) or False, not {weights!r}")
+        raise InvalidType(f"weights= takes True (write the weights beside the program) or False, not {weights!r}")
     ig.refresh()
-    program = ig._program_for(False)
+    program = ig.program_for(False)
     module, slots = _slots_as_ops(program)
     tied = tied_groups(ig.model)
     _untie(module, program, tied)
     recipes = [recipe for _, _, recipe in program.extra_inputs]
     if any(recipe is None for recipe in recipes):
-        raise ValueError("this program takes inputs that cannot be rebuilt after loading (a decode step's cache); "
-                         "save a program made by qgraph.instrument")
+        raise InvalidArgument("this program takes inputs that cannot be rebuilt after loading (a decode step's cache); "
+                              "save a program made by qgraph.instrument")
     if any(tensor.is_meta for tensor in ig.model.parameters()):
-        raise ValueError("the model was built on the meta device: a program saved from it would hold its buffers and "
-                         "devices as meta and could not run; save from the model loaded with its weights "
-                         "(from_pretrained)")
+        raise InvalidArgument("the model was built on the meta device: a program saved from it would hold its buffers and "
+                              "devices as meta and could not run; save from the model loaded with its weights "
+                              "(from_pretrained)")
     holder = _Holder(module, program)
     example, dims = text_example(ig.model)
     device = next(holder.parameters()).device
@@ -99,8 +100,7 @@ def save(ig, path, weights: bool = False) -> Path:
         "logits": program.returns_logits, "outputs": program.tapped, "values": ig.values,
         "layouts": {name: program.catalogue[name].layout for name in program.tapped if name in program.catalogue},
         "slots": slots, "inputs": recipes,
-        "derived": {name: {"how": entry.spec.rule.how, "sources": program.sources_of(entry)}
-                    for name, entry in program.derived.items()},
+        "derived": {name: {"how": how, "sources": sources} for name, (how, sources) in program.derivations.items()},
         "parameters": {target: [list(exported.state_dict[target].shape), str(exported.state_dict[target].dtype)]
                        for target in sorted(reads)},
         "weights": weights_path(path).name if weights else None,
