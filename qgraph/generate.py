@@ -110,7 +110,7 @@ class Decoder:
         self.values = [name for name in values if name in self.present]
 
     def _build(self, ig, exported, values, options, slots, recurrent) -> Program:
-        program = Program(ig.model, exported, saes=ig.saes)
+        program = Program(ig.model, exported, saes=ig.saes, transcoders=ig.transcoders)
         present = self.present = program.present
         return program.build([name for name in values if name in present],
                              {name: slot for name, slot in slots.items() if name in present}, True,

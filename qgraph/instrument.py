@@ -22,7 +22,7 @@ from .output import Output
 from .passes.edit import EditSlot, applying
 from .program import Program
 from .values.options import check_options
-from .saes.splice import check_saes
+from .saes.splice import check_saes, check_transcoders
 from .distributed import Stages, stage_program
 from .distributed.weights import load_weights
 
@@ -35,7 +35,7 @@ _READ_ONLY_HINT = {
 
 
 def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True, compile=False,
-               saes=None, splice: str = "error", stages=None) -> "InstrumentedModel":
+               saes=None, splice: str = "error", transcoders=None, stages=None) -> "InstrumentedModel":
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
     ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
@@ -49,8 +49,9 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     program under ``torch.compile`` (see ``InstrumentedModel.compile``). ``saes={value: sae}`` splices
     sparse autoencoders (``qgraph.SAE``) at values, with values ``<value>.sae.features`` /
     ``.reconstruction`` / ``.error`` (``<block>.sae.*`` too where the block has one SAE);
-    ``splice="reconstruction"`` makes the model read the
-    reconstruction instead of the value (the default, "error", keeps the value exact).
+    ``transcoders={block: transcoder}`` splices transcoders (``qgraph.Transcoder``) across blocks' MLPs
+    (values ``layers.{i}.transcoder.*``); ``splice="reconstruction"`` makes the model read the
+    reconstructions instead of the values (the default, "error", keeps the values exact).
     ``stages=N`` (or a list of the blocks that start stages 1, 2, ..., or ``qgraph.Stages(...)`` with
     micro-batches) cuts the program at block boundaries into stages: under torchrun one stage per
     rank, each returning its own values (see ``qgraph.distributed``); otherwise all in this process.
@@ -59,7 +60,7 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     if stages is not None and options is not None:
         raise InvalidArgument("stages= runs each stage eagerly; drop compile= (or instrument without stages)")
     instrumented = InstrumentedModel(model, values, edits=edits, logits=logits, saes=saes, splice=splice,
-                                     stages=stages)
+                                     transcoders=transcoders, stages=stages)
     return instrumented if options is None else instrumented.compile(**options)
 
 
@@ -74,21 +75,21 @@ class InstrumentedModel:
     When the model changes in a way the program depends on (a replaced submodule, untied weights,
     another dtype or device, another attention implementation), the next call rebuilds the programs.
 
-    Other qgraph modules use only its public attributes (``model``, ``config``, ``family``,
-    ``exported``, ``catalogue``, ``values``, ``options``, ``slots``, ``saes``) and these methods:
+    Other qgraph modules use only its public attributes (``model``, ``config``, ``family``, ``exported``,
+    ``catalogue``, ``values``, ``options``, ``slots``, ``saes``, ``transcoders``) and these methods:
     ``resolve``, ``check_options``, ``call_edits``, ``refresh``, ``program_for`` (the built program of
     a kind of call), ``slot`` (a value's edit slot), ``decoder`` (generation's programs, kept with the
     others), ``use_weights`` (weights loaded for a model on meta) and ``variant`` (what the recipes run).
     """
 
     def __init__(self, model: torch.nn.Module, values=(), *, edits=(), logits=True, saes=None, splice="error",
-                 stages=None):
+                 transcoders=None, stages=None):
         family_for(model)  # an unsupported model (or not a model at all) is named before anything else
         if not isinstance(logits, bool):
             raise InvalidType(f"logits= takes True or False, not {logits!r}")
         self.model, self.config = model, model.config
         self._request, self._logits, self._compile = (values, edits), logits, None
-        self._sae_request = (saes or {}, splice)
+        self._sae_request, self._transcoder_request = (saes or {}, splice), (transcoders or {}, splice)
         self._stages = Stages.of(stages)
         self._weights, self._device = {}, None  # tensors loaded for a model on meta (load_weights), and where
         self._lock = threading.RLock()  # builds programs; calls themselves run unlocked
@@ -110,7 +111,8 @@ class InstrumentedModel:
         main = Program(self.model, self.exported, weights=self._weights, device=self._device)
         self.catalogue: dict[str, Entry] = main.catalogue
         self.saes = check_saes(self._sae_request, self.resolve, main.catalogue)
-        if self.saes:
+        self.transcoders = check_transcoders(self._transcoder_request, main.catalogue, self.saes)
+        if self.saes or self.transcoders:
             main = self._program(self.exported)
             self.catalogue = main.catalogue
         values, edits = self._request
@@ -199,8 +201,8 @@ class InstrumentedModel:
             return self._programs[key]
 
     def _program(self, exported) -> Program:
-        """A program builder for ``exported``, with this model's SAEs."""
-        return Program(self.model, exported, saes=self.saes, weights=self._weights, device=self._device)
+        """A program builder for ``exported``, with this model's SAEs and transcoders."""
+        return Program(self.model, exported, self.saes, self._weights, self._device, self.transcoders)
 
     def slot(self, name: str) -> EditSlot:
         """The slot at ``name``: declared, or made for per-call edits (once, then reused)."""
@@ -238,7 +240,8 @@ class InstrumentedModel:
                 fixed = dict(requested) if isinstance(requested, Mapping) else {}
                 self._variants[key] = InstrumentedModel(
                     self.model, values, edits={**dict.fromkeys(self.resolve(list(edits))), **fixed},
-                    logits=logits, saes=self._sae_request[0], splice=self._sae_request[1])
+                    logits=logits, saes=self._sae_request[0], splice=self._sae_request[1],
+                    transcoders=self._transcoder_request[0])
             return self._variants[key]
 
     def compile(self, **options) -> "InstrumentedModel":

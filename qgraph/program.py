@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from .errors import InvalidState
 from .values.catalogue import Entry, build_catalogue
 from .values.saes import sae_entries
+from .values.transcoders import transcoder_entries
 from .export import ExportedModel
 from .kernels.buffers import BufferPool, reusing
 from .passes import Found, Locator, OnRequest
@@ -27,11 +28,12 @@ class Program:
     """A copy of an exported graph with its catalogue; ``build`` runs the passes for a request."""
 
     def __init__(self, model: torch.nn.Module, exported: ExportedModel, saes: dict | None = None,
-                 weights: dict | None = None, device: torch.device | None = None):
+                 weights: dict | None = None, device: torch.device | None = None, transcoders: dict | None = None):
         self.model, self.exported, self.family = model, exported, exported.family
         # tensors read instead of the model's (weights loaded for a model on meta), and their device
         self.weights, self.device = weights if weights is not None else {}, device
         self.saes = saes or {}  # {hook value: (SAE, splice)}: their values are made on request (values.saes)
+        self.transcoders = transcoders or {}  # {block: (Transcoder, splice)}: likewise (values.transcoders)
         self.spliced: dict[str, dict] = {}  # the splices made: {hook: {value name: node}}
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(exported.graph, {}))
@@ -67,7 +69,10 @@ class Program:
     def _catalogue(self) -> dict[str, Entry]:
         self.locator = Locator(self.graph, self.family, self.model.config)  # ports and scopes, for the diagrams
         entries = build_catalogue(self.family, self.model.config, self.locator, self.module_names)
-        return {**entries, **sae_entries(entries, self.saes, self.spliced)} if self.saes else entries
+        entries = {**entries, **sae_entries(entries, self.saes, self.spliced)} if self.saes else entries
+        if self.transcoders:
+            entries = {**entries, **transcoder_entries(entries, self.transcoders, self.spliced)}
+        return entries
 
     def recatalogue(self) -> None:
         """Catalogue the graph again (after a rewrite: a decomposed block's pattern is now found)."""
@@ -81,15 +86,20 @@ class Program:
         return self
 
     def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool,
-              options: dict[str, dict] | None = None, cache: str | None = None, make=()) -> "Program":
+              options: dict[str, dict] | None = None, cache: str | None = None, make=(),
+              replacement: dict | None = None) -> "Program":
         """Run the pipeline (``passes.pipeline.PIPELINE``) for a request: make the values that need a
-        rewrite (and those in ``make``, and the SAEs that change what the model reads), with ``cache`` (``"prompt"`` or ``"decode"``) make the graph a
-        cached decoding step, insert the ``slots``, tap the values (and the sources of derived ones),
+        rewrite (and those in ``make``, and the SAEs and transcoders that change what the model reads),
+        with ``cache`` (``"prompt"`` or ``"decode"``) make the graph a cached decoding step, insert the
+        ``slots``, tap the values (and the sources of derived ones),
         strip the markers and drop what no output needs. ``options`` holds per-value options (states'
         positions, heads, dtype). A value asked with ``{"grad": True}`` is also tapped before its view
-        (``passes.tap.grad_tap(name)``), the tensor its readers read, so its gradient can be read after a backward."""
-        spliced = [f"{hook}.sae.features" for hook, (_, splice) in self.saes.items() if splice != "error"]
-        request = Request(list(values), dict(slots), logits, options or {}, cache, (*make, *spliced))
+        (``passes.tap.grad_tap(name)``), the tensor its readers read, so its gradient can be read after a backward.
+        ``replacement={block: transcoder}`` builds the replacement model of an attribution graph
+        (``passes.replacement``)."""
+        spliced = [f"{hook}.sae.features" for hook, (_, splice) in self.saes.items() if splice != "error"] + \
+            [f"layers.{i}.transcoder.features" for i, (_, splice) in self.transcoders.items() if splice != "error"]
+        request = Request(list(values), dict(slots), logits, options or {}, cache, (*make, *spliced), replacement)
         self.slots = request.slots  # a spliced SAE's features read whether they are edited
         build = Build(self, request)
         run_passes(self.module, build_passes(build), self.passes_run)

@@ -12,6 +12,7 @@ from qgraph.passes.edit import EditSlot, InsertEditSlots
 from qgraph.passes.make import MakeOnRequest
 from qgraph.passes.markers import StripMarkers
 from qgraph.passes.pipeline import PIPELINE, build_passes
+from qgraph.passes.replacement import Replacement
 from qgraph.passes.tap import Prune, Tap
 from qgraph.program import Program, _input_sources
 
@@ -19,7 +20,7 @@ from conftest import hf_logits, random_ids
 
 
 def test_the_pipeline_reads_top_to_bottom():
-    assert PIPELINE == (MakeOnRequest, OpenCache, InsertEditSlots, Tap, StripMarkers, Prune, OnDevice)
+    assert PIPELINE == (MakeOnRequest, OpenCache, Replacement, InsertEditSlots, Tap, StripMarkers, Prune, OnDevice)
     # every pass before StripMarkers reads the port markers; every pass after it runs without them
     stripped = PIPELINE.index(StripMarkers)
     assert all(graph_pass.markers is True for graph_pass in PIPELINE[:stripped + 1])

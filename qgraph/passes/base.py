@@ -35,8 +35,9 @@ class GraphPass(PassBase):
 class Request:
     """What one program is built for: the values to tap, the edit slots (``{name: EditSlot}``), whether
     it returns the logits, per-value options (states' positions, heads, dtype; ``grad``), the cached
-    step to make (None, or ``"prompt"`` / ``"decode"``: ``passes.decode.OpenCache``) and more values to
-    make on request (the memory a cached step carries)."""
+    step to make (None, or ``"prompt"`` / ``"decode"``: ``passes.decode.OpenCache``), more values to
+    make on request (the memory a cached step carries) and the transcoders of a replacement model
+    (``{block: Transcoder}``: ``passes.replacement.Replacement``)."""
 
     values: list[str]
     slots: dict = field(default_factory=dict)
@@ -44,18 +45,20 @@ class Request:
     options: dict[str, dict] = field(default_factory=dict)
     cache: str | None = None
     make: tuple[str, ...] = ()
+    replacement: dict | None = None
 
 
 @dataclass
 class Build:
     """One build of a program: the program being rewritten (its graph, catalogue, ``add_input``), the
-    request, and what the passes hand on: each slot's node (``InsertEditSlots``), the memory a cached
-    step taps (``OpenCache``) and the names tapped, in output order (``Tap``)."""
+    request, and what the passes hand on: each slot's node (``InsertEditSlots``), the outputs a pass
+    adds (the memory a cached step taps: ``OpenCache``; the replacement model's: ``Replacement``) and the
+    names tapped, in output order (``Tap``)."""
 
     program: object  # qgraph.program.Program
     request: Request
     slot_nodes: dict[str, Node] = field(default_factory=dict)
-    cache_taps: dict = field(default_factory=dict)  # {name: Found}
+    taps: dict = field(default_factory=dict)  # {name: Found}: more outputs a pass adds (a cached step's memory)
     tapped: list[str] = field(default_factory=list)
 
 

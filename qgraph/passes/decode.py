@@ -47,7 +47,7 @@ class OpenCache(BuildPass):
     """Rewrite a prompt program into a cached step (see the module doc): the build's ``cache`` is
     ``"prompt"`` (the chunked kernel) or ``"decode"`` (one token: the token-by-token kernel). Runs after
     the on-request rewrites (the build makes every carried value first: ``carried(family, config)``);
-    writes the memory to tap to ``build.cache_taps``."""
+    writes the memory to tap to ``build.taps``."""
 
     markers = True
 
@@ -71,7 +71,7 @@ class OpenCache(BuildPass):
         if any(not mixer.recurrent for _, mixer in memory):
             _feed_mask(program)
         seq_sizes = _seq_sizes(graph_module.graph)
-        taps = self.build.cache_taps
+        taps = self.build.taps
         for host, mixer in memory:
             for piece in mixer.memory:
                 if piece.carries:

@@ -41,5 +41,17 @@ def emit_module(graph: Graph, scope: Node, target: str, args: tuple, like: torch
     return node
 
 
+class MethodCall(torch.nn.Module):
+    """One method of a module as a module of its own (``call_module`` calls ``forward``): how a pass
+    calls an SAE's or a transcoder's ``encode``, ``decode``, ... in the graph."""
+
+    def __init__(self, owner: torch.nn.Module, method: str):
+        super().__init__()
+        self.owner, self.method = owner, method
+
+    def forward(self, *args):
+        return getattr(self.owner, self.method)(*args)
+
+
 def _scope(node: Node) -> dict:
     return {key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta}

@@ -15,12 +15,14 @@ from .device import OnDevice
 from .edit import InsertEditSlots
 from .make import MakeOnRequest
 from .markers import StripMarkers
+from .replacement import Replacement
 from .tap import Prune, Tap
 
 PIPELINE: tuple[type[BuildPass], ...] = (
     MakeOnRequest,    # make the on-request values asked (decompose sdpa, swap a kernel for states, open a
                       # conv, split the experts, splice an SAE), then catalogue the program again
     OpenCache,        # generation only: the prompt program becomes a cached step, its memory explicit
+    Replacement,      # attribution only: transcoders at every MLP, the model frozen around them
     InsertEditSlots,  # a slot after each value the request edits       -> build.slot_nodes
     Tap,              # the values asked, derived values' sources, grads and memory become outputs
                       #                                                 -> build.tapped

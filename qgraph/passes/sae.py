@@ -30,22 +30,11 @@ from torch.fx import Node
 
 from ..edits import EditError
 from ..kernels.ops import MARK_OP
-from .emit import emit_module, emitter
+from .emit import MethodCall, emit_module, emitter
 from .on_request import Rewrite
 
 aten = torch.ops.aten
 SPLICES = ("error", "reconstruction")
-
-
-class _Call(torch.nn.Module):
-    """One method of an SAE as a module (``call_module`` calls ``forward``)."""
-
-    def __init__(self, sae: torch.nn.Module, method: str):
-        super().__init__()
-        self.sae, self.method = sae, method
-
-    def forward(self, *args):
-        return getattr(self.sae, self.method)(*args)
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,7 +53,7 @@ class SpliceSAE(Rewrite):
         methods = {"encode": "encode", "decode": "decode"} if sae.k is None else \
             {"encode": "select", "dense": "dense", "decode": "decode"}
         for target, method in methods.items():
-            module.add_submodule(stem + target, _Call(sae, method))
+            module.add_submodule(stem + target, MethodCall(sae, method))
         readers = list(node.users)
         edited = [f"{prefix}.sae.features" for prefix in self.prefixes if f"{prefix}.sae.features" in program.slots]
         if len(edited) > 1:  # two slots on one tensor: each name would read its own

@@ -40,7 +40,7 @@ class Tap(BuildPass):
         for name in request.values:
             if request.options.get(name, {}).get("grad"):
                 found[grad_tap(name)] = Found(found[name].node)
-        return {**found, **build.cache_taps}
+        return {**found, **build.taps}
 
 
 class Prune(BuildPass):

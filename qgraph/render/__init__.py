@@ -69,7 +69,8 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
             raise OutOfRange(f"block {layer}: the model has blocks 0 to {len(mixers) - 1}")
 
     exported = model_or_ig.exported if isinstance(model_or_ig, InstrumentedModel) else export_model(model)
-    view = GraphView(model, exported, requested=list(marks), saes=getattr(model_or_ig, "saes", None))
+    view = GraphView(model, exported, requested=list(marks), saes=getattr(model_or_ig, "saes", None),
+                     transcoders=getattr(model_or_ig, "transcoders", None))
     marks = dict(marks)
     if highlight:
         from ..values.names import resolve

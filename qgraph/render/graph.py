@@ -91,12 +91,12 @@ def short_class(type_name: str) -> str:
 class GraphView:
     """The exported graph of one model, with markers, scopes and located values, ready to draw."""
 
-    def __init__(self, model, exported: ExportedModel, *, requested=(), saes=None):
+    def __init__(self, model, exported: ExportedModel, *, requested=(), saes=None, transcoders=None):
         self.model, self.exported, self.family = model, exported, exported.family
         self.config = model.config
         # the values a pass makes when asked for (a block's pattern under sdpa, the DeltaNet's states, its
         # conv context) are made by the program builder, so the picture shows the program that runs
-        program = Program(model, exported, saes=saes).make(requested)
+        program = Program(model, exported, saes=saes, transcoders=transcoders).make(requested)
         self.graph: Graph = program.graph
         self.catalogue, self.locator = program.catalogue, program.locator
         for node in self.graph.nodes:  # an output read the locator added runs where its op runs

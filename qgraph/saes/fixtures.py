@@ -1,8 +1,8 @@
 """Tiny random SAEs written in each format, for tests: ``write_qwen_scope``, ``write_saelens``,
-``write_sparsify``. With the same ``seed`` (and sizes) they hold the same weights, each in its own
-layout, so they load to the same record tensor for tensor; what differs is each format's conventions
-(Qwen-Scope does not subtract b_dec and keeps raw top-k values; SAELens and sparsify subtract b_dec
-and relu them)."""
+``write_sparsify`` (per-layer transcoders, circuit-tracer's and SAELens's: ``write_transcoders``).
+With the same ``seed`` (and sizes) they hold the same weights, each in its own layout, so they load
+to the same record tensor for tensor; what differs is each format's conventions (Qwen-Scope does not
+subtract b_dec and keeps raw top-k values; SAELens and sparsify subtract b_dec and relu them)."""
 from __future__ import annotations
 
 import json
@@ -74,4 +74,70 @@ def write_sparsify(dir, d_in: int, d_sae: int, k: int, seed: int = 0, layer: int
            "num_latents": d_sae, "k": k, "multi_topk": False, "skip_connection": False, "transcode": False,
            "d_in": d_in}
     (folder / "cfg.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+def write_transcoders(dir, d_model: int, layers, d_transcoder: int, *, format: str = "circuit-tracer",
+                      activation: str = "relu", skip: bool = False, seed: int = 0, k: int | None = None,
+                      model_name: str = "tiny") -> Path:
+    """Tiny random per-layer transcoders of the blocks ``layers`` (a count, or the block indices), as
+    the library writes them, in ``dir``; returns ``dir``. Load one with ``Transcoder.load(dir, layer=i)``.
+
+    * ``format="circuit-tracer"``: ``config.yaml`` (``model_kind: transcoder_set``, ``model_name``,
+      ``feature_input_hook: mlp.hook_in``, ``feature_output_hook: mlp.hook_out``; ``activation: topk``
+      and ``k`` for TopK) and ``layer_{i}.safetensors`` as ``SingleLayerTranscoder.to_safetensors``
+      saves them (``W_enc``/``W_dec [d_transcoder, d_model]``, ``b_enc``, ``b_dec``, optionally
+      ``activation_function.threshold``, ``W_skip [d_model, d_model]`` and ``k``); activation "relu",
+      "jumprelu" or "topk" (needs ``k``).
+    * ``format="saelens"``: ``layer_{i}/cfg.json`` + ``sae_weights.safetensors`` as SAELens 6's
+      ``save_model`` writes them (architecture ``transcoder``, ``skip_transcoder``,
+      ``jumprelu_transcoder`` or ``jumprelu_skip_transcoder``; ``W_enc [d_in, d_sae]``, ``W_dec [d_sae,
+      d_out]``, ``W_skip [d_out, d_in]``, the hooks under ``metadata``); activation "relu" or "jumprelu".
+
+    Layer ``i`` of seed ``s`` holds the weights of ``weights(d_model, d_transcoder, s + 1000 * i)`` (and
+    a small random skip), each format in its own layout: they load to the same record."""
+    from safetensors.torch import save_file
+    if format not in ("circuit-tracer", "saelens"):
+        raise InvalidArgument(f"write_transcoders: format={format!r}: 'circuit-tracer' or 'saelens'")
+    kinds = ("relu", "jumprelu", "topk") if format == "circuit-tracer" else ("relu", "jumprelu")
+    if activation not in kinds or (activation == "topk") != (k is not None):
+        raise InvalidArgument(f"write_transcoders: activation={activation!r}, k={k!r}: {format} writes {kinds} "
+                              f"(k for topk only)")
+    folder = Path(dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in (range(layers) if isinstance(layers, int) else layers):
+        w = weights(d_model, d_transcoder, seed + 1000 * i)
+        generator = torch.Generator().manual_seed(seed + 1000 * i + 1)
+        w_skip = torch.randn(d_model, d_model, generator=generator) * (0.1 * d_model ** -0.5)  # the record's [d_in, d_out]
+        if format == "circuit-tracer":
+            tensors = {"W_enc": w["W_enc"].T.contiguous(), "W_dec": w["W_dec"], "b_enc": w["b_enc"], "b_dec": w["b_dec"]}
+            if activation == "jumprelu":
+                tensors["activation_function.threshold"] = w["threshold"]
+            if activation == "topk":
+                tensors["k"] = torch.tensor(k)
+            if skip:
+                tensors["W_skip"] = w_skip.T.contiguous()
+            save_file(tensors, str(folder / f"layer_{i}.safetensors"))
+            continue
+        architecture = ("jumprelu_" if activation == "jumprelu" else "") + ("skip_transcoder" if skip else "transcoder")
+        tensors = {name: w[name] for name in ("W_enc", "b_enc", "W_dec", "b_dec")}
+        if activation == "jumprelu":
+            tensors["threshold"] = w["threshold"]
+        if skip:
+            tensors["W_skip"] = w_skip.T.contiguous()
+        (folder / f"layer_{i}").mkdir(exist_ok=True)
+        save_file(tensors, str(folder / f"layer_{i}" / "sae_weights.safetensors"))
+        cfg = {"d_in": d_model, "d_sae": d_transcoder, "dtype": "float32", "device": "cpu", "apply_b_dec_to_input": False,
+               "normalize_activations": "none", "reshape_activations": "none",
+               "metadata": {"sae_lens_version": "6.0.0", "sae_lens_training_version": "6.0.0", "model_name": model_name,
+                            "hook_name": f"blocks.{i}.ln2.hook_normalized", "hook_name_out": f"blocks.{i}.hook_mlp_out"},
+               "d_out": d_model, "architecture": architecture}
+        (folder / f"layer_{i}" / "cfg.json").write_text(json.dumps(cfg))
+    if format == "circuit-tracer":
+        config = {"model_kind": "transcoder_set", "model_name": model_name, "feature_input_hook": "mlp.hook_in",
+                  "feature_output_hook": "mlp.hook_out", "scan": f"{model_name}-transcoders"}
+        if activation == "topk":
+            config.update(activation="topk", k=k)
+        import yaml
+        (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return folder

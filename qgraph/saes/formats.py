@@ -54,6 +54,9 @@ def read(path, layer: int | None = None, k: int | None = None) -> dict:
         record = _qwen_scope(_pick(files, layer, path, "layer{i}.sae.pt files"), k)
     elif folders := _numbered(path, r"layers\.(\d+)", want_dir=True):
         return read(_pick(folders, layer, path, "layers.{i} folders"), layer, k)
+    elif (path / "config.yaml").is_file():
+        raise InvalidArgument(f"{path}: config.yaml, a circuit-tracer transcoder set: load it with "
+                              f"qgraph.Transcoder.load(path, layer=...)")
     else:
         raise MissingFile(f"no SAE in {path}: expected {_LAYOUTS}")
     own = _layer_of(record["hook"])
@@ -95,8 +98,9 @@ def _saelens(folder: Path, k: int | None) -> dict:
     if architecture == "standard" and function == "topk":  # SAELens < 6 wrote TopK SAEs this way
         architecture = "topk"
     if architecture not in _SAELENS_ARCHITECTURES:
+        hint = "; a transcoder loads with qgraph.Transcoder.load" if "transcoder" in str(architecture) else ""
         raise InvalidArgument(f"{where}: unknown SAE architecture {architecture!r} (qgraph reads "
-                              f"{', '.join(_SAELENS_ARCHITECTURES)})")
+                              f"{', '.join(_SAELENS_ARCHITECTURES)}){hint}")
     if architecture == "standard" and function not in (None, "relu"):
         raise NotSupported(f"{where}: activation_fn {function!r}: qgraph reads standard SAEs with relu")
     for key, plain in (("normalize_activations", "none"), ("reshape_activations", "none")):

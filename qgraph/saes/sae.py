@@ -37,6 +37,10 @@ class SAE(torch.nn.Module):
     """A sparse autoencoder reading ``d_in``-wide vectors (the value named ``hook``) into ``d_sae``
     features. Load one with ``SAE.load(path, layer=i)``; its weights are frozen parameters."""
 
+    # what it decodes to: the vectors it reads (W_dec [d_sae, d_in]); a transcoder (``transcoder.py``)
+    # decodes to b_dec's own width, its d_out
+    decodes_input = True
+
     def __init__(self, W_enc: Tensor, b_enc: Tensor, W_dec: Tensor, b_dec: Tensor, activation: str,
                  k: int | None = None, threshold: Tensor | None = None, subtract_b_dec: bool = False,
                  topk_relu: bool = True, hook: str | None = None, source: str = "an SAE made in memory"):
@@ -44,7 +48,7 @@ class SAE(torch.nn.Module):
         self.source = source
         if activation not in ACTIVATIONS:
             raise InvalidArgument(f"{source}: activation {activation!r} is not one of {ACTIVATIONS}")
-        _check_shapes(source, W_enc, b_enc, W_dec, b_dec, threshold, activation)
+        _check_shapes(source, W_enc, b_enc, W_dec, b_dec, threshold, activation, self.decodes_input)
         self.d_in, self.d_sae = W_enc.shape
         if activation == "topk":
             if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.d_sae:
@@ -80,7 +84,7 @@ class SAE(torch.nn.Module):
         are ``dense(*select(x))``)."""
         if self.activation == "topk":
             return self.dense(*self.select(x))
-        pre = self._pre(x)
+        pre = self.pre(x)
         features = torch.relu(pre)
         if self.activation == "jumprelu":
             features = features * (pre > self.threshold).to(pre.dtype)
@@ -93,7 +97,7 @@ class SAE(torch.nn.Module):
         if self.activation != "topk":
             raise InvalidArgument(f"{self.source}: the sparse form is a TopK SAE's (k features per token); this one "
                                   f"is {self.activation}: read encode(x)")
-        values, indices = self._pre(x).topk(self.k, dim=-1)
+        values, indices = self.pre(x).topk(self.k, dim=-1)
         return (torch.relu(values) if self.topk_relu else values).to(x.dtype), indices
 
     def dense(self, activations: Tensor, indices: Tensor) -> Tensor:
@@ -102,8 +106,8 @@ class SAE(torch.nn.Module):
         zeros = activations.new_zeros(*activations.shape[:-1], self.d_sae)
         return zeros.scatter(-1, indices.long(), activations)
 
-    def _pre(self, x: Tensor) -> Tensor:
-        """The pre-activations ``[..., d_sae]``, in the SAE's dtype."""
+    def pre(self, x: Tensor) -> Tensor:
+        """The pre-activations ``[..., d_sae]`` (what the activation function reads), in the SAE's dtype."""
         sae_in = x.to(self.W_enc.dtype)
         if self.subtract_b_dec:
             sae_in = sae_in - self.b_dec
@@ -142,20 +146,26 @@ def _frozen(tensor: Tensor, dtype: torch.dtype) -> torch.nn.Parameter:
     return torch.nn.Parameter(tensor.detach().to(dtype), requires_grad=False)
 
 
-def _check_shapes(source: str, W_enc, b_enc, W_dec, b_dec, threshold, activation: str) -> None:
-    """A ValueError naming ``source`` and the tensor when the record's shapes disagree."""
+def _check_shapes(source: str, W_enc, b_enc, W_dec, b_dec, threshold, activation: str,
+                  decodes_input: bool = True) -> None:
+    """A ValueError naming ``source`` and the tensor when the record's shapes disagree (a transcoder's,
+    ``decodes_input=False``, decodes to b_dec's width, its d_out, rather than to d_in)."""
     if not isinstance(W_enc, Tensor) or W_enc.dim() != 2:
         raise InvalidArgument(f"{source}: W_enc should be a [d_in, d_sae] tensor, not {_shape(W_enc)}")
     d_in, d_sae = W_enc.shape
-    expected = {"b_enc": (b_enc, (d_sae,)), "W_dec": (W_dec, (d_sae, d_in)), "b_dec": (b_dec, (d_in,))}
+    if not decodes_input and (not isinstance(b_dec, Tensor) or b_dec.dim() != 1):
+        raise InvalidArgument(f"{source}: b_dec should be a [d_out] tensor, not {_shape(b_dec)}")
+    d_out = d_in if decodes_input else b_dec.shape[0]
+    expected = {"b_enc": (b_enc, (d_sae,)), "W_dec": (W_dec, (d_sae, d_out)), "b_dec": (b_dec, (d_out,))}
     if activation == "jumprelu":
         expected["threshold"] = (threshold, (d_sae,))
     elif threshold is not None:
         raise InvalidArgument(f"{source}: a threshold is for JumpReLU SAEs; this one is {activation}")
     for name, (tensor, shape) in expected.items():
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape:
+            makes = "makes" if decodes_input else f"and b_dec [d_out={d_out}] make"
             raise InvalidArgument(f"{source}: {name} has shape {_shape(tensor)}, but W_enc [d_in={d_in}, d_sae={d_sae}] "
-                                  f"makes it {list(shape)}")
+                                  f"{makes} it {list(shape)}")
 
 
 def _shape(tensor) -> str:

@@ -1,11 +1,14 @@
 """Checking ``instrument(model, saes={value: sae}, splice=...)``: which value each SAE reads, and that
 it fits there. The splice itself is a rewrite (``passes.sae.SpliceSAE``); its values are catalogued
-by ``values.saes``."""
+by ``values.saes``. Likewise ``instrument(model, transcoders={block: transcoder})``: ``check_transcoders``,
+``passes.transcoder.SpliceTranscoder``, ``values.transcoders``."""
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
-from ..errors import InvalidArgument, InvalidType
+from ..errors import InvalidArgument, InvalidType, NotSupported, OutOfRange
+from ..passes.locate import Found
 from ..passes.sae import SPLICES
 
 
@@ -28,6 +31,9 @@ def check_saes(request, resolve, catalogue) -> dict:
             raise InvalidArgument(f"saes: '{pattern}' selects {len(names)} values ({names[:4]}...); give each SAE the one "
                                   f"value it reads, e.g. 'layers.5.layer_output'")
         hook = names[0]
+        if getattr(sae, "decodes_input", True) is False:  # a Transcoder: it reads one value and writes another
+            raise InvalidType(f"saes['{hook}'] is a transcoder ({sae.source}): splice it across a block's MLP with "
+                              f"transcoders={{block: transcoder}}")
         if not all(hasattr(sae, attribute) for attribute in ("encode", "decode", "d_in", "d_sae")):
             raise InvalidType(f"saes['{hook}'] is a {type(sae).__name__}, not an SAE: load one with "
                               f"qgraph.SAE.load(path, layer=...)")
@@ -47,4 +53,46 @@ def check_saes(request, resolve, catalogue) -> dict:
                                   f"(SAEs at different values of a block, its layer_input and layer_output say, "
                                   f"each splice)")
         checked[hook] = (sae, splice)
+    return checked
+
+
+def check_transcoders(request, catalogue, saes: dict) -> dict:
+    """``{block: (transcoder, splice)}`` for ``request = (transcoders, splice)`` (``splice`` checked with
+    the SAEs'); a named error for a key that is not a block of the model, an object that is not a
+    ``Transcoder``, one trained on another block, one whose widths are not the model's, or an SAE
+    (``saes``, checked) at the tensor a transcoder reads or writes."""
+    from ..values.transcoders import inputs
+    from .transcoder import Transcoder
+    transcoders, splice = request
+    blocks = sum(1 for name in catalogue if re.fullmatch(r"layers\.\d+\.layer_output", name))
+    if not isinstance(transcoders, Mapping):
+        raise InvalidType(f"transcoders= takes a dict {{block: Transcoder}}, e.g. {{3: qgraph.Transcoder.load(path, "
+                          f"layer=3)}}, not {type(transcoders).__name__}")
+    checked = {}
+    for block, tc in transcoders.items():
+        if not isinstance(block, int) or isinstance(block, bool) or not -blocks <= block < blocks:
+            raise OutOfRange(f"transcoders: block {block!r}: the model has blocks 0 to {blocks - 1}")
+        block %= blocks
+        if not isinstance(tc, Transcoder):
+            raise InvalidType(f"transcoders[{block}] is a {type(tc).__name__}, not a Transcoder: load one with "
+                              f"qgraph.Transcoder.load(path, layer={block})")
+        if block in checked:
+            raise InvalidArgument(f"transcoders: two transcoders at block {block}")
+        if tc.layer is not None and tc.layer != block:
+            raise InvalidArgument(f"transcoders[{block}]: {tc.source} is the transcoder of block {tc.layer}: splice it "
+                                  f"at block {tc.layer}")
+        for name, width, what in zip(inputs(block, tc), (tc.d_in, tc.d_out), ("reads", "writes")):
+            entry = catalogue.get(name)
+            location = entry.location if entry is not None else None
+            if not isinstance(location, Found) or location.view:
+                raise NotSupported(f"transcoders[{block}]: the transcoder {what} '{name}', which this model's program "
+                                   f"does not hold as a node" + (f" ({entry.reason})" if entry and entry.reason else ""))
+            if entry.shape[-1] != width:
+                raise InvalidArgument(f"transcoders[{block}]: {tc.source} {what} vectors of {width}, but '{name}' has "
+                                      f"{entry.shape[-1]} (the model's d_model): load the transcoder trained on this model")
+            shared = [hook for hook in saes if getattr(catalogue[hook].location, "node", None) is location.node]
+            if shared:
+                raise InvalidArgument(f"transcoders[{block}] {what} '{name}', the tensor the SAE at '{shared[0]}' reads: "
+                                      f"splice one of them there")
+        checked[block] = (tc, splice)
     return checked

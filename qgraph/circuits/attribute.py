@@ -1,0 +1,269 @@
+"""``qgraph.attribution_graph``: the direct effects between features, errors, embeddings and logits,
+through the replacement model (``passes.replacement``), by batched backward passes.
+
+One frozen program runs the prompt once, copied ``batch_size`` times along the batch. Every target
+(an active feature's pre-activation, a salient logit minus the mean logit) gets a row of the batch:
+its input's direction is the gradient put on that row (a feature's encoder column at its block's
+MLP input, a logit's de-meaned unembedding one-hot at the last position), and one backward through
+the frozen model gives, on that row, the gradient at every embedding and every MLP output. A source's
+direct effect on the target is that gradient dotted with what the source adds there: a feature's
+``activation * W_dec[feature]``, an error node's error vector, a token's embedding. Because the
+frozen model is linear in what the sources add, a target's input is exactly the sum of its row plus
+``constants``: the encoder's bias (its pre-activation at 0) and every block's decoder bias ``b_dec``
+carried to it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidArgument, InvalidType
+from .graph import AttributionGraph, Node, influence
+
+
+def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10,
+                      desired_logit_prob: float = 0.95, max_feature_nodes: int | None = None,
+                      batch_size: int = 32, tokenizer=None) -> AttributionGraph:
+    """The attribution graph of ``input_ids`` (one prompt, ``[seq]`` or ``[1, seq]``, used as given)
+    through the replacement model with ``transcoders`` (``{block: qgraph.Transcoder}`` for every block,
+    or a folder of a transcoder set that ``Transcoder.load(path, layer=i)`` reads). Logit nodes: the
+    most likely next tokens until their probabilities reach ``desired_logit_prob``, at most
+    ``max_n_logits``. Features: every active one (activation not 0), or the ``max_feature_nodes`` most
+    influential on the logits (found in rounds of ``batch_size``). ``batch_size`` targets share each
+    backward pass. ``tokenizer`` decodes the tokens for the views."""
+    from ..instrument import InstrumentedModel
+
+    model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
+    ids = _prompt(input_ids)
+    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size)
+    run = replacement_run(model, ids, transcoders, batch_size)
+    logit_ids, probabilities = _salient_logits(run.logits[0, -1].detach(), max_n_logits, desired_logit_prob)
+    active = run.active()
+    logit_rows = run.rows([("logit", int(token)) for token in logit_ids])
+    if max_feature_nodes is None or max_feature_nodes >= len(active):
+        chosen, feature_rows = active, run.rows([("feature", tuple(f)) for f in active.tolist()])
+    else:
+        chosen, feature_rows = _most_influential(run, active, logit_rows, probabilities, max_feature_nodes)
+    rows = {name: torch.cat([logit_rows[name], feature_rows[name]]) for name in logit_rows}
+    return _assemble(run, ids, active, chosen, logit_ids, probabilities, rows, tokenizer)
+
+
+def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int) -> "_Run":
+    """The prompt ``ids`` ``[seq]`` run once through the replacement model, ``batch_size`` rows: what
+    its sources add, and ``rows(targets)``, their direct effects by backward passes."""
+    from ..export import export_model
+    from ..families import family_for
+    from ..passes.replacement import EMBEDDINGS, inject_name
+    from ..program import Program
+
+    blocks = len(family_for(model).block_mixers(model.config))
+    transcoders = _transcoders(transcoders, blocks, model)
+    # the parameters without their gradients: a backward reaches the sources only, and keeps nothing for weights
+    weights = {name: parameter.detach() for name, parameter in model.named_parameters()}
+    program = Program(model, export_model(model, images=False), weights=weights)
+    program.build(["layers.0.layer_input", *(f"layers.{i}.mlp_input" for i in range(blocks))], {}, True,
+                  replacement=transcoders)
+    seq, device = ids.shape[0], next(model.parameters()).device
+    ids = ids.to(device)
+    width = model.get_input_embeddings().embedding_dim
+    dtype = next(model.parameters()).dtype
+    injects = {name: torch.zeros(batch_size, seq, width, dtype=dtype, device=device, requires_grad=True)
+               for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
+    inputs = {"input_ids": ids.expand(batch_size, seq), "attention_mask": torch.ones(batch_size, seq, dtype=torch.long,
+                                                                                     device=device), **injects}
+    with torch.enable_grad():
+        logits, captured = program.run(inputs, eager=True)
+    return _Run(transcoders, captured, logits, injects, blocks, batch_size)
+
+
+def _most_influential(run, active, logit_rows, probabilities, limit: int):
+    """The ``limit`` features most influential on the logits and their rows, found as circuit-tracer
+    does: in rounds of ``batch_size``, the features not yet attributed with the most influence through
+    the rows computed so far (``graph.influence``) are attributed next."""
+    n_features, n_logits = len(active), len(probabilities)
+    done: list[int] = []
+    rows = {name: part[:0] for name, part in logit_rows.items()}
+    while len(done) < limit:
+        square = torch.zeros(n_logits + n_features, n_logits + n_features)
+        square[:n_logits, n_logits:] = logit_rows["features"]
+        square[[n_logits + i for i in done], n_logits:] = rows["features"]
+        weights = torch.cat([probabilities.float(), torch.zeros(n_features)])
+        score = influence(square, weights)[n_logits:]
+        score[done] = -1.0
+        take = score.topk(min(run.batch, limit - len(done))).indices.tolist()
+        new = run.rows([("feature", tuple(active[i].tolist())) for i in take])
+        rows = {name: torch.cat([rows[name], new[name]]) for name in rows}
+        done += take
+    order = sorted(range(len(done)), key=lambda j: done[j])  # back to (block, position, feature) order
+    return active[sorted(done)], {name: part[order] for name, part in rows.items()}
+
+
+def _prompt(input_ids) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int):
+        raise InvalidType(f"input_ids takes a LongTensor of token ids, not {type(input_ids).__name__}")
+    if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1 or input_ids.shape[0] == 0:
+        raise InvalidArgument(f"an attribution graph is of one prompt: input_ids [seq] or [1, seq], not "
+                              f"{list(input_ids.shape)}")
+    return input_ids.long()
+
+
+def _transcoders(transcoders, blocks: int, model) -> dict:
+    """``{block: transcoder}`` for every block, checked against the model."""
+    if not isinstance(transcoders, dict):
+        from ..saes.transcoder import Transcoder
+        transcoders = {i: Transcoder.load(transcoders, layer=i) for i in range(blocks)}
+    missing = sorted(set(range(blocks)) - set(transcoders))
+    if missing:
+        raise InvalidArgument(f"the replacement model needs a transcoder at every block; blocks {missing} have "
+                              f"none (give transcoders={{block: Transcoder}} for blocks 0 to {blocks - 1})")
+    width = model.get_input_embeddings().embedding_dim
+    for block, transcoder in transcoders.items():
+        if not 0 <= block < blocks:
+            raise InvalidArgument(f"a transcoder at block {block}: the model has blocks 0 to {blocks - 1}")
+        if transcoder.W_enc.shape[0] != width or transcoder.W_dec.shape[1] != width:
+            raise InvalidArgument(f"the transcoder at block {block} reads {transcoder.W_enc.shape[0]} and writes "
+                                  f"{transcoder.W_dec.shape[1]} wide vectors; the model's stream is {width} wide")
+    return dict(sorted(transcoders.items()))
+
+
+def _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size) -> None:
+    for name, value in (("max_n_logits", max_n_logits), ("batch_size", batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidArgument(f"{name} takes a positive int, not {value!r}")
+    if not isinstance(desired_logit_prob, (int, float)) or not 0 < desired_logit_prob <= 1:
+        raise InvalidArgument(f"desired_logit_prob takes a probability in (0, 1], not {desired_logit_prob!r}")
+    if max_feature_nodes is not None and (not isinstance(max_feature_nodes, int) or max_feature_nodes < 0):
+        raise InvalidArgument(f"max_feature_nodes takes None (every active feature) or an int >= 0, not "
+                              f"{max_feature_nodes!r}")
+
+
+def _salient_logits(last: torch.Tensor, max_n_logits: int, desired_logit_prob: float):
+    """The most likely tokens until their probabilities reach ``desired_logit_prob``, at most ``max_n_logits``."""
+    probabilities = torch.softmax(last.float(), dim=-1)
+    top, ids = torch.topk(probabilities, min(max_n_logits, probabilities.shape[0]))
+    cutoff = int(torch.searchsorted(torch.cumsum(top, 0), torch.tensor(desired_logit_prob))) + 1
+    return ids[:cutoff], top[:cutoff]
+
+
+class _Run:
+    """One run of the frozen program: what the sources add, and the rows of targets by backward passes."""
+
+    def __init__(self, transcoders, captured, logits, injects, blocks, batch_size):
+        from ..passes.replacement import EMBEDDINGS, inject_name
+        self.transcoders, self.logits, self.blocks, self.batch = transcoders, logits, blocks, batch_size
+        self.inputs = [captured[f"layers.{i}.mlp_input"] for i in range(blocks)]
+        self.features = [captured[f"replacement.{i}.features"][0].detach() for i in range(blocks)]
+        self.errors = [captured[f"replacement.{i}.error"][0].detach().float() for i in range(blocks)]
+        self.embeddings = captured["layers.0.layer_input"][0].detach().float()
+        self.leaves = [injects[EMBEDDINGS], *(injects[inject_name(i)] for i in range(blocks))]
+
+    def active(self) -> torch.Tensor:
+        """``[n, 3]`` (block, position, feature) of every active feature, in that order."""
+        found = [torch.cat([torch.full((len(nz), 1), i), nz], dim=1)
+                 for i, nz in enumerate(f.nonzero().cpu() for f in self.features)]
+        return torch.cat(found) if found else torch.zeros(0, 3, dtype=torch.long)
+
+    def rows(self, targets) -> dict[str, torch.Tensor]:
+        """For each target, its direct effects: from the active features ``[targets, features]``, the error
+        nodes ``[targets, blocks * seq]`` and the embeddings ``[targets, seq]``, and its constant."""
+        active, seq = self.active(), self.embeddings.shape[0]
+        parts = {"features": [torch.zeros(0, len(active))], "errors": [torch.zeros(0, self.blocks * seq)],
+                 "embeddings": [torch.zeros(0, seq)], "constants": [torch.zeros(0)]}
+        for start in range(0, len(targets), self.batch):
+            chunk = targets[start:start + self.batch]
+            gradients = self._backward(chunk)
+            for name, part in self._effects(gradients, chunk, active).items():
+                parts[name].append(part[:len(chunk)].cpu())
+        return {name: torch.cat(part) for name, part in parts.items()}
+
+    def _backward(self, chunk) -> list[torch.Tensor]:
+        """The gradients at the embeddings and at every MLP output, one target per batch row."""
+        outputs, directions = [], []
+        by_block = {}
+        logit_rows = []
+        for row, (kind, what) in enumerate(chunk):
+            if kind == "logit":
+                logit_rows.append((row, what))
+            else:
+                by_block.setdefault(what[0], []).append((row, what[1], what[2]))
+        if logit_rows:
+            direction = torch.zeros_like(self.logits)
+            vocab = self.logits.shape[-1]
+            for row, token in logit_rows:
+                direction[row, -1] = -1.0 / vocab
+                direction[row, -1, token] += 1.0
+            outputs.append(self.logits)
+            directions.append(direction)
+        for block, wanted in by_block.items():
+            direction = torch.zeros_like(self.inputs[block])
+            encoder = self.transcoders[block].W_enc
+            for row, position, feature in wanted:
+                direction[row, position] = encoder[:, feature].to(direction.dtype)
+            outputs.append(self.inputs[block])
+            directions.append(direction)
+        gradients = torch.autograd.grad(outputs, self.leaves, directions, retain_graph=True, allow_unused=True)
+        return [torch.zeros_like(leaf) if g is None else g.float() for leaf, g in zip(self.leaves, gradients)]
+
+    def _effects(self, gradients, chunk, active) -> dict[str, torch.Tensor]:
+        at_embeddings, at_outputs = gradients[0], gradients[1:]
+        features = []
+        for block in range(self.blocks):
+            mine = active[active[:, 0] == block]
+            decoder = self.transcoders[block].W_dec.float()[mine[:, 2]]  # [n, width]
+            activation = self.features[block][mine[:, 1], mine[:, 2]].float()
+            features.append(torch.einsum("rnd,nd->rn", at_outputs[block][:, mine[:, 1]], decoder) * activation)
+        errors = torch.cat([(at_outputs[block] * self.errors[block]).sum(-1) for block in range(self.blocks)], dim=1)
+        embeddings = (at_embeddings * self.embeddings).sum(-1)
+        carried = sum((at_outputs[block].sum(1) @ self.transcoders[block].b_dec.float()) for block in range(self.blocks))
+        encoder = torch.tensor([_encoder_constant(self.transcoders[what[0]], what[2]) if kind == "feature" else 0.0
+                                for kind, what in chunk] + [0.0] * (self.batch - len(chunk)))
+        return {"features": torch.cat(features, dim=1), "errors": errors, "embeddings": embeddings,
+                "constants": carried + encoder}
+
+    def node_input(self, kind, what) -> float:
+        """A feature's pre-activation, or a logit minus the mean logit."""
+        if kind == "logit":
+            last = self.logits[0, -1].detach().float()
+            return float(last[what] - last.mean())
+        block, position, feature = what
+        x = self.inputs[block][0, position].detach()
+        transcoder = self.transcoders[block]
+        return float(x.float() @ transcoder.W_enc[:, feature].float()) + _encoder_constant(transcoder, feature)
+
+
+def _encoder_constant(transcoder, feature: int) -> float:
+    """The part of a feature's pre-activation no input accounts for: its pre-activation at 0."""
+    zero = torch.zeros(1, transcoder.W_enc.shape[0], dtype=transcoder.W_enc.dtype, device=transcoder.W_enc.device)
+    return float(transcoder.pre(zero)[0, feature].float())
+
+
+def _assemble(run, ids, active, chosen, logit_ids, probabilities, rows, tokenizer) -> AttributionGraph:
+    """The graph in circuit-tracer's node order: the chosen features, errors, embeddings, logits."""
+    blocks, seq = run.blocks, ids.shape[0]
+    n_features, n_logits = len(chosen), len(logit_ids)
+    nodes = [Node("feature", b, p, f, float(run.features[b][p, f])) for b, p, f in chosen.tolist()]
+    nodes += [Node("error", b, p, None) for b in range(blocks) for p in range(seq)]
+    nodes += [Node("embedding", None, p, int(ids[p])) for p in range(seq)]
+    nodes += [Node("logit", blocks, seq - 1, t, probability=q) for t, q in zip(logit_ids.tolist(), probabilities.tolist())]
+    columns = _columns(active, chosen)
+    sources = torch.cat([rows["features"][:, columns], rows["errors"], rows["embeddings"]], dim=1)
+    n = len(nodes)
+    targets = [n - n_logits + i for i in range(n_logits)] + list(range(n_features))  # as rows were computed
+    adjacency, constants, node_inputs = torch.zeros(n, n), torch.zeros(n), torch.zeros(n)
+    adjacency[targets, :sources.shape[1]] = sources
+    constants[targets] = rows["constants"]
+    asked = [("logit", int(t)) for t in logit_ids] + [("feature", tuple(f)) for f in chosen.tolist()]
+    node_inputs[targets] = torch.tensor([run.node_input(kind, what) for kind, what in asked])
+    tokens = logit_tokens = None
+    if tokenizer is not None:
+        tokens = [tokenizer.decode([int(t)]) for t in ids]
+        logit_tokens = [tokenizer.decode([int(t)]) for t in logit_ids]
+    return AttributionGraph(nodes, adjacency, node_inputs, constants, ids.cpu(), probabilities.cpu(), tokens,
+                            logit_tokens, n_layers=blocks)
+
+
+def _columns(active: torch.Tensor, chosen: torch.Tensor) -> list[int]:
+    """The columns of the chosen features among every active feature's."""
+    index = {tuple(feature): i for i, feature in enumerate(active.tolist())}
+    return [index[tuple(feature)] for feature in chosen.tolist()]

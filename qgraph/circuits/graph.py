@@ -1,0 +1,399 @@
+"""The result of an attribution: nodes, the direct effect of each on each other, and pruning by influence.
+
+The conventions are circuit-tracer's (safety-research/circuit-tracer, 0.5.0 on PyPI), so that a graph
+compares with the reference implementation and opens in its viewer and in Neuronpedia's:
+
+- node order (``circuit_tracer/graph.py``, ``Graph``): active features (by layer, position, feature),
+  error nodes (layer-major, one per (layer, position)), embedding nodes (one per position), logit nodes
+  (most likely first);
+- ``adjacency[t, s]`` is the direct effect of source ``s`` on target ``t`` (rows are targets);
+- pruning (``prune_graph`` there): influence on the logits through the row-normalised ``|adjacency|``,
+  nodes kept up to a share of the total influence, then edges by their share of edge influence; every
+  embedding and logit node is kept;
+- the JSON file (``circuit_tracer/utils/create_graph_files.py`` and the pydantic models of
+  ``circuit_tracer/frontend/graph_models.py``): node ids, ``feature_type`` strings, metadata, links.
+
+The views (``to_json``, ``plot``, ``to_graphviz``) show a pruned graph: one not yet pruned is pruned
+first, with the thresholds given (circuit-tracer's defaults, 0.8 and 0.98, otherwise).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from ..errors import InvalidArgument, InvalidType, MissingFile, OutOfRange
+
+__all__ = ["FEATURE_TYPES", "KINDS", "AttributionGraph", "Node", "influence"]
+
+KINDS = ("feature", "error", "embedding", "logit")  # also their order in a graph
+
+# circuit-tracer's feature_type of each kind (frontend/graph_models.py, Node.feature_node ... logit_node)
+FEATURE_TYPES = {"feature": "cross layer transcoder", "error": "mlp reconstruction error",
+                 "embedding": "embedding", "logit": "logit"}
+
+NODE_THRESHOLD, EDGE_THRESHOLD = 0.8, 0.98  # circuit-tracer's defaults (create_graph_files)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of an attribution graph.
+
+    ``layer``: the block (feature, error); None for an embedding; the number of blocks for a logit.
+    ``position``: the token position (circuit-tracer's ``ctx_idx``; a logit's is the last position).
+    ``feature``: the transcoder feature (feature), the token id (embedding, logit), None (error).
+    ``activation``: a feature's activation. ``probability``: a logit's. ``influence``: set by pruning,
+    circuit-tracer's cumulative score (the share of the total influence held by the nodes at least as
+    influential as this one: lower is more influential); None for logits and unpruned graphs.
+    """
+    kind: str
+    layer: int | None
+    position: int
+    feature: int | None
+    activation: float | None = None
+    probability: float | None = None
+    influence: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise InvalidArgument(f"Node kind {self.kind!r}: one of {', '.join(map(repr, KINDS))}")
+        wants_layer = self.kind != "embedding"
+        wants_feature = self.kind != "error"
+        if (self.layer is not None) != wants_layer or (self.feature is not None) != wants_feature:
+            raise InvalidArgument(
+                f"a {self.kind} node has {'a' if wants_layer else 'no'} layer and {'a' if wants_feature else 'no'} "
+                f"feature (feature index or token id): got layer={self.layer!r}, feature={self.feature!r}")
+
+    @property
+    def node_id(self) -> str:
+        """circuit-tracer's ``node_id`` (its Node.feature_node ... logit_node). Note that its scheme gives a
+        layer-0 feature ``f`` and the error node of layer ``f`` at one position the same id."""
+        if self.kind == "feature":
+            return f"{self.layer}_{self.feature}_{self.position}"
+        if self.kind == "error":
+            return f"0_{self.layer}_{self.position}"
+        if self.kind == "embedding":
+            return f"E_{self.feature}_{self.position}"
+        return f"{self.layer + 1}_{self.feature}_{self.position}"  # circuit-tracer draws logits at n_layers + 1
+
+
+class AttributionGraph:
+    """Nodes in circuit-tracer's order and the direct effects between them (``adjacency[target, source]``).
+
+    ``node_inputs[i]``: what node ``i`` is attributed (a feature's pre-activation, a logit node's logit
+    minus the mean logit; 0 for error and embedding nodes). ``constants[i]``: what no node accounts for
+    (encoder bias, decoder biases carried forward). ``tokens`` / ``logit_tokens``: decoded strings.
+    ``scan``: the name of the transcoders (circuit-tracer's ``scan``). A pruned graph also has ``edges``
+    (the kept edges), ``node_influence`` (each node's influence on the logits), ``pruned`` (its
+    thresholds) and ``kept`` (each node's index in the graph it was pruned from).
+    """
+
+    def __init__(self, nodes: Sequence[Node], adjacency: torch.Tensor, node_inputs: torch.Tensor,
+                 constants: torch.Tensor, input_ids: torch.Tensor, logit_probabilities: torch.Tensor,
+                 tokens: Sequence[str] | None = None, logit_tokens: Sequence[str] | None = None,
+                 scan: str | Sequence[str] | None = None, n_layers: int | None = None, *, prompt: str | None = None,
+                 edges: torch.Tensor | None = None, node_influence: torch.Tensor | None = None,
+                 pruned: tuple[float, float] | None = None, kept: torch.Tensor | None = None):
+        self.nodes = list(nodes)
+        if not all(isinstance(node, Node) for node in self.nodes):
+            raise InvalidType("AttributionGraph takes a list of qgraph Node objects")
+        tensors = dict(adjacency=adjacency, node_inputs=node_inputs, constants=constants, input_ids=input_ids,
+                       logit_probabilities=logit_probabilities)
+        for name, value in tensors.items():
+            if not isinstance(value, torch.Tensor):
+                raise InvalidType(f"{name} is a torch.Tensor, not {type(value).__name__}")
+        self.adjacency = adjacency.float()
+        self.node_inputs, self.constants = node_inputs.float(), constants.float()
+        self.input_ids = input_ids.reshape(-1)
+        self.logit_probabilities = logit_probabilities.float()
+        self.tokens = None if tokens is None else list(tokens)
+        self.logit_tokens = None if logit_tokens is None else list(logit_tokens)
+        self.scan = scan
+        self.prompt = prompt
+        self.edges = edges
+        self.node_influence = node_influence
+        self.pruned = pruned
+        self.kept = kept
+        self.n_layers = self._check(n_layers)
+        self._index: dict | None = None
+
+    def _check(self, n_layers: int | None) -> int:
+        n, seq = len(self.nodes), len(self.input_ids)
+        if self.adjacency.shape != (n, n):
+            raise InvalidArgument(f"adjacency is [n, n] for {n} nodes, not {list(self.adjacency.shape)}")
+        for name in ("node_inputs", "constants"):
+            if getattr(self, name).shape != (n,):
+                raise InvalidArgument(f"{name} is [n] for {n} nodes, not {list(getattr(self, name).shape)}")
+        if not torch.isfinite(self.adjacency).all():
+            raise InvalidArgument("adjacency has entries that are not finite (inf or nan)")
+        ranks = [KINDS.index(node.kind) for node in self.nodes]
+        if any(a > b for a, b in zip(ranks, ranks[1:])):
+            raise InvalidArgument("nodes go in circuit-tracer's order: features, then errors, then embeddings, "
+                                  "then logits")
+        if self.edges is not None and self.edges.shape != (n, n):
+            raise InvalidArgument(f"edges is [n, n] for {n} nodes, not {list(self.edges.shape)}")
+        if len(self.logit_probabilities) != self.count("logit"):
+            raise InvalidArgument(f"{len(self.logit_probabilities)} logit probabilities for "
+                                  f"{self.count('logit')} logit nodes")
+        if self.tokens is not None and len(self.tokens) != seq:
+            raise InvalidArgument(f"{len(self.tokens)} tokens for {seq} input ids")
+        if self.logit_tokens is not None and len(self.logit_tokens) != self.count("logit"):
+            raise InvalidArgument(f"{len(self.logit_tokens)} logit tokens for {self.count('logit')} logit nodes")
+        outside = [node for node in self.nodes if not 0 <= node.position < seq]
+        if outside:
+            raise OutOfRange(f"node {outside[0]} is at a position outside the {seq} input tokens")
+        logit_layers = {node.layer for node in self.nodes if node.kind == "logit"}
+        if n_layers is None:
+            blocks = [node.layer + 1 for node in self.nodes if node.kind in ("feature", "error")]
+            n_layers = logit_layers.pop() if logit_layers else max(blocks, default=0)
+        if logit_layers - {n_layers}:
+            raise InvalidArgument(f"a logit node's layer is the number of blocks ({n_layers}), not "
+                                  f"{sorted(logit_layers - {n_layers})}")
+        return n_layers
+
+    # -- what is in it ------------------------------------------------------------------------------
+    def count(self, kind: str) -> int:
+        """How many nodes of one kind ("feature", "error", "embedding", "logit")."""
+        return sum(node.kind == kind for node in self.nodes)
+
+    def kind_mask(self, *kinds: str) -> torch.Tensor:
+        """[n] bool: the nodes of these kinds."""
+        return torch.tensor([node.kind in kinds for node in self.nodes], dtype=torch.bool,
+                            device=self.adjacency.device)
+
+    @property
+    def edge_mask(self) -> torch.Tensor:
+        """[n, n] bool: the edges (those pruning kept; every nonzero entry of an unpruned graph)."""
+        return self.adjacency != 0 if self.edges is None else self.edges
+
+    def node_index(self, kind: str, layer: int | None, position: int, feature: int | None = None) -> int:
+        """The index of a node (``layer`` is not looked at for embeddings and logits)."""
+        if self._index is None:
+            self._index = {_key(node.kind, node.layer, node.position, node.feature): i
+                           for i, node in enumerate(self.nodes)}
+        key = _key(kind, layer, position, feature)
+        if key not in self._index:
+            raise OutOfRange(f"no {kind} node at layer={layer}, position={position}, feature={feature} in this graph")
+        return self._index[key]
+
+    def __repr__(self) -> str:
+        return (f"AttributionGraph({self.count('feature')} features, {self.count('error')} errors, "
+                f"{len(self.input_ids)} tokens, {self.count('logit')} logits, {int(self.edge_mask.sum())} edges)")
+
+    # -- pruning -------------------------------------------------------------------------------------
+    def prune(self, node_threshold: float = NODE_THRESHOLD, edge_threshold: float = EDGE_THRESHOLD
+              ) -> AttributionGraph:
+        """The nodes and edges that carry most of the influence on the logits, as circuit-tracer's
+        ``prune_graph`` and ``create_used_nodes_and_edges`` choose them.
+
+        Influence: with ``A`` the adjacency with ``|.|`` rows normalised to sum to 1 and ``w`` the logit
+        probabilities on the logit nodes, ``w @ (A + A^2 + ...)``. Nodes are kept, most influential
+        first, until their share of the total influence reaches ``node_threshold``; every embedding and
+        logit node is kept. Edges among those are scored by ``A'[t, s] * (influence'(t) + w[t])`` on the
+        adjacency ``A'`` restricted to them, and kept up to ``edge_threshold`` of the total score. Then
+        features and errors with no outgoing edge, and features with no incoming edge, go (repeatedly),
+        and so does any feature or error left without an edge. The new graph's adjacency has the pruned
+        edges zeroed; each node's ``influence`` is circuit-tracer's cumulative score.
+        """
+        for name, value in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
+            if not 0.0 <= value <= 1.0:
+                raise InvalidArgument(f"{name}={value}: a share of the total influence, from 0.0 to 1.0")
+        adjacency = self.adjacency
+        weights = torch.zeros(len(self.nodes), device=adjacency.device)
+        weights[self.kind_mask("logit")] = self.logit_probabilities.to(adjacency.device)
+
+        influence = _influence(_normalized(adjacency), weights)
+        always = self.kind_mask("embedding", "logit")
+        kept = (influence >= _threshold(influence, node_threshold)) | always
+
+        normalized = _normalized(adjacency * (kept[:, None] & kept[None, :]))
+        edge_scores = normalized * (_influence(normalized, weights) + weights)[:, None]
+        # a score of 0 is no edge (circuit-tracer keeps those too when its threshold falls to 0, at 1.0)
+        edges = (edge_scores >= _threshold(edge_scores.flatten(), edge_threshold)) & (edge_scores > 0)
+
+        inner, features = self.kind_mask("feature", "error"), self.kind_mask("feature")
+        while True:  # each node gone may leave others without an edge
+            before = kept.clone()
+            kept[inner] &= edges[:, inner].any(0)  # features and errors: an outgoing edge
+            kept[features] &= edges[features].any(1)  # features: an incoming edge
+            if torch.equal(before, kept):
+                break
+            edges &= kept[:, None] & kept[None, :]
+        edges &= kept[:, None] & kept[None, :]
+        kept &= always | edges.any(0) | edges.any(1)  # what create_used_nodes_and_edges writes
+
+        ordered, order = torch.sort(influence, descending=True, stable=True)
+        cumulative = torch.zeros_like(influence)
+        if ordered.sum() > 0:  # else nothing has influence: every node is at the tail, 1.0
+            cumulative[order] = torch.cumsum(ordered, 0) / ordered.sum()
+        else:
+            cumulative.fill_(1.0)
+
+        index = kept.nonzero().flatten()
+        nodes = [replace(self.nodes[i], influence=None if self.nodes[i].kind == "logit" else float(cumulative[i]))
+                 for i in index.tolist()]
+        sub_edges = edges[index][:, index]
+        sub_adjacency = torch.where(sub_edges, adjacency[index][:, index], torch.zeros((), device=adjacency.device))
+        pick = lambda values: values[index.to(values.device)]  # noqa: E731 (node_inputs may be elsewhere)
+        return AttributionGraph(
+            nodes, sub_adjacency, pick(self.node_inputs), pick(self.constants), self.input_ids,
+            self.logit_probabilities, self.tokens, self.logit_tokens, self.scan, self.n_layers, prompt=self.prompt,
+            edges=sub_edges, node_influence=influence[index], pruned=(node_threshold, edge_threshold),
+            kept=index.cpu() if self.kept is None else pick(self.kept))
+
+    def _as_pruned(self, node_threshold: float | None, edge_threshold: float | None) -> AttributionGraph:
+        if self.pruned is None:
+            return self.prune(NODE_THRESHOLD if node_threshold is None else node_threshold,
+                              EDGE_THRESHOLD if edge_threshold is None else edge_threshold)
+        asked = (node_threshold if node_threshold is not None else self.pruned[0],
+                 edge_threshold if edge_threshold is not None else self.pruned[1])
+        if asked != tuple(self.pruned):
+            raise InvalidArgument(f"this graph is pruned already (node_threshold={self.pruned[0]}, edge_threshold="
+                                  f"{self.pruned[1]}): prune the full graph with the thresholds you want")
+        return self
+
+    # -- views ---------------------------------------------------------------------------------------
+    def json_data(self, slug: str = "qgraph", *, scan: str | Sequence[str] | None = None, prompt: str | None = None,
+                  labels: Mapping[tuple[int, int], str] | None = None, node_threshold: float | None = None,
+                  edge_threshold: float | None = None) -> dict:
+        """The graph file's content as a dict (see ``to_json``)."""
+        graph = self._as_pruned(node_threshold, edge_threshold)
+        scan = graph.scan if scan is None else scan
+        transcoders: list[str] = []
+        if scan is None:
+            scan = "qgraph"
+        elif not isinstance(scan, str):  # a list of transcoders: circuit-tracer names it "custom-<hash>"
+            transcoders = list(scan)
+            digest = hashlib.sha256("-".join(transcoders).encode()).digest()  # stable, unlike Python's hash()
+            scan = f"custom-{int.from_bytes(digest[:8], 'big') >> 1}"
+        tokens = graph.tokens or [str(t) for t in graph.input_ids.tolist()]
+        metadata = dict(slug=slug, scan=scan, transcoder_list=transcoders, prompt_tokens=tokens,
+                        prompt=prompt if prompt is not None else graph.prompt if graph.prompt is not None
+                        else "".join(tokens) if graph.tokens else "",
+                        node_threshold=graph.pruned[0], schema_version=1)
+        qparams = dict(pinnedIds=[], supernodes=[], linkType="both", clickedId="", sg_pos="")
+        nodes = [_json_node(graph, i, labels or {}) for i in range(len(graph.nodes))]
+        ids = [node["node_id"] for node in nodes]
+        targets, sources = graph.edge_mask.nonzero(as_tuple=True)
+        weights = graph.adjacency[targets, sources].tolist()
+        links = [dict(source=ids[s], target=ids[t], weight=w)
+                 for t, s, w in zip(targets.tolist(), sources.tolist(), weights)]
+        return dict(metadata=metadata, qParams=qparams, nodes=nodes, links=links)
+
+    def to_json(self, path: str | Path, slug: str = "qgraph", *, scan: str | Sequence[str] | None = None,
+                prompt: str | None = None, labels: Mapping[tuple[int, int], str] | None = None,
+                node_threshold: float | None = None, edge_threshold: float | None = None) -> Path:
+        """Write the graph in circuit-tracer's and Neuronpedia's graph format (``create_graph_files``).
+
+        ``path``: a ``.json`` file, or a folder: then ``<slug>.json`` is written there and the graph's
+        metadata is added to the folder's ``graph-metadata.json``, which circuit-tracer's local server
+        lists. ``scan``: the transcoders' name (default ``self.scan``, else "qgraph"); a list of
+        transcoders is named "custom-<hash>". ``labels``: ``{(layer, feature): text}``, written as the
+        features' ``clerp``. A graph not yet pruned is pruned first with the thresholds given. Returns
+        the path written.
+        """
+        data = self.json_data(slug, scan=scan, prompt=prompt, labels=labels, node_threshold=node_threshold,
+                              edge_threshold=edge_threshold)
+        path = Path(path)
+        folder = path.is_dir()
+        target = path / f"{slug}.json" if folder else path
+        if not folder and path.suffix.lower() != ".json":
+            raise InvalidArgument(f"to_json writes a .json file or into a folder, not '{path.name}'")
+        if not target.parent.is_dir():
+            raise MissingFile(f"no folder {target.parent} to write {target.name} into")
+        target.write_text(json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False), encoding="utf-8")
+        if folder:
+            listing = path / "graph-metadata.json"
+            graphs = json.loads(listing.read_text(encoding="utf-8"))["graphs"] if listing.exists() else []
+            graphs = [g for g in graphs if g.get("slug") != slug] + [data["metadata"]]
+            listing.write_text(json.dumps({"graphs": graphs}, indent=2, ensure_ascii=False), encoding="utf-8")
+        return target
+
+    def plot(self, *, labels: Mapping[tuple[int, int], str] | None = None,
+             top_logits: Mapping[tuple[int, int], Sequence[str]] | None = None,
+             node_threshold: float | None = None, edge_threshold: float | None = None):
+        """A self-contained HTML view (inline SVG, CSS and JS; nothing from the network): features by
+        layer (up) and position (across), edges coloured by sign and drawn by magnitude; hovering a node
+        shows its activation, influence and, where given, its label and top logits
+        (``{(layer, feature): ...}``). Returns a ``Figure`` (shown in a notebook; ``.save("g.html")`` or
+        ``.save("g.svg")``). A graph not yet pruned is pruned first."""
+        from .render import figure
+
+        return figure(self._as_pruned(node_threshold, edge_threshold), labels or {}, top_logits or {})
+
+    def to_graphviz(self, *, labels: Mapping[tuple[int, int], str] | None = None,
+                    node_threshold: float | None = None, edge_threshold: float | None = None):
+        """The pruned graph as a ``graphviz.Digraph`` (one rank per layer; ``.source`` is the DOT). A graph
+        not yet pruned is pruned first."""
+        from .render import digraph
+
+        return digraph(self._as_pruned(node_threshold, edge_threshold), labels or {})
+
+
+def _key(kind: str, layer, position: int, feature) -> tuple:
+    return (kind, position, feature) if kind in ("embedding", "logit") else (kind, layer, position, feature)
+
+
+def influence(adjacency: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each node's influence on the nodes ``weights`` weighs (the logits, by probability): ``weights @ (A +
+    A^2 + ...)`` with ``A`` the ``|adjacency|`` with its rows normalised (what ``prune`` ranks nodes by)."""
+    return _influence(_normalized(adjacency), weights)
+
+
+def _normalized(adjacency: torch.Tensor) -> torch.Tensor:
+    """``|adjacency|`` with each row (target) scaled to sum to 1 (rows of zeros stay zero)."""
+    magnitude = adjacency.abs()
+    return magnitude / magnitude.sum(dim=1, keepdim=True).clamp(min=1e-10)
+
+
+def _influence(normalized: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``weights @ (A + A^2 + ...)``: an acyclic graph's ``A`` is nilpotent, so at most n terms are nonzero."""
+    step = weights @ normalized
+    total = step.clone()
+    for _ in range(normalized.shape[0]):
+        if not step.any():
+            return total
+        step = step @ normalized
+        total += step
+    raise InvalidArgument("the adjacency has a cycle (a node influences itself): influence does not converge")
+
+
+def _threshold(scores: torch.Tensor, share: float) -> torch.Tensor:
+    """The smallest score kept when the highest scores are kept until they hold ``share`` of the total."""
+    ordered = torch.sort(scores, descending=True).values
+    total = ordered.sum()
+    if ordered.numel() == 0 or total <= 0:
+        return torch.tensor(math.inf, device=scores.device)  # nothing has influence: nothing kept by score
+    cumulative = torch.cumsum(ordered, 0) / total
+    at = int(torch.searchsorted(cumulative, share).item())
+    return ordered[min(at, len(ordered) - 1)]
+
+
+def _json_node(graph: AttributionGraph, i: int, labels: Mapping) -> dict:
+    """Node ``i`` as circuit-tracer's frontend ``Node`` (every field, in its order)."""
+    node = graph.nodes[i]
+    entry = dict(node_id=node.node_id, feature=-1, layer=str(node.layer), ctx_idx=node.position,
+                 feature_type=FEATURE_TYPES[node.kind], token_prob=0.0, is_target_logit=False, run_idx=0,
+                 reverse_ctx_idx=0, jsNodeId="", clerp="", influence=node.influence, activation=None)
+    if node.kind == "feature":
+        layer, feature = node.layer, node.feature
+        entry.update(feature=(layer + feature) * (layer + feature + 1) // 2 + feature,  # Cantor pairing
+                     jsNodeId=f"{layer}_{feature}-0", clerp=labels.get((layer, feature), ""),
+                     activation=node.activation)
+    elif node.kind == "error":
+        entry.update(jsNodeId=f"{node.layer}_{node.position}-0")
+    elif node.kind == "embedding":
+        entry.update(feature=node.position, layer="E", jsNodeId=f"E_{node.feature}-{node.position}")
+    else:
+        j = i - (len(graph.nodes) - graph.count("logit"))
+        probability = float(graph.logit_probabilities[j])
+        token = graph.logit_tokens[j] if graph.logit_tokens is not None else str(node.feature)
+        entry.update(feature=node.feature, layer=str(node.layer + 1), token_prob=probability, is_target_logit=j == 0,
+                     jsNodeId=f"L_{node.feature}-{node.position}", clerp=f'Output "{token}" (p={probability:.3f})',
+                     influence=None)
+    return entry

@@ -1,0 +1,337 @@
+"""The attribution-graph result (qgraph/circuits/graph.py, render.py) on small hand-made graphs: pruning
+against an independent numpy computation of influence and against circuit-tracer's own ``prune_graph``;
+the JSON file against circuit-tracer 0.5.0's pydantic models and its own ``create_graph_files`` steps;
+the HTML figure (offline, one element per node) and the graphviz view (one DOT node per node)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import xml.etree.ElementTree as ET
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from qgraph.circuits.graph import FEATURE_TYPES, AttributionGraph, Node
+from qgraph.circuits.render import NEGATIVE, POSITIVE
+from qgraph.errors import InvalidArgument, OutOfRange
+
+# -- a hand-made graph ----------------------------------------------------------------------------------
+# 2 blocks, 2 positions. Features a (L0 p0), b (L0 p1), c (L1 p1); errors (0,0) (0,1) (1,0) (1,1);
+# embeddings of tokens 11, 12; logits 20 (p 0.7) and 21 (p 0.2) at the last position.
+# b reads the second token but feeds nothing: it has no influence on the logits and must go.
+A, B, C, E00, E01, E10, E11, T0, T1, L20, L21 = range(11)
+EDGES = {(T0, A): 2.0, (T1, B): 1.0, (A, C): 1.5, (T1, C): 0.5, (E01, C): -0.25, (C, L20): 3.0, (C, L21): -1.0,
+         (A, L20): 0.5, (T1, L20): 0.2, (E11, L20): 0.1, (T0, L21): 0.3}  # (source, target): direct effect
+
+
+def chain_graph() -> AttributionGraph:
+    nodes = [Node("feature", 0, 0, 5, activation=2.0), Node("feature", 0, 1, 7, activation=1.0),
+             Node("feature", 1, 1, 3, activation=1.5)]
+    nodes += [Node("error", layer, position, None) for layer in range(2) for position in range(2)]
+    nodes += [Node("embedding", None, position, token) for position, token in enumerate([11, 12])]
+    nodes += [Node("logit", 2, 1, 20, probability=0.7), Node("logit", 2, 1, 21, probability=0.2)]
+    adjacency = torch.zeros(11, 11)
+    for (source, target), weight in EDGES.items():
+        adjacency[target, source] = weight
+    return AttributionGraph(nodes, adjacency, torch.arange(11.0), torch.full((11,), 0.5), torch.tensor([11, 12]),
+                            torch.tensor([0.7, 0.2]), tokens=["The", " cat"], logit_tokens=[" sat", " ran"],
+                            scan="qwen3.5-tiny-transcoders")
+
+
+def numpy_influence(adjacency: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``weights @ ((I - A)^-1 - I)`` with ``A`` the row-normalised ``|adjacency|``."""
+    normalized = np.abs(adjacency)
+    normalized = normalized / np.maximum(normalized.sum(1, keepdims=True), 1e-10)
+    eye = np.eye(len(adjacency))
+    return weights @ (np.linalg.inv(eye - normalized) - eye), normalized
+
+
+def share_kept(scores: np.ndarray, share: float) -> set:
+    """The highest scores, taken one by one until they hold ``share`` of the total (and any tied)."""
+    total, held = scores.sum(), 0.0
+    for i in np.argsort(-scores, kind="stable"):
+        held += scores[i]
+        if held >= share * total:
+            return {int(j) for j in np.flatnonzero(scores >= scores[i])}
+    return set(range(len(scores)))
+
+
+def reference_prune(graph: AttributionGraph, node_threshold: float, edge_threshold: float):
+    """Kept nodes and edges, computed independently in numpy and plain Python."""
+    adjacency = graph.adjacency.double().numpy()
+    kinds = [node.kind for node in graph.nodes]
+    weights = np.zeros(len(kinds))
+    weights[[i for i, k in enumerate(kinds) if k == "logit"]] = graph.logit_probabilities.double().numpy()
+    influence, _ = numpy_influence(adjacency, weights)
+    kept = share_kept(influence, node_threshold) | {i for i, k in enumerate(kinds) if k in ("embedding", "logit")}
+    restricted = adjacency * np.array([[t in kept and s in kept for s in range(len(kinds))] for t in range(len(kinds))])
+    restricted_influence, normalized = numpy_influence(restricted, weights)
+    scores = normalized * (restricted_influence + weights)[:, None]
+    flat = scores.flatten()
+    edges = {divmod(int(k), len(kinds)) for k in share_kept(flat, edge_threshold) if flat[k] > 0}  # (t, s)
+    while True:
+        gone = {i for i in kept if kinds[i] in ("feature", "error") and not any(s == i for _, s in edges)}
+        gone |= {i for i in kept if kinds[i] == "feature" and not any(t == i for t, _ in edges)}
+        if not gone:
+            return kept, edges, influence
+        kept -= gone
+        edges = {(t, s) for t, s in edges if t in kept and s in kept}
+
+
+def test_prune_drops_the_feature_with_no_influence_and_keeps_what_numpy_says():
+    graph = chain_graph()
+    for node_threshold in (0.5, 0.8, 0.95, 0.99, 0.995):
+        pruned = graph.prune(node_threshold, 0.9999)
+        kept, edges, influence = reference_prune(graph, node_threshold, 0.9999)
+        assert pruned.kept.tolist() == sorted(kept), node_threshold
+        assert B not in kept and {C, T0, T1, L20, L21} <= kept and (A in kept) == (node_threshold > 0.6)
+        assert np.allclose(pruned.node_influence.numpy(), influence[sorted(kept)], rtol=1e-5, atol=1e-7)
+    # by hand: c and the first embedding hold 0.606 of the influence, with a 0.866; error (0,1) brings it to 0.9915
+    assert graph.prune(0.5, 0.9999).kept.tolist() == [C, T0, T1, L20, L21]
+    assert [n.node_id for n in graph.prune(0.8, 0.9999).nodes] == ["0_5_0", "1_3_1", "E_11_0", "E_12_1", "3_20_1",
+                                                                    "3_21_1"]
+    assert graph.prune(0.99, 0.9999).kept.tolist() == [A, C, E01, T0, T1, L20, L21]
+    assert graph.prune(0.995, 0.9999).kept.tolist() == [A, C, E01, E11, T0, T1, L20, L21]
+
+
+def test_prune_records_influence_as_circuit_tracers_cumulative_score():
+    graph = chain_graph()
+    pruned = graph.prune(0.995, 0.9999)
+    weights = np.array([0] * 9 + [0.7, 0.2])
+    influence, _ = numpy_influence(graph.adjacency.double().numpy(), weights)
+    order = np.argsort(-influence, kind="stable")
+    cumulative = np.empty(11)
+    cumulative[order] = np.cumsum(influence[order]) / influence.sum()
+    for node, i in zip(pruned.nodes, pruned.kept.tolist()):
+        if node.kind == "logit":
+            assert node.influence is None
+        else:
+            assert node.influence == pytest.approx(cumulative[i], abs=1e-6)
+    assert min(pruned.nodes, key=lambda n: n.influence or 2).node_id == "1_3_1"  # c carries the most
+
+
+def test_prune_drops_edges_by_threshold_and_nodes_left_without_edges():
+    graph = chain_graph()
+    for edge_threshold in (0.98, 0.95, 0.8, 0.6):
+        pruned = graph.prune(0.995, edge_threshold)
+        kept, edges, _ = reference_prune(graph, 0.995, edge_threshold)
+        assert pruned.kept.tolist() == sorted(kept), edge_threshold
+        index = pruned.kept.tolist()
+        found = {(index[t], index[s]) for t, s in pruned.edge_mask.nonzero().tolist()}
+        assert found == edges, edge_threshold
+        for t, s in np.ndindex(*pruned.adjacency.shape):  # kept edges keep their weight, the others are 0
+            expected = graph.adjacency[index[t], index[s]] if (index[t], index[s]) in edges else 0.0
+            assert pruned.adjacency[t, s] == expected
+    # by hand: at 0.98 the weakest edge, error (1,1) -> logit 20, goes and takes its only source with it
+    at_98 = graph.prune(0.995, 0.98)
+    assert E11 not in at_98.kept.tolist() and E01 in at_98.kept.tolist()
+    # at 0.95 three more go: token 0 -> logit 21, token 1 -> logit 20 (the embeddings stay)
+    at_95 = graph.prune(0.995, 0.95)
+    assert at_95.adjacency[at_95.node_index("logit", None, 1, 21), at_95.node_index("embedding", None, 0, 11)] == 0
+    assert at_95.count("embedding") == 2 and at_95.count("logit") == 2
+
+
+def test_prune_checks_its_thresholds_and_refuses_a_cycle():
+    graph = chain_graph()
+    with pytest.raises(InvalidArgument, match="node_threshold"):
+        graph.prune(1.5)
+    with pytest.raises(InvalidArgument, match="edge_threshold"):
+        graph.prune(0.8, -0.1)
+    cyclic = chain_graph()
+    cyclic.adjacency[A, C] = 1.0  # c -> a as well as a -> c
+    with pytest.raises(InvalidArgument, match="cycle"):
+        cyclic.prune()
+
+
+def test_graph_checks_what_it_is_given():
+    graph = chain_graph()
+    with pytest.raises(InvalidArgument, match="order"):
+        AttributionGraph(graph.nodes[::-1], graph.adjacency, graph.node_inputs, graph.constants, graph.input_ids,
+                         graph.logit_probabilities)
+    with pytest.raises(InvalidArgument, match=r"\[n, n\]"):
+        AttributionGraph(graph.nodes, graph.adjacency[:5], graph.node_inputs, graph.constants, graph.input_ids,
+                         graph.logit_probabilities)
+    with pytest.raises(InvalidArgument, match="layer"):
+        Node("error", 1, 0, 4)
+    with pytest.raises(InvalidArgument, match="kind"):
+        Node("neuron", 1, 0, 4)
+    with pytest.raises(OutOfRange):
+        graph.node_index("feature", 3, 0, 5)
+    assert graph.node_index("error", 1, 1) == E11 and graph.node_index("logit", None, 1, 21) == L21
+    assert repr(graph) == "AttributionGraph(3 features, 4 errors, 2 tokens, 2 logits, 11 edges)"
+    assert graph.n_layers == 2
+
+
+# -- the JSON file --------------------------------------------------------------------------------------
+def write_chain(tmp_path) -> dict:
+    written = chain_graph().to_json(tmp_path / "g.json", slug="cat-sat", node_threshold=0.995, edge_threshold=0.98,
+                                    labels={(1, 3): "sitting"})
+    return json.loads(written.read_text(encoding="utf-8"))
+
+
+def test_json_validates_with_circuit_tracers_models(tmp_path):
+    """circuit-tracer 0.5.0's pydantic models (pip install --no-deps circuit-tracer==0.5.0; pydantic)."""
+    models = pytest.importorskip("circuit_tracer.frontend.graph_models")
+    data = write_chain(tmp_path)
+    model = models.Model.model_validate(data)
+    assert model.metadata.scan == "qwen3.5-tiny-transcoders" and model.metadata.prompt_tokens == ["The", " cat"]
+    assert model.metadata.node_threshold == 0.995 and model.metadata.prompt == "The cat"
+    assert model.model_dump() == data  # every field written, none left to a default
+    assert [n.node_id for n in model.nodes] == [n["node_id"] for n in data["nodes"]]
+
+
+def test_json_follows_circuit_tracers_scheme(tmp_path):
+    graph, data = chain_graph(), write_chain(tmp_path)
+    assert set(data) == {"metadata", "qParams", "nodes", "links"}
+    assert data["metadata"] == dict(slug="cat-sat", scan="qwen3.5-tiny-transcoders", transcoder_list=[],
+                                    prompt_tokens=["The", " cat"], prompt="The cat", node_threshold=0.995,
+                                    schema_version=1)
+    assert data["qParams"] == dict(pinnedIds=[], supernodes=[], linkType="both", clickedId="", sg_pos="")
+
+    pruned = graph.prune(0.995, 0.98)
+    by_id = {node["node_id"]: node for node in data["nodes"]}
+    expected_ids = {A: "0_5_0", C: "1_3_1", E01: "0_0_1", T0: "E_11_0", T1: "E_12_1", L20: "3_20_1", L21: "3_21_1"}
+    assert [node["node_id"] for node in data["nodes"]] == [expected_ids[i] for i in pruned.kept.tolist()]
+    assert {node["feature_type"] for node in data["nodes"]} == set(FEATURE_TYPES.values())
+    assert by_id["1_3_1"] | {"influence": 0} == dict(
+        node_id="1_3_1", feature=(1 + 3) * (1 + 3 + 1) // 2 + 3, layer="1", ctx_idx=1,
+        feature_type="cross layer transcoder", token_prob=0.0, is_target_logit=False, run_idx=0, reverse_ctx_idx=0,
+        jsNodeId="1_3-0", clerp="sitting", influence=0, activation=1.5)
+    assert (by_id["0_0_1"]["feature"], by_id["0_0_1"]["layer"], by_id["0_0_1"]["jsNodeId"]) == (-1, "0", "0_1-0")
+    assert (by_id["E_12_1"]["feature"], by_id["E_12_1"]["layer"], by_id["E_12_1"]["jsNodeId"]) == (1, "E", "E_12-1")
+    top = by_id["3_20_1"]
+    assert (top["feature"], top["layer"], top["ctx_idx"], top["is_target_logit"], top["jsNodeId"]) == \
+           (20, "3", 1, True, "L_20-1")
+    assert top["token_prob"] == pytest.approx(0.7) and top["clerp"] == 'Output " sat" (p=0.700)'
+    assert by_id["3_21_1"]["is_target_logit"] is False and top["influence"] is None
+
+    index = {node_id: i for i, node_id in enumerate(by_id)}
+    assert len(data["links"]) == int(pruned.edge_mask.sum()) > 0
+    for link in data["links"]:
+        weight = pruned.adjacency[index[link["target"]], index[link["source"]]].item()
+        assert link["weight"] == weight != 0
+    assert {"source": "0_5_0", "target": "1_3_1", "weight": 1.5} in data["links"]
+
+
+def test_json_folder_gets_the_graph_and_its_listing(tmp_path):
+    graph = chain_graph().prune()
+    graph.to_json(tmp_path, slug="one")
+    graph.to_json(tmp_path, slug="two", scan=["layer0.safetensors", "layer1.safetensors"])
+    graph.to_json(tmp_path, slug="one")
+    listing = json.loads((tmp_path / "graph-metadata.json").read_text())["graphs"]
+    assert [g["slug"] for g in listing] == ["two", "one"]
+    assert listing[1] == json.loads((tmp_path / "one.json").read_text())["metadata"]
+    two = json.loads((tmp_path / "two.json").read_text())["metadata"]
+    assert two["scan"].startswith("custom-") and two["transcoder_list"] == ["layer0.safetensors", "layer1.safetensors"]
+    assert two["scan"] == graph.json_data(scan=["layer0.safetensors", "layer1.safetensors"])["metadata"]["scan"]
+    with pytest.raises(InvalidArgument, match="pruned already"):
+        graph.to_json(tmp_path / "x.json", node_threshold=0.5)
+    with pytest.raises(InvalidArgument, match=".json"):
+        graph.to_json(tmp_path / "x.txt")
+
+
+def random_graph(seed: int, n_layers: int = 3, seq: int = 4, n_logits: int = 3) -> AttributionGraph:
+    """A random graph with circuit-tracer's structure: effects only go up the layers and along positions."""
+    rng = np.random.default_rng(seed)
+    features = sorted({(int(rng.integers(n_layers)), int(rng.integers(seq)), int(rng.integers(50)))
+                       for _ in range(14)})
+    nodes = [Node("feature", l, p, f, activation=float(np.float32(rng.uniform(0.1, 3)))) for l, p, f in features]
+    nodes += [Node("error", l, p, None) for l in range(n_layers) for p in range(seq)]
+    nodes += [Node("embedding", None, p, int(t)) for p, t in enumerate(rng.integers(100, 200, seq))]
+    nodes += [Node("logit", n_layers, seq - 1, int(t)) for t in rng.choice(range(300, 400), n_logits, replace=False)]
+    adjacency = torch.zeros(len(nodes), len(nodes))
+    for t, target in enumerate(nodes):
+        for s, source in enumerate(nodes):
+            below = source.kind == "embedding" or (source.kind in ("feature", "error") and
+                                                     (target.kind == "logit" or source.layer < (target.layer or 0)))
+            if target.kind in ("feature", "logit") and below and source.position <= target.position \
+                    and rng.random() < 0.45:
+                adjacency[t, s] = float(rng.normal())
+    probabilities = torch.tensor(sorted(rng.dirichlet(np.ones(n_logits + 1))[:n_logits], reverse=True),
+                                 dtype=torch.float32)
+    return AttributionGraph(nodes, adjacency, torch.zeros(len(nodes)), torch.zeros(len(nodes)),
+                            torch.tensor([n.feature for n in nodes if n.kind == "embedding"]), probabilities,
+                            tokens=[f"t{p}" for p in range(seq)], logit_tokens=[f"o{j}" for j in range(n_logits)],
+                            scan="random")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prune_and_json_match_circuit_tracer_itself(seed):
+    """circuit-tracer's own prune_graph, create_nodes, create_used_nodes_and_edges and build_model, run on
+    the same graph, write the same file."""
+    graph_module = pytest.importorskip("circuit_tracer.graph")
+    files = pytest.importorskip("circuit_tracer.utils.create_graph_files")
+    graph = random_graph(seed)
+    features = [n for n in graph.nodes if n.kind == "feature"]
+    vocabulary = {n.feature: graph.tokens[n.position] for n in graph.nodes if n.kind == "embedding"}
+    reference = SimpleNamespace(  # what those functions read of circuit-tracer's Graph
+        input_string="".join(graph.tokens), input_tokens=graph.input_ids, n_pos=len(graph.input_ids),
+        cfg=SimpleNamespace(n_layers=graph.n_layers), adjacency_matrix=graph.adjacency,
+        active_features=torch.tensor([[n.layer, n.position, n.feature] for n in features]),
+        selected_features=torch.arange(len(features)), activation_values=torch.tensor([n.activation for n in features]),
+        logit_targets=[(graph.logit_tokens[j], n.feature) for j, n in enumerate(n for n in graph.nodes
+                                                                                 if n.kind == "logit")],
+        logit_probabilities=graph.logit_probabilities)
+    tokenizer = SimpleNamespace(decode=lambda t: vocabulary[int(t)])
+    for node_threshold, edge_threshold in ((0.8, 0.98), (0.5, 0.9), (0.95, 0.7), (0.99, 0.99)):
+        node_mask, edge_mask, scores = graph_module.prune_graph(reference, node_threshold, edge_threshold)
+        nodes = files.create_nodes(reference, node_mask, tokenizer, scores)
+        used_nodes, used_edges = files.create_used_nodes_and_edges(reference, nodes, edge_mask)
+        model = files.build_model(reference, used_nodes, used_edges, "s", "random", node_threshold, tokenizer)
+        theirs = json.loads(model.model_dump_json())
+        ours = json.loads(json.dumps(graph.json_data("s", node_threshold=node_threshold,
+                                                     edge_threshold=edge_threshold)))
+        assert ours["nodes"] == theirs["nodes"], (node_threshold, edge_threshold)
+        assert ours["links"] == theirs["links"] and ours["metadata"] == theirs["metadata"]
+        assert len(ours["links"]) > 0
+
+
+# -- the views ------------------------------------------------------------------------------------------
+def test_plot_is_one_offline_svg_with_one_element_per_node(tmp_path):
+    pruned = chain_graph().prune(0.995, 0.98)
+    fig = pruned.plot(labels={(1, 3): "sitting"}, top_logits={(1, 3): [" sat", " sits"]})
+    page = fig._repr_html_()
+    assert "<svg" in page and "http://" not in page and "https://" not in page
+    assert not re.search(r"<script[^>]*\ssrc=|<link\b|@import|url\(|<iframe|<img", page)
+    assert page.count('class="qg-node ') == len(pruned.nodes) == 7
+    assert page.count('class="qg-edge"') == int(pruned.edge_mask.sum())
+    assert "activation 1.5" in page and "label: sitting" in page and "top logits: &#x27; sat&#x27;" in page
+    negative = re.findall(r'<path class="qg-edge" data-s="(\d+)" data-t="(\d+)"[^>]*stroke="([^"]+)"', page)
+    for s, t, colour in negative:
+        assert colour == (POSITIVE if pruned.adjacency[int(t), int(s)] > 0 else NEGATIVE)
+
+    html_path = fig.save(tmp_path / "g.html")
+    assert html_path.read_text().startswith("<!DOCTYPE html>")
+    svg = ET.parse(fig.save(tmp_path / "g.svg")).getroot()  # a standalone, well-formed SVG
+    ns = "{http://www.w3.org/2000/svg}"
+    assert svg.tag == f"{ns}svg"
+    assert len([g for g in svg.iter(f"{ns}g") if "qg-node" in g.get("class", "")]) == 7
+    with pytest.raises(InvalidArgument, match=".html or .svg"):
+        fig.save(tmp_path / "g.png")
+
+
+def test_plot_prunes_a_full_graph_first():
+    graph = chain_graph()
+    assert graph.plot()._repr_html_().count('class="qg-node ') == len(graph.prune().nodes)
+
+
+def test_graphviz_has_one_node_per_graph_node_ranked_by_layer():
+    pytest.importorskip("graphviz")
+    pruned = chain_graph().prune(0.995, 0.98)
+    dot = pruned.to_graphviz()
+    source = dot.source
+    assert sorted(int(i) for i in re.findall(r"^\s*n(\d+) \[", source, re.M)) == list(range(len(pruned.nodes)))
+    edges = re.findall(r"^\s*n(\d+) -> n(\d+) \[[^\]]*color=\"([^\"]+)\"", source, re.M)
+    assert len(edges) == int(pruned.edge_mask.sum())
+    for s, t, colour in edges:
+        assert colour == (POSITIVE if pruned.adjacency[int(t), int(s)] > 0 else NEGATIVE)
+    ranks = re.findall(r"subgraph rank_(\d+) \{(.*?)\}", source, re.S)
+    layer_of = {int(i): int(row) for row, body in ranks for i in re.findall(r"^\s*n(\d+) \[", body, re.M)}
+    rows = {"embedding": lambda n: 0, "logit": lambda n: 3, "feature": lambda n: n.layer + 1,
+            "error": lambda n: n.layer + 1}
+    assert layer_of == {i: rows[n.kind](n) for i, n in enumerate(pruned.nodes)}
+    if shutil.which("dot"):
+        assert b"<svg" in dot.pipe("svg")

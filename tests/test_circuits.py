@@ -1,0 +1,203 @@
+"""Attribution graphs through the replacement model: its logits are the model's, every target's input is
+the sum of its row and its constant, and every edge is what an intervention on the frozen model moves."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import qgraph
+from qgraph.export import export_model
+from qgraph.passes.replacement import EMBEDDINGS, frozen, inject_name
+from qgraph.program import Program
+from qgraph.testing import tiny_qwen3_5_moe, tiny_qwen3_next, write_transcoders
+
+from conftest import hf_logits
+
+PROMPT = torch.tensor([5, 17, 99, 3, 42, 7, 120])
+
+
+def _transcoders(model, folder, **options):
+    text = model.config.get_text_config()
+    written = write_transcoders(folder, text.hidden_size, text.num_hidden_layers, 32, **options)
+    return {i: qgraph.Transcoder.load(written, layer=i) for i in range(text.num_hidden_layers)}
+
+
+@pytest.fixture(scope="module")
+def dense(sdpa_model, tmp_path_factory):
+    """The tiny Qwen3.5 (DeltaNet blocks 0-2, attention block 3), skip transcoders, its graph."""
+    transcoders = _transcoders(sdpa_model, tmp_path_factory.mktemp("tc"), skip=True)
+    return sdpa_model, transcoders, qgraph.attribution_graph(sdpa_model, PROMPT, transcoders, batch_size=64)
+
+
+@pytest.fixture(scope="module", params=["moe", "next"])
+def sparse(request, tmp_path_factory):
+    build = {"moe": tiny_qwen3_5_moe, "next": tiny_qwen3_next}[request.param]
+    model = AutoModelForCausalLM.from_pretrained(build(tmp_path_factory.mktemp(request.param))).eval()
+    transcoders = _transcoders(model, tmp_path_factory.mktemp("tc"), activation="jumprelu")
+    return model, transcoders, qgraph.attribution_graph(model, PROMPT, transcoders, batch_size=64)
+
+
+def _frozen_program(model, transcoders):
+    blocks = len(transcoders)
+    program = Program(model, export_model(model, images=False))
+    return program.build(["layers.0.layer_input", *(f"layers.{i}.mlp_input" for i in range(blocks))], {}, True,
+                         replacement=transcoders)
+
+
+def _inputs(program, transcoders, **added):
+    """One row: the prompt, and zeros (or ``added``'s vectors) where sources add to the stream."""
+    width = transcoders[0].d_in
+    inputs = {"input_ids": PROMPT[None], "attention_mask": torch.ones(1, len(PROMPT), dtype=torch.long)}
+    for name in (EMBEDDINGS, *(inject_name(i) for i in transcoders)):
+        inputs[name] = added.get(name, torch.zeros(1, len(PROMPT), width))
+    return inputs
+
+
+def _target_inputs(graph, transcoders, logits, captured) -> torch.Tensor:
+    """Every feature's pre-activation and every logit node's logit minus the mean, as the run gives them."""
+    values = torch.zeros(len(graph.nodes))
+    last = logits[0, -1].detach().double()
+    for i, node in enumerate(graph.nodes):
+        if node.kind == "feature":
+            x = captured[f"layers.{node.layer}.mlp_input"][0, node.position].detach()
+            values[i] = float(transcoders[node.layer].pre(x[None])[0, node.feature])
+        elif node.kind == "logit":
+            values[i] = float(last[node.feature] - last.mean())
+    return values
+
+
+def _complete(graph):
+    rows = [i for i, node in enumerate(graph.nodes) if node.kind in ("feature", "logit")]
+    total = graph.adjacency[rows].sum(1) + graph.constants[rows]
+    scale = graph.adjacency[rows].abs().sum(1) + graph.constants[rows].abs()
+    return ((total - graph.node_inputs[rows]).abs() / scale).max().item()
+
+
+def test_the_replacement_model_computes_the_models_logits(dense):
+    model, transcoders, _ = dense
+    program = _frozen_program(model, transcoders)
+    logits, captured = program.run(_inputs(program, transcoders))
+    torch.testing.assert_close(logits, hf_logits(model, PROMPT[None]), rtol=1e-5, atol=1e-5)
+    # the features are the transcoders' own, and the error closes each MLP's output
+    x = captured["layers.2.mlp_input"]
+    torch.testing.assert_close(captured["replacement.2.features"], transcoders[2].encode(x))
+
+
+def test_every_target_is_the_sum_of_its_row_and_its_constant(dense):
+    model, transcoders, graph = dense
+    assert graph.count("feature") > 100 and graph.count("logit") >= 1
+    assert _complete(graph) < 1e-4
+    # the node inputs are the run's: a feature's pre-activation, a logit minus the mean logit
+    program = _frozen_program(model, transcoders)
+    logits, captured = program.run(_inputs(program, transcoders))
+    expected = _target_inputs(graph, transcoders, logits, captured)
+    torch.testing.assert_close(graph.node_inputs, expected, rtol=1e-5, atol=1e-5)
+    # features are the active ones, logits the most likely tokens
+    features = [node for node in graph.nodes if node.kind == "feature"]
+    assert all(node.activation > 0 for node in features)
+    probabilities = torch.softmax(logits[0, -1], -1)
+    assert [node.feature for node in graph.nodes if node.kind == "logit"] == \
+        probabilities.topk(graph.count("logit")).indices.tolist()
+
+
+def test_every_edge_is_what_an_intervention_on_the_frozen_model_moves(dense):
+    """Add one source's vector again where it enters the stream, with every frozen coefficient held at
+    its recorded value: each target's input moves by exactly its edge from that source."""
+    model, transcoders, graph = dense
+    program = _frozen_program(model, transcoders)
+    base = _inputs(program, transcoders)
+    recorded = {}
+    with frozen(recorded):
+        logits, captured = program.run(base)
+    before = _target_inputs(graph, transcoders, logits, captured)
+    first = next(i for i, n in enumerate(graph.nodes) if n.kind == "feature" and n.layer == 0 and n.position == 1)
+    sources = [first, graph.node_index("error", 1, 2), graph.node_index("embedding", None, 0, int(PROMPT[0]))]
+    width = transcoders[0].d_in
+    for source in sources:
+        node = graph.nodes[source]
+        vector = torch.zeros(1, len(PROMPT), width)
+        if node.kind == "feature":
+            vector[0, node.position] = node.activation * transcoders[node.layer].W_dec[node.feature]
+            name = inject_name(node.layer)
+        elif node.kind == "error":
+            vector[0, node.position] = captured[f"replacement.{node.layer}.error"][0, node.position]
+            name = inject_name(node.layer)
+        else:
+            vector[0, node.position] = captured["layers.0.layer_input"][0, node.position]
+            name = EMBEDDINGS
+        with frozen(recorded, replay=True):
+            logits, moved = program.run(_inputs(program, transcoders, **{name: vector}))
+        after = _target_inputs(graph, transcoders, logits, moved)
+        targets = [i for i, n in enumerate(graph.nodes) if n.kind in ("feature", "logit")]
+        change, edge = (after - before)[targets], graph.adjacency[targets, source]
+        assert edge.abs().max() > 1e-3  # the source reaches something
+        torch.testing.assert_close(change, edge, rtol=1e-3, atol=1e-4)
+
+
+def test_edges_cross_positions_through_the_deltanet_and_the_attention_and_never_go_back(dense):
+    _, _, graph = dense
+    # block 0 is a DeltaNet: token 0's embedding reaches block 0's features at later positions only through it
+    embedding = graph.node_index("embedding", None, 0, int(PROMPT[0]))
+    later0 = [i for i, n in enumerate(graph.nodes) if n.kind == "feature" and n.layer == 0 and n.position > 0]
+    assert graph.adjacency[later0, embedding].abs().max() > 1e-3
+    # block 3 is the gated attention: block 2's error at token 0 reaches block 3's later features through it
+    error = graph.node_index("error", 2, 0)
+    later3 = [i for i, n in enumerate(graph.nodes) if n.kind == "feature" and n.layer == 3 and n.position > 0]
+    assert graph.adjacency[later3, error].abs().max() > 1e-3
+    # causal: nothing at a later position reaches an earlier one; nothing reaches its own block's features
+    for t, target in enumerate(graph.nodes):
+        if target.kind != "feature":
+            continue
+        for s, source in enumerate(graph.nodes):
+            if source.kind in ("feature", "error", "embedding") and (
+                    source.position > target.position or (source.layer is not None and source.layer >= target.layer)):
+                assert graph.adjacency[t, s] == 0, (target, source)
+
+
+@pytest.mark.parametrize("part", ["replacement", "completeness"])
+def test_the_sparse_moe_families_trace_too(sparse, part):
+    model, transcoders, graph = sparse
+    if part == "replacement":
+        program = _frozen_program(model, transcoders)
+        logits, _ = program.run(_inputs(program, transcoders))
+        torch.testing.assert_close(logits, hf_logits(model, PROMPT[None]), rtol=1e-5, atol=1e-5)
+    else:
+        assert graph.count("feature") > 10
+        assert _complete(graph) < 1e-4
+
+
+def test_a_pruned_graph_writes_circuit_tracers_json(dense, tmp_path):
+    graph = dense[2].prune()
+    path = graph.to_json(tmp_path / "graph.json", slug="tiny")
+    data = json.loads(path.read_text())
+    assert {node["feature_type"] for node in data["nodes"]} >= {"embedding", "logit"}
+    weights = {(link["source"], link["target"]): link["weight"] for link in data["links"]}
+    ids = [node.node_id for node in graph.nodes]
+    t, s = graph.edges.nonzero()[0].tolist()
+    assert weights[(ids[s], ids[t])] == pytest.approx(float(graph.adjacency[t, s]), rel=1e-6)
+    models = pytest.importorskip("circuit_tracer.frontend.graph_models")
+    models.Model.model_validate(data)
+
+
+def test_fewer_feature_nodes_keep_the_most_influential(dense):
+    model, transcoders, graph = dense
+    few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8)
+    assert few.count("feature") == 20
+    kept = {(n.layer, n.position, n.feature) for n in few.nodes if n.kind == "feature"}
+    # the rows it computed are the full graph's rows for those features
+    for i, node in enumerate(few.nodes):
+        if node.kind == "feature":
+            full = graph.node_index("feature", node.layer, node.position, node.feature)
+            assert few.node_inputs[i] == pytest.approx(float(graph.node_inputs[full]), rel=1e-5)
+    assert len(kept) == 20
+
+
+def test_bad_requests_are_named(dense):
+    model, transcoders, _ = dense
+    with pytest.raises(qgraph.InvalidArgument, match=r"blocks \[3\] have none"):
+        qgraph.attribution_graph(model, PROMPT, {i: transcoders[i] for i in range(3)})
+    with pytest.raises(qgraph.InvalidArgument, match="one prompt"):
+        qgraph.attribution_graph(model, torch.stack([PROMPT, PROMPT]), transcoders)
+    with pytest.raises(qgraph.InvalidArgument, match="desired_logit_prob"):
+        qgraph.attribution_graph(model, PROMPT, transcoders, desired_logit_prob=0)
