@@ -34,6 +34,7 @@ _PUBLIC = {
     "Stages": "distributed",
     "register_family": "families",
     "render": "render",
+    "Figure": "figure", "explore": "explore",  # pictures: out.plot, logit_lens(...).plot(), explore
     "SupportTable": "values.support", "support": "values.support",
     "check_versions": "compat",
 }
@@ -43,7 +44,7 @@ __all__ = ["Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMism
            "skip_layers", "steer", "support", "Transcoder", "AttributionGraph", "attribution_graph",
            "QgraphError", "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",
            "InvalidState", "NotCaptured", "NoVisionEncoder", "WeightsMismatch", "GraphvizNotFound", "UsageError",
-           "register_family"]
+           "register_family", "Figure", "explore"]
 
 _checked = False
 

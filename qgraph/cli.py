@@ -239,7 +239,7 @@ def run_demo(args) -> int:
     print_table(table.to_rich())
     print(f"\n{table.footer()}")
     print("\n== annotated module tree (* = captured) ==")
-    print(instrumented)
+    print(instrumented.tree())
 
     inputs = tokenizer(args.prompt, return_tensors="pt")
     with torch.no_grad(), progress("running the prompt"):

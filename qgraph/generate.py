@@ -70,6 +70,14 @@ class GenerateOutput:
         along its sequence axis (axis 1), the prompt pass included at its last position."""
         return torch.stack([step[name][:, position] for step in self.steps], dim=1)
 
+    def __repr__(self) -> str:  # short: the sequences' shape, the steps, the values per step (qgraph/reprs.py)
+        from .reprs import generated
+        return generated(self).text()
+
+    def _repr_html_(self) -> str:
+        from .reprs import generated
+        return generated(self).html()
+
 
 def chat_prompt(tokenizer, messages, *, enable_thinking: bool, add_generation_prompt: bool = True,
                 tokenize: bool = True, **kwargs):

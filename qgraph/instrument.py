@@ -17,7 +17,7 @@ from .export import export_model
 from .families import family_for
 from .export.fingerprint import fingerprint
 from .inputs import image_keys, prepare
-from .values.names import resolve
+from .values.names import aliases, resolve
 from .output import Output
 from .passes.edit import EditSlot, applying
 from .program import Program
@@ -39,7 +39,9 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
     ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
-    ``**`` crosses them) and the bracket form (``layers[3].self_attn.attention_scores``); a dict
+    ``**`` crosses them), the bracket form (``layers[3].self_attn.attention_scores``), TransformerLens
+    hook names (``blocks.3.hook_resid_post``) and HF module paths (``model.layers.3.mlp.output``), as do
+    ``edits`` and ``saes`` (values stay named by their standard names); a dict
     ``{name: options}`` also passes options (``{"layers.0.linear_attn.state": {"positions": [0, -1]}}``;
     ``states`` and ``state`` take ``dtype=`` and ``heads=`` too).
     ``edits`` declares edit slots: a list of names (edits given per call, ``ig(..., edits={...})``)
@@ -291,7 +293,8 @@ class InstrumentedModel:
             if tensor.requires_grad:
                 tensor.retain_grad()
             grads[name] = (tensor, program.catalogue[name].location.view)
-        return Output(logits, values, len(self.family.block_mixers(self.config)), grads)
+        return Output(logits, values, len(self.family.block_mixers(self.config)), grads,
+                      aliases=aliases(self.family, self.config), source=self, input_ids=prepared["input_ids"])
 
     def call_edits(self, edits: Mapping | None) -> dict[str, object]:
         """``{name: edit}`` for a call's ``edits={pattern: edit}``, patterns resolved, each name checked
@@ -373,27 +376,15 @@ class InstrumentedModel:
         return head(norm(hidden))
 
     def logit_lens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   positions=(-1,), top: int = 5) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Every block's top tokens at ``positions``: ``{block: (token ids, probabilities)}``, each
-        ``[batch, len(positions), top]``, from ``project_on_vocab`` of the block's ``layer_output``
-        (as this instrument computes it: its fixed edits and SAEs in place)."""
-        positions = [positions] if isinstance(positions, int) else list(positions)
-        if not isinstance(top, int) or not 1 <= top <= self.config.get_text_config().vocab_size:
-            raise InvalidArgument(f"top must be an int in [1, vocab size], got {top!r}")
-        out = self.variant(["layers.*.layer_output"], logits=False)(input_ids, attention_mask)
-        seq = out["layers.0.layer_output"].shape[1]
-        bad = [p for p in positions if not isinstance(p, int) or not -seq <= p < seq]
-        if bad or not positions:
-            raise InvalidArgument(f"logit_lens positions {bad or positions} are not token positions of a {seq}-token call "
-                                  f"(give ints in [-{seq}, {seq}))")
-        result = {}
-        for block in range(len(self.family.block_mixers(self.config))):
-            hidden = out[f"layers.{block}.layer_output"][:, list(positions)]
-            probs = self.project_on_vocab(hidden).float().softmax(-1).topk(top, dim=-1)
-            result[block] = (probs.indices, probs.values)
-        return result
+                   positions=(-1,), top: int = 5):
+        """Every block's top tokens at ``positions``: a ``LogitLens``, the dict ``{block: (token ids,
+        probabilities)}``, each ``[batch, len(positions), top]``, from ``project_on_vocab`` of the block's
+        ``layer_output`` (as this instrument computes it: its fixed edits and SAEs in place); its
+        ``.plot()`` draws blocks × positions with each cell's top token (``qgraph/lens.py``)."""
+        from .lens import logit_lens
+        return logit_lens(self, input_ids, attention_mask, positions, top)
 
-    # -- looking -----------------------------------------------------------------------------------
-    def __repr__(self) -> str:
-        from .values.support import annotated_tree
-        return annotated_tree(self.model, self.catalogue, highlight=set(self.values))
+    # -- looking: repr(ig) (and ig in a notebook) is a short summary; tree() the module tree annotated with
+    # every standard value (qgraph/reprs.py)
+    from .reprs import instrumented_repr as __repr__, instrumented_html as _repr_html_
+    from .values.support import tree

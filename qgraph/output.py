@@ -1,11 +1,13 @@
 """What an instrumented call returns: ``Output``, the logits and the captured values by name."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidState, NotCaptured
+from . import reprs
+from .errors import InvalidArgument, InvalidState, NotCaptured
 from .passes import views
 from .values.names import canonical
 
@@ -22,9 +24,24 @@ class Output:
     blocks: int = 0  # the model's block count, to read negative block indices
     # for each value asked with {"grad": True}: the tensor its readers read, and the view it is served through
     watched: dict[str, tuple[torch.Tensor, tuple]] = field(default_factory=dict, repr=False)
+    # name -> its standard names (values.names.aliases): out["blocks.3.hook_resid_post"] reads layers.3.layer_output
+    aliases: Callable[[str], list[str]] | None = field(default=None, repr=False)
+    # what made it (the instrumented model or loaded program) and the call's tokens: out.plot reads the values'
+    # layouts and the tokenizer's folder from the one and labels its axes with the other
+    source: object = field(default=None, repr=False, compare=False)
+    input_ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def plot(self, name: str, tokens=None, **options):
+        """A ``qgraph.Figure`` of a captured value, drawn as its layout says (``qgraph/plots/``): an
+        attention pattern one panel per head, DeltaNet decays and betas tokens × heads, states their
+        norms and one head's matrix, the residual stream its norm per token (blocks × tokens for a
+        glob), SAE features the top ones per token. ``tokens`` (strings) label the token axes (default:
+        the call's tokens, decoded when the model's folder has a tokenizer); ``batch=0`` picks the row."""
+        from .plots import plot
+        return plot(self, name, tokens, **options)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        key = canonical(name, self.blocks)
+        key = canonical(name, self.blocks, self.aliases)
         if key not in self.values:
             raise NotCaptured(f"'{name}' was not captured; captured: {', '.join(self.values) or 'nothing'}")
         return self.values[key]
@@ -53,7 +70,7 @@ class Output:
         return {key: views.apply(g, self.watched[key][1]) for key, g in zip(keys, grads)}
 
     def _watched(self, name: str) -> str:
-        key = canonical(name, self.blocks)
+        key = canonical(name, self.blocks, self.aliases)
         if key not in self.watched:
             asked = ", ".join(self.watched) or "none"
             raise NotCaptured(f"'{name}' was not asked with gradients: instrument with values={{'{name}': {{'grad': True}}}} "
@@ -61,4 +78,35 @@ class Output:
         return key
 
     def __contains__(self, name: str) -> bool:
-        return canonical(name, self.blocks) in self.values
+        return canonical(name, self.blocks, self.aliases) in self.values
+
+    # -- looking: keys, items, stack, and short reprs (qgraph/reprs.py) --------------------------------------
+    def keys(self):
+        """The captured values' names, in capture order (``out.logits`` is not one of them)."""
+        return self.values.keys()
+
+    def items(self):
+        """``(name, tensor)`` of every captured value, in capture order (``out.logits`` apart)."""
+        return self.values.items()
+
+    def stack(self, pattern: str) -> torch.Tensor:
+        """The values ``pattern`` (a glob, ``"layers.*.layer_output"``) selects among those captured, stacked
+        on a new leading axis in block order (block 10 after block 2)."""
+        from .values.names import matching
+        patterns = [pattern]
+        if self.aliases is not None and isinstance(pattern, str):
+            try:
+                patterns = self.aliases(pattern) or patterns
+            except KeyError:  # a name the aliases refuse: matched as written
+                pass
+        names = list(dict.fromkeys(name for each in patterns for name in matching(each, self.values, self.blocks)))
+        if not names:
+            raise NotCaptured(f"'{pattern}' matches no captured value; captured: {reprs.names_text(self.values)}")
+        names.sort(key=lambda name: [int(part) for part in name.split(".") if part.isdigit()])
+        shapes = {(tuple(self.values[name].shape), self.values[name].dtype) for name in names}
+        if len(shapes) > 1:
+            found = "; ".join(f"{name} {reprs.shape(self.values[name])} {reprs.dtype(self.values[name])}" for name in names)
+            raise InvalidArgument(f"'{pattern}' selects values of different shapes or dtypes, which do not stack: {found}")
+        return torch.stack([self.values[name] for name in names])
+
+    __repr__, _repr_html_ = reprs.shown(reprs.output)

@@ -223,7 +223,7 @@ def test_support_table_lookup_and_text(sdpa_model):
     assert "3" in line and "linear_attention" in line
 
 
-# -- print(ig) ---------------------------------------------------------------------------------------------------
+# -- ig.tree() ---------------------------------------------------------------------------------------------------
 def _block(text: str, header: str) -> str:
     """The lines of the first module in ``text`` whose line contains ``header``, up to its closing paren."""
     lines = text.splitlines()
@@ -234,7 +234,7 @@ def _block(text: str, header: str) -> str:
 
 
 def test_printout(ig):
-    text = str(ig)
+    text = ig.tree()
     assert text.startswith("Qwen3_5ForCausalLM(")
     attention = _block(text, "(self_attn): Qwen3_5Attention(")
     assert "(q_proj): Linear(in_features=64, out_features=256" in attention
@@ -259,6 +259,6 @@ def test_printout(ig):
 
 
 def test_printout_marks_instrumented(sdpa_model):
-    text = str(qgraph.instrument(sdpa_model, values=["layers.3.self_attn.attention_gate"]))
+    text = qgraph.instrument(sdpa_model, values=["layers.3.self_attn.attention_gate"]).tree()
     assert "(attention_gate)* -> " in text
     assert "(layer_output)* " not in text and "(layer_output) -> " in text

@@ -17,6 +17,7 @@ import torch
 from qgraph.circuits.graph import FEATURE_TYPES, AttributionGraph, Node
 from qgraph.circuits.render import NEGATIVE, POSITIVE
 from qgraph.errors import InvalidArgument, OutOfRange
+from qgraph.figure import Figure
 
 # -- a hand-made graph ----------------------------------------------------------------------------------
 # 2 blocks, 2 positions. Features a (L0 p0), b (L0 p1), c (L1 p1); errors (0,0) (0,1) (1,0) (1,1);
@@ -293,6 +294,7 @@ def test_prune_and_json_match_circuit_tracer_itself(seed):
 def test_plot_is_one_offline_svg_with_one_element_per_node(tmp_path):
     pruned = chain_graph().prune(0.995, 0.98)
     fig = pruned.plot(labels={(1, 3): "sitting"}, top_logits={(1, 3): [" sat", " sits"]})
+    assert isinstance(fig, Figure) and fig.formats == ("html", "svg")  # the one qgraph.Figure
     page = fig._repr_html_()
     assert "<svg" in page and "http://" not in page and "https://" not in page
     assert not re.search(r"<script[^>]*\ssrc=|<link\b|@import|url\(|<iframe|<img", page)

@@ -59,6 +59,14 @@ class Capture(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._where)
 
+    def __repr__(self) -> str:  # short: where, rows, values, shards (qgraph/reprs.py)
+        from ..reprs import capture
+        return capture(self).text()
+
+    def _repr_html_(self) -> str:
+        from ..reprs import capture
+        return capture(self).html()
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
             raise OutOfRange(f"row {index} of a capture of {len(self)} rows")

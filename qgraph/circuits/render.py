@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import html
 import uuid
-from pathlib import Path
 
-from ..errors import InvalidArgument, MissingFile
+from ..figure import Figure
 
 __all__ = ["Figure", "digraph", "figure"]
 
@@ -54,39 +53,15 @@ _SCRIPT = """(function () {{
 }})();"""
 
 
-class Figure:
-    """A self-contained HTML view: shows itself in a notebook; ``save`` writes ``.html`` or ``.svg``."""
-
-    def __init__(self, svg: str, key: str, title: str):
-        self.svg, self.key, self.title = svg, key, title
-
-    @property
-    def css(self) -> str:
-        return _CSS.format(key=self.key, font=FONT)
-
-    def _repr_html_(self) -> str:
-        return (f'<div class="qg-figure"><style>{self.css}</style>{self.svg}'
-                f'<div id="{self.key}-info">Hover a node.</div><script>{_SCRIPT.format(key=self.key)}</script></div>')
-
-    def save(self, path: str | Path) -> Path:
-        """Write the figure: ``.html`` (with the hover panel) or ``.svg`` (tooltips only)."""
-        path = Path(path)
-        if not path.parent.is_dir():
-            raise MissingFile(f"no folder {path.parent} to write {path.name} into")
-        suffix = path.suffix.lower()
-        if suffix == ".html":
-            text = (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(self.title)}</title>'
-                    f'</head><body>\n{self._repr_html_()}\n</body></html>\n')
-        elif suffix == ".svg":  # a standalone SVG names its namespace and carries its style
-            text = self.svg.replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1)
-            text = text.replace(">", f"><style>{html.escape(self.css, quote=False)}</style>", 1)
-        else:
-            raise InvalidArgument(f"a figure saves as .html or .svg, not '{path.name}'")
-        path.write_text(text, encoding="utf-8")
-        return path
-
-    def __repr__(self) -> str:
-        return f"Figure({self.title!r}; save as .html or .svg)"
+def _figure(svg: str, key: str, title: str) -> Figure:
+    """A ``qgraph.Figure`` of the graph's SVG: the page has the hover panel, the ``.svg`` its tooltips."""
+    css = _CSS.format(key=key, font=FONT)
+    page = (f'<div class="qg-figure"><style>{css}</style>{svg}'
+            f'<div id="{key}-info">Hover a node.</div><script>{_SCRIPT.format(key=key)}</script></div>')
+    # a standalone SVG names its namespace and carries its style
+    standalone = svg.replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1)
+    standalone = standalone.replace(">", f"><style>{html.escape(css, quote=False)}</style>", 1)
+    return Figure(standalone, html=page, title=title)
 
 
 def _row(graph, node) -> int:
@@ -189,7 +164,7 @@ def figure(graph, labels, top_logits) -> Figure:
         out.append(f'<g class="qg-node qg-{node.kind}" data-i="{i}" data-info="{info}">'
                    f'{_glyph(node.kind, *points[i])}<title>{info}</title></g>')
     out.append("</svg>")
-    return Figure("".join(out), key, repr(graph))
+    return _figure("".join(out), key, repr(graph))
 
 
 def digraph(graph, labels):

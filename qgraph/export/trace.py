@@ -34,7 +34,7 @@ from . import constants, disk_cache
 from ..kernels import ops
 from ..compat import export_patches, hooks_set_aside
 from ..families import Family, family_for
-from ..progress import progress
+from ..progress import progress, stages
 from .fingerprint import structure
 from .repeat import Blocks, repeat_blocks, repeated_blocks, seeded
 
@@ -107,21 +107,27 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         return program
 
     # an export of the same model in an earlier process (its seed: see qgraph.export.repeat)
-    loaded = disk_cache.load(model, images, names, full)
+    with progress(f"qgraph: loading {type(model).__name__}'s exported program from the cache"):
+        loaded = disk_cache.load(model, images, names, full)
     if loaded is not None:
         program, reads = loaded
         _use_kernels(program, family)
         return _keep(programs, images, model, ExportedModel(program, family, time.perf_counter() - start,
                                                             _cache_key(model), names, reads, True))
-    with progress(f"qgraph: exporting {type(model).__name__}"):  # a line on stderr past 2 s
+    saving = ("save to the cache",) if disk_cache.enabled() else ()
+    with stages(f"qgraph: exporting {type(model).__name__}", ("trace", "repeat blocks", *saving)) as stage:
+        stage("trace")  # torch.export of one block per kind (the bar shows past 2 s)
         seed, reads = _export(model, family, images, names, blocks)
+        stage("repeat blocks")
         program = full(seed)
         repeated = program is not None
         if not repeated:  # the blocks did not repeat cleanly: trace them all
+            stage("trace every block")
             program, reads = _export(model, family, images, names, [])
-    exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, reads)
-    if repeated:  # the file holds the seed (a full export would not repeat when loaded)
-        disk_cache.save(model, images, seed, reads)
+        exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, reads)
+        if repeated and saving:  # the file holds the seed (a full export would not repeat when loaded)
+            stage("save to the cache")
+            disk_cache.save(model, images, seed, reads)
     return _keep(programs, images, model, exported)
 
 

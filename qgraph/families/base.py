@@ -134,6 +134,10 @@ class Family:
     export_patches: ExportPatches | None = None  # active while any program is exported
     forward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every exported forward
     check: Check | None = None
+    # names other libraries give its values: a TransformerLens hook name ({i}: a text block) -> {host kind:
+    # value name}, the value of the first host kind the block carries (a mixer's only on blocks with it);
+    # values.names resolves them (HF module paths need none: module_renames renames them)
+    aliases: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self):
         part = self.images

@@ -163,6 +163,24 @@ VALUES = (
     ValueSpec("mlp_output", "mlp", RESIDUAL, "What the MLP adds to the residual stream", Port("", "output")),
 )
 
+# TransformerLens hook names -> the value each is, by host kind: a block's mixer is its attention
+# ("attn"), so hook_attn_out is either mixer's output and hook_z either's per-head outputs (the
+# attention's before its sigmoid gate); the pattern and scores only attention blocks have. Left out as
+# not one value: ln1/ln2.hook_normalized (before the norm's weight), hook_mlp_in (the stream as only
+# the MLP reads it), attn.hook_q/k/v (before the rotary, and [batch seq heads dim]).
+ALIASES = {
+    "hook_embed": {"model": "token_embeddings"},
+    "blocks.{i}.hook_resid_pre": {"layer": "layer_input"},
+    "blocks.{i}.hook_resid_mid": {"layer": "layer_mid"},
+    "blocks.{i}.hook_resid_post": {"layer": "layer_output"},
+    "blocks.{i}.hook_attn_out": {"self_attn": "attention_output", "linear_attn": "attention_output"},
+    "blocks.{i}.attn.hook_z": {"self_attn": "attention_head_outputs", "linear_attn": "attention_head_outputs"},
+    "blocks.{i}.attn.hook_attn_scores": {"self_attn": "attention_scores"},
+    "blocks.{i}.attn.hook_pattern": {"self_attn": "attention_probabilities"},
+    "blocks.{i}.hook_mlp_out": {"mlp": "mlp_output"},
+    "blocks.{i}.mlp.hook_post": {"mlp": "mlp_neurons"},
+}
+
 
 QWEN3_5 = register_family(Family(
     name="qwen3_5_text",
@@ -182,4 +200,5 @@ QWEN3_5 = register_family(Family(
                     chunk="torch_chunk_gated_delta_rule", recurrent="torch_recurrent_gated_delta_rule"),
     repeated_blocks=(RepeatedBlocks("model.layers", "layer_types"),
                      RepeatedBlocks("model.language_model.layers", "layer_types")),
+    aliases=ALIASES,
 ).with_images(IMAGES))

@@ -28,6 +28,7 @@ from ..inputs import check_text
 from ..output import Output
 from ..kernels.slot import editing
 from ..passes.on_request import input_source
+from ..progress import stages
 from ..values import derive
 from ..weights import WeightsMismatch, check_fit, names, read, tensor_names, unexpected
 from ..values.names import matching, patterns_of
@@ -38,7 +39,13 @@ def load(path, weights=None) -> "LoadedProgram":
     """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` written beside
     it by ``save(..., weights=True)``), a model (its parameters, read at each call; re-read when a
     submodule is replaced), a safetensors file, or a folder of them (a Hugging Face checkpoint). Weights
-    that lack a tensor the program reads, or hold one the model it was saved from never had, are refused."""
+    that lack a tensor the program reads, or hold one the model it was saved from never had, are refused.
+    A bar of its stages shows past 2 s (``qgraph.progress``)."""
+    with stages(f"qgraph: loading {Path(path).name}", ("read the weights", "load the program")) as stage:
+        return _load(path, weights, stage)
+
+
+def _load(path, weights, stage) -> "LoadedProgram":
     path = Path(path)
     if not path.is_file():
         raise MissingFile(f"no saved program at {path}: write one with ig.save({str(path)!r})")
@@ -50,7 +57,9 @@ def load(path, weights=None) -> "LoadedProgram":
         raise SavedProgramError(f"{path} is not a qgraph program (it has no {META}): a plain torch.export file "
                                 f"loads with torch.export.load")
     _check_versions(path, meta)
+    stage("read the weights")
     tensors = _weights(path, meta, weights)  # checked before the (slower) program is read
+    stage("load the program")
     try:
         program = torch.export.load(path)
     except Exception as error:
@@ -175,7 +184,8 @@ class LoadedProgram:
         captured = dict(zip(self.meta["outputs"], results))
         derive.fill(captured, {name: (rule["how"], rule["sources"]) for name, rule in self.meta["derived"].items()},
                     inputs, self.config)
-        return Output(logits, {name: captured[name] for name in self.values if name in captured}, self.meta["blocks"])
+        return Output(logits, {name: captured[name] for name in self.values if name in captured}, self.meta["blocks"],
+                      source=self, input_ids=input_ids)
 
     def _edits(self, edits: Mapping | None) -> dict:
         if edits is None:

@@ -35,6 +35,7 @@ from ..export.disk_cache import without_weights
 from ..export.trace import text_example
 from ..kernels.slot import EDIT_SLOT_OP
 from ..passes.edit import EditSlot
+from ..progress import stages
 from ..weights import tensor_names, tied_groups
 
 FORMAT = 2
@@ -58,7 +59,14 @@ def weights_path(path: Path) -> Path:
 
 
 def save(ig, path, weights: bool = False) -> Path:
-    """Write ``ig``'s text program to ``path`` (``.pt2``), and its weights beside it if ``weights``."""
+    """Write ``ig``'s text program to ``path`` (``.pt2``), and its weights beside it if ``weights``
+    (with a bar of its stages past 2 s: ``qgraph.progress``)."""
+    steps = ("export", "write", *(("write the weights",) if weights is True else ()))
+    with stages(f"qgraph: saving {Path(path).name}", steps) as stage:
+        return _save(ig, path, weights, stage)
+
+
+def _save(ig, path, weights: bool, stage) -> Path:
     path = Path(path)
     if path.suffix != ".pt2":
         raise InvalidArgument(f"save to a .pt2 file (torch.export's format), not {path.name!r}: e.g. ig.save('probe.pt2')")
@@ -77,6 +85,7 @@ def save(ig, path, weights: bool = False) -> Path:
         raise InvalidArgument("the model was built on the meta device: a program saved from it would hold its buffers and "
                               "devices as meta and could not run; save from the model loaded with its weights "
                               "(from_pretrained)")
+    stage("export")
     holder = _Holder(module, program)
     example, dims = text_example(ig.model)
     device = next(holder.parameters()).device
@@ -108,8 +117,10 @@ def save(ig, path, weights: bool = False) -> Path:
         "tensors": tensor_names(ig.model),
         "ignored": sorted(getattr(ig.model, "_keys_to_ignore_on_load_unexpected", None) or []),
     }
+    stage("write")
     _write(path, without_weights(exported, model_parameters), meta)
     if weights:
+        stage("write the weights")
         tensors = {target: exported.state_dict[target].detach().contiguous() for target in reads
                    if not any(target in group[1:] for group in meta["tied"])}
         temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")

@@ -1,7 +1,9 @@
-"""Value names as users write them: globs, the bracket form, and errors that say what to write."""
+"""Value names as users write them: globs, the bracket form, the names people bring from other libraries
+(TransformerLens hook names, HF module paths), and errors that say what to write."""
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Iterable
 
@@ -11,15 +13,104 @@ from ..errors import InvalidType, UnavailableValue, UnknownValue
 from .catalogue import Entry
 
 
+def _dotted(name: str) -> str:
+    return re.sub(r"\[(-?\d+|\*)\]", r".\1", name.strip())
+
+
 def normalize(name: str) -> str:
     """``layers[3].self_attn.x`` and ``model.layers.3.self_attn.x`` -> ``layers.3.self_attn.x``."""
-    name = re.sub(r"\[(-?\d+|\*)\]", r".\1", name.strip())
+    name = _dotted(name)
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def canonical(name: str, blocks: int) -> str:
-    """The catalogue spelling of a name: dotted, no ``model.`` prefix, non-negative block index."""
+def canonical(name: str, blocks: int, aliases=None) -> str:
+    """The catalogue spelling of a name: dotted, no ``model.`` prefix, non-negative block index.
+    ``aliases`` (``aliases(family, config)``) reads the names people bring too (``blocks.3.hook_resid_post``)."""
+    if aliases is not None:
+        try:
+            spelled = aliases(name)
+        except UnknownValue:  # a hook the block lacks: not a name anything is kept under
+            spelled = []
+        if len(spelled) == 1:
+            return spelled[0]
     return _positive_block(normalize(name), blocks)
+
+
+def aliases(family, config):
+    """``name -> [standard names]`` on a model of ``family`` (``standard``), for ``canonical``."""
+    return functools.partial(standard, family=family, config=config)
+
+
+def standard(raw: str, family, config) -> list[str]:
+    """The catalogue spellings of a name as people bring it. An HF module path is renamed as the family
+    renames module paths (``model.language_model.layers.3.mlp.output`` -> ``layers.3.mlp.output``); a
+    TransformerLens hook name (``family.aliases``) is the value it means (``blocks.3.hook_resid_post`` ->
+    ``layers.3.layer_output``), one per block for a glob over blocks (``blocks.*.hook_attn_out``: every
+    block's mixer's output), anything after it kept (``blocks.1.hook_resid_post.sae.features``); a hook
+    the block lacks raises UnknownValue naming what the block has. Other names: ``[canonical(raw)]``."""
+    blocks = len(family.kinds(config))
+    name = _dotted(raw)
+    name = family.module_name(name) or name
+    for template in sorted(family.aliases, key=len, reverse=True):
+        match = _alias_pattern(template).match(name)
+        if match is None:
+            continue
+        hosts, rest, block = family.aliases[template], match["rest"] or "", match.groupdict().get("block")
+        if block is None:  # a model-level hook
+            found = _alias_value(family, config, hosts, None)
+            return [found + rest] if found else [canonical(name, blocks)]
+        if "*" not in block and "?" not in block:
+            index = int(block)
+            if not -blocks <= index < blocks:
+                raise UnknownValue(f"'{raw}': there is no block {index}; the model has blocks 0 to {blocks - 1}.")
+            found = _alias_value(family, config, hosts, index % blocks)
+            if found is None:
+                raise UnknownValue(_lacking(raw, template, hosts, index % blocks, family, config))
+            return [found + rest]
+        found = [_alias_value(family, config, hosts, i) for i in range(blocks) if _glob(block).match(str(i))]
+        if not any(found):
+            raise UnknownValue(f"'{raw}' selects no value: {_meaning(template, hosts, family, config)}")
+        return [value + rest for value in found if value]
+    return [canonical(name, blocks)]
+
+
+@functools.lru_cache(maxsize=None)
+def _alias_pattern(template: str) -> re.Pattern:
+    block = r"(?P<block>-?\d+|[\d*?]+)"
+    return re.compile(block.join(map(re.escape, template.split("{i}"))) + r"(?P<rest>\..+)?\Z")
+
+
+def _alias_value(family, config, hosts: dict[str, str], block: int | None) -> str | None:
+    """The standard name an alias's ``hosts`` ({host kind: value}) give on ``block`` (None: the model's),
+    from the first host kind the block has (a mixer's only on its blocks) with that value; else None."""
+    mixers = {mixer.module for mixer in family.mixers.values()}
+    carried = family.block_mixers(config)[block] if block is not None else None
+    for host, value in hosts.items():
+        if (host in mixers and host != carried) or not any(s.host == host and s.name == value for s in family.values):
+            continue
+        path = family.hosts[host].format(i=block)
+        return f"{path}.{value}" if path else value
+    return None
+
+
+def _meaning(template: str, hosts: dict[str, str], family, config) -> str:
+    blocks = [i for i in range(len(family.kinds(config))) if _alias_value(family, config, hosts, i)]
+    means = " or ".join(".".join(filter(None, (family.hosts[host], value))) for host, value in hosts.items())
+    return (f"{template} is {means}, which blocks {blocks} have." if blocks else
+            f"{template} is {means}, which {family.classes} models do not have.")
+
+
+def _lacking(raw: str, template: str, hosts: dict[str, str], block: int, family, config) -> str:
+    """Why block ``block`` has no value for an alias: what kind of block it is, and what its mixer has."""
+    mixer, kind = family.block_mixers(config)[block], family.kinds(config)[block]
+    what = next((spec for spec in family.values if (spec.host, spec.name) in hosts.items()), None)
+    if what is None or what.host not in {m.module for m in family.mixers.values()}:  # not the block's kind
+        return f"'{raw}': {_meaning(template, hosts, family, config)}"
+    lacks = f"no {what.name} ({what.description.lower()})"
+    has = ", ".join(spec.name for spec in family.values if spec.host == mixer)
+    return (f"'{raw}': block {block} is a {family.title(mixer)} block ({kind}) with {lacks}: "
+            f"{_meaning(template, hosts, family, config)} Its {family.title(mixer)} "
+            f"{family.hosts[mixer].format(i=block)} has {has}.")
 
 
 def _positive_block(name: str, blocks: int) -> str:
@@ -68,8 +159,7 @@ def resolve(patterns, catalogue: dict[str, Entry], family, config) -> list[str]:
     (it skips the unavailable ones it also matches).
     """
     selected: dict[str, None] = {}
-    for raw in patterns_of(patterns):
-        pattern = canonical(raw, len(family.kinds(config)))
+    for raw, pattern in ((raw, pattern) for raw in patterns_of(patterns) for pattern in standard(raw, family, config)):
         if "*" in pattern or "?" in pattern:
             regex = _glob(pattern)
             # a module's ports are matched only by a pattern that asks for ports (or crosses parts)
@@ -113,6 +203,9 @@ def _unknown_message(raw: str, pattern: str, catalogue: dict[str, Entry], family
             blocks = [i for i, mixer in enumerate(block_mixers) if mixer == module]
             return (f"'{raw}': block {block} is a {kind} block: its mixer is layers.{block}.{block_mixers[block]}, "
                     f"not {module}. Blocks with {module}: {blocks}.")
+    if family.aliases and (pattern.startswith("blocks.") or pattern.startswith("hook_")):
+        return (f"Unknown value '{raw}'. The TransformerLens names qgraph reads: {', '.join(family.aliases)} "
+                f"(see qgraph.support(model) for qgraph's own names).")
     closest = difflib.get_close_matches(pattern, list(catalogue), n=5, cutoff=0.5)
     hint = ("Closest names: " + ", ".join(closest)) if closest else "See qgraph.support(model) for every name."
     return f"Unknown value '{raw}'. {hint}"

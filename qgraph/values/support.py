@@ -25,7 +25,8 @@ class SupportTable:
     """Every standard value of a model with its layout, shape and per-block availability.
 
     ``table.rows`` lists them; ``table[name]`` gives one concrete value's ``Entry`` (ports
-    included); ``table.ports`` lists the module ports; ``str(table)`` is a readable table.
+    included); ``table.ports`` lists the module ports; ``str(table)`` is a readable table, with the
+    reason for each value unavailable, ``repr(table)`` a short one (and an HTML table in a notebook).
     """
 
     def __init__(self, catalogue: dict[str, Entry], family, config):
@@ -70,7 +71,11 @@ class SupportTable:
     def __str__(self) -> str:
         return f"{plain_text(self.to_rich())}\n\n{self.footer()}"
 
-    __repr__ = __str__
+    def __repr__(self) -> str:  # short: a row per value, no reasons (print(table) has them)
+        return _summary(self).text()
+
+    def _repr_html_(self) -> str:
+        return _summary(self).html()
 
 
 def plain_table(*columns: str):
@@ -168,3 +173,30 @@ def annotated_tree(model: torch.nn.Module, catalogue: dict[str, Entry], highligh
         return lines
 
     return "\n".join(render(model, "", ""))
+
+
+def _summary(table):
+    """``SupportTable``: a row per standard value (layout, shape, where it is available)."""
+    from collections import Counter
+
+    from ..reprs import Summary, blocks_text
+    rows, text_rows, counts = [], [], Counter()
+    for row in table.rows:
+        yes = [block for block, reason in row.blocks.items() if reason is None]
+        where = "yes" if len(yes) == len(row.blocks) else "no" if not yes else \
+            f"blocks {blocks_text([block for block in yes if block is not None])}"
+        counts[where if where in ("yes", "no") else "some"] += 1
+        layout_shape = "[" + " ".join(str(size) for size in row.shape) + "]"
+        rows.append((row.name, row.layout, layout_shape, _availability(row)))
+        text_rows.append((row.name, row.layout.split(" [")[0], layout_shape, where))
+    ports = sum(entry.available for entry in table.ports)
+    title = (f"SupportTable: {len(rows)} standard values ({counts['yes']} available everywhere, {counts['some']} on "
+             f"some blocks, {counts['no']} unavailable), {len(table.ports)} module ports ({ports} available)")
+    return Summary(title, ("value", "layout", "shape", "available"), rows,
+                   ["print(table) also says why a value is unavailable; table.ports lists the module ports"], text_rows)
+
+
+def tree(self) -> str:
+    """The module tree (as ``print(model)``) with each module's standard values and their layouts
+    under it; the values this instrument reads are marked ``*``."""
+    return annotated_tree(self.model, self.catalogue, highlight=set(self.values))

@@ -1,0 +1,50 @@
+"""The logit lens (``ig.logit_lens``): every block's top tokens, and its picture, a blocks × positions grid."""
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidArgument
+
+__all__ = ["LogitLens", "logit_lens"]
+
+
+class LogitLens(dict):
+    """``{block: (token ids, probabilities)}``, each ``[batch, len(positions), top]``, as ``ig.logit_lens``
+    returns it (a dict, so every use of one keeps working), with ``positions`` (as asked, non-negative),
+    the call's ``input_ids`` and ``plot``."""
+
+    def __init__(self, tops: dict, positions: list[int], input_ids: torch.Tensor, source=None):
+        super().__init__(tops)
+        self.positions, self.input_ids, self._source = positions, input_ids, source
+
+    def plot(self, tokenizer=None, *, batch: int = 0, tokens=None):
+        """A ``qgraph.Figure``: blocks (up) × positions (across), each cell the block's top token there,
+        coloured by its probability. Tokens are decoded with ``tokenizer`` (default: the model's own
+        when its folder holds one, else the ids are shown); ``tokens`` labels the positions instead of
+        the input's tokens; ``batch`` picks the prompt."""
+        from .plots import lens_figure
+        return lens_figure(self, tokenizer, batch, tokens)
+
+    def __repr__(self) -> str:
+        return (f"LogitLens({len(self)} blocks, positions {self.positions}, top {next(iter(self.values()))[0].shape[-1]}"
+                f"; .plot() draws it)" if self else "LogitLens({})")
+
+
+def logit_lens(ig, input_ids, attention_mask=None, positions=(-1,), top: int = 5) -> LogitLens:
+    """What ``InstrumentedModel.logit_lens`` returns (see there)."""
+    positions = [positions] if isinstance(positions, int) else list(positions)
+    if not isinstance(top, int) or not 1 <= top <= ig.config.get_text_config().vocab_size:
+        raise InvalidArgument(f"top must be an int in [1, vocab size], got {top!r}")
+    out = ig.variant(["layers.*.layer_output"], logits=False)(input_ids, attention_mask)
+    seq = out["layers.0.layer_output"].shape[1]
+    bad = [p for p in positions if not isinstance(p, int) or not -seq <= p < seq]
+    if bad or not positions:
+        raise InvalidArgument(f"logit_lens positions {bad or positions} are not token positions of a {seq}-token call "
+                              f"(give ints in [-{seq}, {seq}))")
+    result = {}
+    for block in range(len(ig.family.block_mixers(ig.config))):
+        hidden = out[f"layers.{block}.layer_output"][:, list(positions)]
+        probs = ig.project_on_vocab(hidden).float().softmax(-1).topk(top, dim=-1)
+        result[block] = (probs.indices, probs.values)
+    return LogitLens(result, [p % seq for p in positions], out.input_ids, ig)
+

@@ -1,0 +1,83 @@
+"""``out.plot(name)``: a picture (``qgraph.Figure``) of a captured value, drawn as its layout says.
+
+=============================  ==========================================================================
+layout (kind)                  what the figure shows
+=============================  ==========================================================================
+``Pattern``                    attention patterns (text, and the vision tower's per image): one panel
+                               per head, query (down) × key (across), axes labelled with the tokens
+``Gates``                      DeltaNet ``decays`` and ``betas``: heads (down) × tokens (across)
+``States`` / ``State``         DeltaNet states: each head's state norm (Frobenius) over tokens (a bar per
+                               head for ``state_output``/``state_input``), and one head's matrix
+``Residual`` / ``Patches``     the residual stream: the norm per token; a glob (``layers.*.layer_output``)
+                               is a grid of values (blocks, down) × tokens (across)
+``Features`` / ``Neurons``     SAE and transcoder features (MLP neurons too): every token's top features,
+                               as a grid of those features (down) × tokens (across)
+=============================  ==========================================================================
+
+Each figure keeps the numbers it drew in ``fig.data`` (tensors, on the CPU). Options: ``batch=`` (the
+row, default 0) for all; ``heads=[...]`` and ``image=`` (vision) for patterns; ``head=`` and
+``position=`` (whose matrix) for states; ``top=`` (features per token) and ``rows=`` (the most features
+drawn) for features. Tokens label the axes: ``tokens=[...]`` (strings, one per token) or, by default,
+the call's tokens, decoded by the model's tokenizer when its folder (``config.name_or_path``, or the
+Hugging Face cache, never the network) has one, else their ids.
+"""
+from __future__ import annotations
+
+from ..errors import InvalidArgument, InvalidType, NotCaptured, NotSupported
+from ..figure import Figure
+from .common import KINDS, _kind, _layout  # noqa: F401 - explore reads these
+from .draw import _DRAW, _residual_grid, lens_figure  # noqa: F401 - lens reads lens_figure
+
+__all__ = ["KINDS", "lens_figure", "plot"]
+
+
+# -- what to draw ---------------------------------------------------------------------------------------
+
+
+def plot(out, name: str, tokens=None, **options) -> Figure:
+    """What ``Output.plot`` returns (see the module's docstring)."""
+    if not isinstance(name, str):
+        raise InvalidType(f"plot takes a value's name (a string), not {type(name).__name__}")
+    names = _select(out, name)
+    kinds = {n: _kind(_layout(out, n)) for n in names}
+    if len(names) > 1:
+        if not all(kinds[n] in ("Residual", "Patches") for n in names):
+            found = ", ".join(f"{n} ({_layout(out, n) or 'no layout'})" for n in names[:4])
+            raise NotSupported(f"'{name}' selects {len(names)} values ({found}{', ...' if len(names) > 4 else ''}): a "
+                               f"glob plots residual-stream values (blocks × tokens); plot the others one by one")
+        _check_options("Residual", options)
+        return _residual_grid(out, names, tokens, **options)
+    name, kind = names[0], kinds[names[0]]
+    if kind is None:
+        layout = _layout(out, name)
+        what = f"layout {layout}" if layout else "no layout (a module port, or not known to this output)"
+        raise NotSupported(f"'{name}' has {what}, which has no plot; these layouts plot: "
+                           + ", ".join(f"{k} ({what})" for k, (what, _) in KINDS.items()))
+    _check_options(kind, options)
+    return _DRAW[kind](out, name, tokens, **options)
+
+
+def _select(out, pattern: str) -> list[str]:
+    """The captured names ``pattern`` (a name, alias or glob) selects, in block order."""
+    from ..values.names import matching
+    if not any(c in pattern for c in "*?"):
+        out[pattern]  # NotCaptured, as out[name] says it
+        from ..values.names import canonical
+        return [canonical(pattern, out.blocks, out.aliases)]
+    patterns = [pattern]
+    if out.aliases is not None:
+        try:
+            patterns = out.aliases(pattern) or patterns
+        except KeyError:  # a name the aliases refuse: matched as written
+            pass
+    names = list(dict.fromkeys(n for each in patterns for n in matching(each, out.values, out.blocks)))
+    if not names:
+        raise NotCaptured(f"'{pattern}' matches no captured value; captured: {', '.join(out.values) or 'nothing'}")
+    return sorted(names, key=lambda n: [int(part) for part in n.split(".") if part.isdigit()])
+
+
+def _check_options(kind: str, options: dict) -> None:
+    unknown = sorted(set(options) - set(KINDS[kind][1]))
+    if unknown:
+        raise InvalidArgument(f"plot options {unknown} are not for a {kind} value ({KINDS[kind][0]}); it takes "
+                              f"{', '.join(KINDS[kind][1])} (and tokens=)")

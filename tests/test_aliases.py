@@ -1,0 +1,129 @@
+"""Names people bring (issue 28, item 7): TransformerLens hook names and HF module paths as aliases
+of the standard values, in values=, edits= (declared and per call), saes= and out[...]; each is one
+value, and the values are reported under the standard names."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qgraph
+from conftest import hooked_blocks
+from qgraph.saes import SAE
+from qgraph.saes.fixtures import write_saelens
+
+# alias -> the standard value it means on the tiny model (DeltaNet blocks 0-2, attention block 3)
+ALIASES = {
+    "hook_embed": "token_embeddings",
+    "blocks.0.hook_resid_pre": "layers.0.layer_input",
+    "blocks.2.hook_resid_mid": "layers.2.layer_mid",
+    "blocks.1.hook_resid_post": "layers.1.layer_output",
+    "blocks[-1].hook_resid_pre": "layers.3.layer_input",
+    "blocks.1.hook_attn_out": "layers.1.linear_attn.attention_output",
+    "blocks.3.hook_attn_out": "layers.3.self_attn.attention_output",
+    "blocks.0.attn.hook_z": "layers.0.linear_attn.attention_head_outputs",
+    "blocks.3.attn.hook_z": "layers.3.self_attn.attention_head_outputs",
+    "blocks.3.attn.hook_attn_scores": "layers.3.self_attn.attention_scores",
+    "blocks.3.attn.hook_pattern": "layers.3.self_attn.attention_probabilities",
+    "blocks.2.hook_mlp_out": "layers.2.mlp.mlp_output",
+    "blocks.2.mlp.hook_post": "layers.2.mlp.mlp_neurons",
+    "model.layers.3.mlp.output": "layers.3.mlp.output",
+    "model.language_model.layers.3.self_attn.attention_probabilities": "layers.3.self_attn.attention_probabilities",
+    "model.language_model.layers[1].linear_attn.decays": "layers.1.linear_attn.decays",
+}
+
+
+@pytest.fixture(scope="module")
+def sae(sdpa_model, tmp_path_factory):
+    path = write_saelens(tmp_path_factory.mktemp("sae"), d_in=sdpa_model.config.hidden_size, d_sae=64,
+                         architecture="topk", k=4, hook_name="blocks.1.hook_resid_post", seed=7)
+    return SAE.load(path)
+
+
+@pytest.fixture(scope="module")
+def aliased(sdpa_model, sae):
+    """One instrument whose values, declared edit slot and SAE are all given by aliases."""
+    return qgraph.instrument(sdpa_model, values=[*ALIASES, "layers.1.sae.features"], edits=["blocks.1.hook_attn_out"],
+                             saes={"blocks.1.hook_resid_post": sae})
+
+
+@pytest.fixture(scope="module")
+def aliased_out(aliased, ids):
+    return aliased(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def test_aliases_are_reported_under_the_standard_names(aliased):
+    assert aliased.values == [*dict.fromkeys(ALIASES.values()), "layers.1.sae.features"]
+    assert list(aliased.slots) == ["layers.1.linear_attn.attention_output"]
+    assert list(aliased.saes) == ["layers.1.layer_output"]
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+def test_an_alias_is_the_standard_value(aliased_out, out, alias):
+    name = ALIASES[alias]
+    assert torch.equal(aliased_out[name], out[name])
+    assert aliased_out[alias] is aliased_out[name] and alias in aliased_out  # out[...] reads aliases too
+
+
+def test_resid_aliases_equal_hf_hooks(sdpa_model, ids, aliased_out):
+    mid = {}
+    handle = sdpa_model.model.layers[2].post_attention_layernorm.register_forward_pre_hook(
+        lambda module, args: mid.setdefault("x", args[0].clone()))
+    try:
+        _, blocks = hooked_blocks(sdpa_model, ids, {0: lambda o: o.clone(), 1: lambda o: o.clone(), 2: lambda o: o.clone()})
+    finally:
+        handle.remove()
+    torch.testing.assert_close(aliased_out["blocks.1.hook_resid_post"], blocks[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(aliased_out["blocks[-1].hook_resid_pre"], blocks[2], rtol=0, atol=1e-5)
+    torch.testing.assert_close(aliased_out["blocks.2.hook_resid_mid"], mid["x"], rtol=0, atol=1e-5)
+
+
+def test_an_sae_given_by_its_hook_name_splices_at_the_standard_value(aliased_out, sae):
+    features = aliased_out["layers.1.sae.features"]
+    torch.testing.assert_close(features, sae.encode(aliased_out["layers.1.layer_output"]), rtol=0, atol=1e-6)
+    assert features.abs().sum() > 0
+
+
+def test_edits_by_alias_equal_edits_by_standard_name(ig, aliased, aliased_out, ids, out):
+    by_standard = ig(ids, edits={"layers.3.layer_output": qgraph.Zero(positions=[-1]),
+                                 "layers.1.linear_attn.attention_output": qgraph.Scale(2.0)})
+    by_alias = ig(ids, edits={"blocks.3.hook_resid_post": qgraph.Zero(positions=[-1]),
+                              "blocks.1.hook_attn_out": qgraph.Scale(2.0)})
+    assert not torch.allclose(by_standard.logits, out.logits)
+    assert torch.equal(by_alias.logits, by_standard.logits)
+    assert torch.equal(by_alias["blocks.2.hook_resid_pre"], by_standard["layers.2.layer_input"])
+    declared = aliased(ids, edits={"blocks.1.hook_attn_out": qgraph.Scale(2.0)})  # the slot declared by alias
+    torch.testing.assert_close(declared["layers.1.linear_attn.attention_output"],
+                               2 * aliased_out["layers.1.linear_attn.attention_output"], rtol=0, atol=0)
+    assert torch.equal(declared["layers.2.layer_mid"], by_standard["layers.2.layer_mid"])
+
+
+def test_globs_over_aliases_select_every_blocks_value(ig):
+    assert ig.resolve("blocks.*.hook_resid_post") == [f"layers.{i}.layer_output" for i in range(4)]
+    assert ig.resolve("blocks.*.hook_attn_out") == [*(f"layers.{i}.linear_attn.attention_output" for i in range(3)),
+                                                    "layers.3.self_attn.attention_output"]
+    assert ig.resolve("blocks.*.attn.hook_pattern") == ["layers.3.self_attn.attention_probabilities"]
+
+
+def test_hf_module_paths_are_the_spec_names(ig):
+    assert ig.resolve("model.layers.3.mlp.output") == ["layers.3.mlp.output"]
+    assert ig.resolve("model.language_model.layers.3.self_attn.attention_probabilities") == [
+        "layers.3.self_attn.attention_probabilities"]
+    assert ig.resolve("model.language_model.layers.*.mlp.down_proj.input") == [
+        f"layers.{i}.mlp.down_proj.input" for i in range(4)]
+
+
+def test_a_pattern_on_a_deltanet_block_says_what_the_block_has(ig, ids):
+    with pytest.raises(qgraph.UnknownValue) as error:
+        ig.resolve("blocks.0.attn.hook_pattern")
+    message = str(error.value)
+    assert "block 0 is a gated DeltaNet" in message and "attention pattern" in message
+    assert "decays" in message and "states" in message and "[3]" in message
+    with pytest.raises(qgraph.UnknownValue, match="gated DeltaNet"):
+        ig(ids, edits={"blocks.1.attn.hook_pattern": qgraph.Zero()})
+
+
+def test_unknown_hooks_and_blocks_are_named(ig):
+    with pytest.raises(qgraph.UnknownValue, match="no block 4"):
+        ig.resolve("blocks.4.hook_resid_post")
+    with pytest.raises(qgraph.UnknownValue, match=r"blocks\.\{i\}\.hook_resid_post"):
+        ig.resolve("blocks.3.hook_resid_posts")
