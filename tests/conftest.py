@@ -186,3 +186,20 @@ def ig_fused(sdpa_model, ig):
 @pytest.fixture(scope="session")
 def out_fused(ig_fused, ids):
     return ig_fused(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+@pytest.fixture(scope="session")
+def sparse_model(tmp_path_factory):
+    """``sparse_model(name)``: the tiny mixture-of-experts model of a family ("qwen3_5_moe",
+    "qwen3_next"), built and loaded once for the session (the MoE, transcoder and circuit tests share it)."""
+    from transformers import AutoModelForCausalLM
+
+    from qgraph.testing import tiny_qwen3_5_moe, tiny_qwen3_next
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            build = {"qwen3_5_moe": tiny_qwen3_5_moe, "qwen3_next": tiny_qwen3_next}[name]
+            built[name] = AutoModelForCausalLM.from_pretrained(build(tmp_path_factory.mktemp(name))).eval()
+        return built[name]
+    return get

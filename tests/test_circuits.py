@@ -4,13 +4,11 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 import qgraph
 from qgraph.export import export_model
 from qgraph.passes.replacement import EMBEDDINGS, frozen, inject_name
 from qgraph.program import Program
-from qgraph.testing import tiny_qwen3_5_moe, tiny_qwen3_next, write_transcoders
+from qgraph.testing import write_transcoders
 
 from conftest import hf_logits
 
@@ -30,10 +28,9 @@ def dense(sdpa_model, tmp_path_factory):
     return sdpa_model, transcoders, qgraph.attribution_graph(sdpa_model, PROMPT, transcoders, batch_size=64)
 
 
-@pytest.fixture(scope="module", params=["moe", "next"])
-def sparse(request, tmp_path_factory):
-    build = {"moe": tiny_qwen3_5_moe, "next": tiny_qwen3_next}[request.param]
-    model = AutoModelForCausalLM.from_pretrained(build(tmp_path_factory.mktemp(request.param))).eval()
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def sparse(request, sparse_model, tmp_path_factory):
+    model = sparse_model(request.param)
     transcoders = _transcoders(model, tmp_path_factory.mktemp("tc"), activation="jumprelu")
     return model, transcoders, qgraph.attribution_graph(model, PROMPT, transcoders, batch_size=64)
 

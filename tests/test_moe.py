@@ -24,10 +24,8 @@ VALUES = [f"layers.*.mlp.{name}" for name in MOE] + ["layers.*.layer_output", "l
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-    path = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+def family(request, sparse_model):
+    model = sparse_model(request.param)
     ig = qgraph.instrument(model, values=VALUES, edits=["layers.1.mlp.expert_weights", "layers.1.mlp.router_logits",
                                                         "layers.1.mlp.shared_expert_gate"])
     return request.param, model, ig

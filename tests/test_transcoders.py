@@ -189,9 +189,8 @@ def test_the_reconstruction_splice_feeds_the_transcoders_output(sdpa_model, tc, 
     torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_topk_transcoder_across_the_moe_block(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(qgraph.testing.tiny_qwen3_5_moe(tmp_path_factory.mktemp("moe"))).eval()
+def test_a_topk_transcoder_across_the_moe_block(sparse_model, tmp_path_factory):
+    model = sparse_model("qwen3_5_moe")
     folder = write_transcoders(tmp_path_factory.mktemp("moe-tc"), model.config.hidden_size, [3], 128,
                                activation="topk", k=8, skip=True, seed=5)
     tc = Transcoder.load(folder, layer=3)  # block 3: the attention block, its MLP the sparse MoE block
