@@ -83,7 +83,8 @@ def test_capture_shows_a_bar_only_where_asked(sdpa_model, tokenizer, tmp_path, m
     monkeypatch.setenv("QGRAPH_PROGRESS", "1")  # stderr is pytest's, not a terminal: forced on
     run = _capture(sdpa_model, tokenizer, tmp_path / "shown")
     err = capsys.readouterr().err
-    assert f"capturing: {run.tokens} tok" in err and "\r" in err  # a tqdm line, redrawn in place
+    assert run.tokens > 0 and "capturing:" in err and "\r" in err  # a tqdm line, redrawn in place (what it
+    # reads when drawn depends on the machine's speed: the count, or the timer before the first rows)
     monkeypatch.setenv("QGRAPH_PROGRESS", "0")
     _capture(sdpa_model, tokenizer, tmp_path / "off")
     assert capsys.readouterr().err == ""
