@@ -157,6 +157,7 @@ class _Run:
         self.errors = [captured[f"replacement.{i}.error"][0].detach().float() for i in range(blocks)]
         self.embeddings = captured["layers.0.layer_input"][0].detach().float()
         self.leaves = [injects[EMBEDDINGS], *(injects[inject_name(i)] for i in range(blocks))]
+        self.encoder_constants = {block: _encoder_constants(tc) for block, tc in transcoders.items()}
 
     def active(self) -> torch.Tensor:
         """``[n, 3]`` (block, position, feature) of every active feature, in that order."""
@@ -216,7 +217,7 @@ class _Run:
         errors = torch.cat([(at_outputs[block] * self.errors[block]).sum(-1) for block in range(self.blocks)], dim=1)
         embeddings = (at_embeddings * self.embeddings).sum(-1)
         carried = sum((at_outputs[block].sum(1) @ self.transcoders[block].b_dec.float()) for block in range(self.blocks))
-        encoder = torch.tensor([_encoder_constant(self.transcoders[what[0]], what[2]) if kind == "feature" else 0.0
+        encoder = torch.tensor([float(self.encoder_constants[what[0]][what[2]]) if kind == "feature" else 0.0
                                 for kind, what in chunk] + [0.0] * (self.batch - len(chunk)))
         return {"features": torch.cat(features, dim=1), "errors": errors, "embeddings": embeddings,
                 "constants": carried + encoder}
@@ -229,13 +230,13 @@ class _Run:
         block, position, feature = what
         x = self.inputs[block][0, position].detach()
         transcoder = self.transcoders[block]
-        return float(x.float() @ transcoder.W_enc[:, feature].float()) + _encoder_constant(transcoder, feature)
+        return float(x.float() @ transcoder.W_enc[:, feature].float()) + float(self.encoder_constants[block][feature])
 
 
-def _encoder_constant(transcoder, feature: int) -> float:
-    """The part of a feature's pre-activation no input accounts for: its pre-activation at 0."""
+def _encoder_constants(transcoder) -> torch.Tensor:
+    """The part of each feature's pre-activation no input accounts for: its pre-activation at 0 (``b_enc``)."""
     zero = torch.zeros(1, transcoder.W_enc.shape[0], dtype=transcoder.W_enc.dtype, device=transcoder.W_enc.device)
-    return float(transcoder.pre(zero)[0, feature].float())
+    return transcoder.pre(zero)[0].detach().float().cpu()
 
 
 def _assemble(run, ids, active, chosen, logit_ids, probabilities, rows, tokenizer) -> AttributionGraph:
