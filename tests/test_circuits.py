@@ -71,6 +71,7 @@ def _complete(graph):
     return ((total - graph.node_inputs[rows]).abs() / scale).max().item()
 
 
+@pytest.mark.compat
 def test_the_replacement_model_computes_the_models_logits(dense):
     model, transcoders, _ = dense
     program = _frozen_program(model, transcoders)
@@ -81,6 +82,7 @@ def test_the_replacement_model_computes_the_models_logits(dense):
     torch.testing.assert_close(captured["replacement.2.features"], transcoders[2].encode(x))
 
 
+@pytest.mark.compat
 def test_every_target_is_the_sum_of_its_row_and_its_constant(dense):
     model, transcoders, graph = dense
     assert graph.count("feature") > 80 and graph.count("logit") >= 1
@@ -98,6 +100,7 @@ def test_every_target_is_the_sum_of_its_row_and_its_constant(dense):
         probabilities.topk(graph.count("logit")).indices.tolist()
 
 
+@pytest.mark.compat
 def test_every_edge_is_what_an_intervention_on_the_frozen_model_moves(dense):
     """Add one source's vector again where it enters the stream, with every frozen coefficient held at
     its recorded value: each target's input moves by exactly its edge from that source."""
