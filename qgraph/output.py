@@ -89,9 +89,9 @@ class Output:
         """``(name, tensor)`` of every captured value, in capture order (``out.logits`` apart)."""
         return self.values.items()
 
-    def stack(self, pattern: str) -> torch.Tensor:
-        """The values ``pattern`` (a glob, ``"layers.*.layer_output"``) selects among those captured, stacked
-        on a new leading axis in block order (block 10 after block 2)."""
+    def select(self, pattern: str) -> list[str]:
+        """The captured names ``pattern`` (a name, an alias or a glob, ``"layers.*.layer_output"``) selects,
+        in block order (block 10 after block 2); ``NotCaptured`` when it selects none."""
         from .values.names import matching
         patterns = [pattern]
         if self.aliases is not None and isinstance(pattern, str):
@@ -102,7 +102,12 @@ class Output:
         names = list(dict.fromkeys(name for each in patterns for name in matching(each, self.values, self.blocks)))
         if not names:
             raise NotCaptured(f"'{pattern}' matches no captured value; captured: {reprs.names_text(self.values)}")
-        names.sort(key=lambda name: [int(part) for part in name.split(".") if part.isdigit()])
+        return sorted(names, key=lambda name: [int(part) for part in name.split(".") if part.isdigit()])
+
+    def stack(self, pattern: str) -> torch.Tensor:
+        """The values ``pattern`` (a glob, ``"layers.*.layer_output"``) selects among those captured, stacked
+        on a new leading axis in block order (block 10 after block 2)."""
+        names = self.select(pattern)
         shapes = {(tuple(self.values[name].shape), self.values[name].dtype) for name in names}
         if len(shapes) > 1:
             found = "; ".join(f"{name} {reprs.shape(self.values[name])} {reprs.dtype(self.values[name])}" for name in names)

@@ -61,19 +61,8 @@ class SpliceSAE(Rewrite):
         editable = bool(edited)
         emit = emitter(graph, node)
         value = node.meta["val"]
-        with value.fake_mode:
-            wide = value.new_empty(*value.shape[:-1], sae.d_sae)
         with graph.inserting_before(node.next):  # in order, before what follows x
-            if sae.k is None:
-                features0 = emit_module(graph, node, stem + "encode", (node,), wide)
-            else:  # the encoder's selection, then its dense features
-                selected = emit_module(graph, node, stem + "encode", (node,), wide)
-                with value.fake_mode:
-                    narrow = value.new_empty(*value.shape[:-1], sae.k)
-                    selected.meta["val"] = (narrow, narrow.long())
-                chosen = emit(operator.getitem, selected, 1)
-                features0 = emit_module(graph, node, stem + "dense", (emit(operator.getitem, selected, 0), chosen),
-                                        wide)
+            features0, chosen = emit_features(graph, emit, node, stem, node, sae)
             features = emit(aten.alias.default, features0)
             recon0 = emit_module(graph, node, stem + "decode", (features0,), value)
             error = emit(aten.sub.Tensor, node, recon0)
@@ -94,3 +83,20 @@ class SpliceSAE(Rewrite):
         for reader in readers:
             reader.replace_input_with(node, out)
         program.spliced[self.hook] = named
+
+
+def emit_features(graph, emit, scope: Node, stem: str, source: Node, encoder) -> tuple[Node, Node | None]:
+    """The dense features of ``source`` by ``encoder``'s submodules ``stem + "encode"`` (and, for a TopK
+    one, ``"dense"`` of its encoder's own selection), carrying ``scope``'s module scope; returns them
+    and the selection's indices (None unless TopK)."""
+    value = scope.meta["val"]
+    with value.fake_mode:
+        wide = value.new_empty(*value.shape[:-1], encoder.d_sae)
+    if encoder.k is None:
+        return emit_module(graph, scope, stem + "encode", (source,), wide), None
+    selected = emit_module(graph, scope, stem + "encode", (source,), wide)
+    with value.fake_mode:
+        narrow = value.new_empty(*value.shape[:-1], encoder.k)
+        selected.meta["val"] = (narrow, narrow.long())
+    chosen = emit(operator.getitem, selected, 1)
+    return emit_module(graph, scope, stem + "dense", (emit(operator.getitem, selected, 0), chosen), wide), chosen

@@ -24,7 +24,6 @@ taken between the decodes (the skip path, in both reconstructions, cancels exact
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +32,7 @@ from torch.fx import Node
 from ..kernels.ops import MARK_OP
 from .emit import MethodCall, emit_module, emitter
 from .on_request import Rewrite
+from .sae import emit_features
 
 aten = torch.ops.aten
 
@@ -66,19 +66,8 @@ class SpliceTranscoder(Rewrite):
         editable = f"{self.prefix}.features" in program.slots
         emit = emitter(graph, node)
         value = node.meta["val"]
-        with value.fake_mode:
-            wide = value.new_empty(*value.shape[:-1], tc.d_sae)
         with graph.inserting_before(node.next):  # in order, after the MLP's output (x comes before it)
-            if tc.k is None:
-                features0 = emit_module(graph, node, stem + "encode", (x,), wide)
-            else:  # the encoder's selection, then its dense features
-                selected = emit_module(graph, node, stem + "encode", (x,), wide)
-                with value.fake_mode:
-                    narrow = value.new_empty(*value.shape[:-1], tc.k)
-                    selected.meta["val"] = (narrow, narrow.long())
-                chosen = emit(operator.getitem, selected, 1)
-                features0 = emit_module(graph, node, stem + "dense", (emit(operator.getitem, selected, 0), chosen),
-                                        wide)
+            features0, chosen = emit_features(graph, emit, node, stem, x, tc)
             features = emit(aten.alias.default, features0)
             decoded0 = emit_module(graph, node, stem + "decode", (features0,), value)
             skip = emit_module(graph, node, stem + "skip", (x,), value) if tc.W_skip is not None else None

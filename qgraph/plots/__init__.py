@@ -23,7 +23,7 @@ Hugging Face cache, never the network) has one, else their ids.
 """
 from __future__ import annotations
 
-from ..errors import InvalidArgument, InvalidType, NotCaptured, NotSupported
+from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..figure import Figure
 from .common import KINDS, _kind, _layout  # noqa: F401 - explore reads these
 from .draw import _DRAW, _residual_grid, lens_figure  # noqa: F401 - lens reads lens_figure
@@ -59,21 +59,11 @@ def plot(out, name: str, tokens=None, **options) -> Figure:
 
 def _select(out, pattern: str) -> list[str]:
     """The captured names ``pattern`` (a name, alias or glob) selects, in block order."""
-    from ..values.names import matching
     if not any(c in pattern for c in "*?"):
         out[pattern]  # NotCaptured, as out[name] says it
         from ..values.names import canonical
         return [canonical(pattern, out.blocks, out.aliases)]
-    patterns = [pattern]
-    if out.aliases is not None:
-        try:
-            patterns = out.aliases(pattern) or patterns
-        except KeyError:  # a name the aliases refuse: matched as written
-            pass
-    names = list(dict.fromkeys(n for each in patterns for n in matching(each, out.values, out.blocks)))
-    if not names:
-        raise NotCaptured(f"'{pattern}' matches no captured value; captured: {', '.join(out.values) or 'nothing'}")
-    return sorted(names, key=lambda n: [int(part) for part in n.split(".") if part.isdigit()])
+    return out.select(pattern)
 
 
 def _check_options(kind: str, options: dict) -> None:
