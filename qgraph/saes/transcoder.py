@@ -20,7 +20,6 @@ says; ``reads`` is the value of that block it reads: ``mlp_input`` (the output o
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..errors import InvalidArgument
