@@ -132,15 +132,21 @@ class Program:
         """The names a derived value is computed from."""
         return [source.format(host=entry.host) for source in entry.spec.rule.sources]
 
-    def run(self, inputs: dict, eager: bool = False) -> tuple[torch.Tensor | None, dict]:
-        """Run on prepared program inputs: (logits or None, {tapped name: tensor}). A compiled
-        program runs compiled unless ``eager`` (a call with per-call edits)."""
+    def arguments(self, inputs: dict) -> list:
+        """The program's arguments for prepared call inputs: the weights and buffers it reads, then the
+        call's tensors; refused by name where a weight this process reads is still on ``meta``."""
         args = [source(inputs) for source in self.inputs]
         local = self.pipeline.local_inputs(len(args)) if self.pipeline is not None else range(len(args))
         unloaded = next((i for i in local if isinstance(args[i], torch.Tensor) and args[i].is_meta), None)
         if unloaded is not None:
             raise InvalidState(f"{self.input_names[unloaded]} is on the meta device (the model was built without "
                                f"weights): load them with ig.load_weights(checkpoint) first")
+        return args
+
+    def run(self, inputs: dict, eager: bool = False) -> tuple[torch.Tensor | None, dict]:
+        """Run on prepared program inputs: (logits or None, {tapped name: tensor}). A compiled
+        program runs compiled unless ``eager`` (a call with per-call edits)."""
+        args = self.arguments(inputs)
         with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
             if self.pipeline is not None:  # its stages: this process's, or all of them (qgraph.distributed)
                 results = self.pipeline(args)

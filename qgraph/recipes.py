@@ -6,11 +6,8 @@ from typing import Callable
 
 import torch
 
-from .edits import _AXES, Add, Replace, Zero
+from .edits import _AXES, Add, Zero
 from .errors import InvalidArgument, InvalidType
-
-# the axes attribution keeps: one estimate per batch row, position and head
-_KEPT_AXES = {*_AXES["batch"], *_AXES["positions"], *_AXES["heads"]}
 
 
 def steer(layers: int | Iterable[int], vector: torch.Tensor, factor: float = 1.0,
@@ -38,32 +35,42 @@ def skip_layers(start: int, end: int) -> dict:
     return edits
 
 
-def patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], object]) -> dict:
-    """Activation patching: capture ``at`` on the ``clean`` input, then splice each location, one
-    at a time, into a run on ``corrupt``; return ``{location: metric(patched logits)}``.
+def patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], object], *, positions=None,
+          heads=None, batch_size: int | None = None) -> dict:
+    """Activation patching: capture ``at`` on the ``clean`` input, then splice it, one location at a
+    time, into a run on ``corrupt``; return ``{name: metric(patched logits)}``.
 
-    ``clean`` and ``corrupt`` are input_ids tensors or dicts of model inputs of the same shape;
-    ``at`` takes names and globs like ``values=``. Both runs are ``instrumented``'s own: its fixed
-    edits and SAEs in place (so ``at`` may name SAE features).
+    A location is the whole value (``positions=None, heads=None``: the value is ``metric``'s result
+    itself), or each position (``positions="each"``, or a list of positions) and/or each head
+    (``heads="each"`` or a list, on values with a heads axis): then the value is a tensor of metric
+    results, ``[positions]``, ``[heads]`` or ``[positions, heads]``, and ``metric`` must return a number.
+    ``clean`` and ``corrupt`` are input_ids tensors or dicts of model inputs of the same shape; ``at``
+    takes names and globs like ``values=``. Both runs are ``instrumented``'s own: its fixed edits and
+    SAEs in place (so ``at`` may name SAE features).
+
+    The corrupt run goes once; each location runs only the blocks from its value's on, and the
+    locations of a value run together, ``batch_size`` of them per pass (default: as many as keep the
+    logits of a pass under 512 MiB), stacked along the batch (``qgraph.sweep``).
     """
     clean, corrupt = _pair(clean, corrupt, metric)
-    names = instrumented.resolve(at)
-    patcher = instrumented.variant(names, edits=names)
-    with torch.no_grad():
-        captured = patcher(**clean).values
-        return {name: metric(patcher(**corrupt, edits={name: Replace(captured[name])}).logits) for name in names}
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise InvalidArgument(f"batch_size= takes a positive int (locations per pass), not {batch_size!r}")
+    from .sweep import sweep
+    return sweep(instrumented, clean, corrupt, instrumented.resolve(at), metric, positions, heads, batch_size)
 
 
-def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], torch.Tensor], *,
+                      positions=None, heads=None) -> dict:
     """Attribution patching: the first-order estimate of what ``patch`` measures, from one forward
     on ``clean`` and one forward and backward on ``corrupt``.
 
-    For each value at ``at``: ``(clean - corrupt) * d metric / d value`` (the gradient at the corrupt
-    run), summed over every axis but the batch, position and head axes of its layout, so
-    ``{name: tensor [batch, seq]}`` (``[batch, seq, heads]`` where the layout has heads; a pattern keeps
-    its query axis). The sum of a name's tensor estimates ``metric(patched) - metric(corrupt)`` for
-    splicing the whole value, as ``patch`` does. ``metric(logits)`` must return a scalar tensor;
-    the model's parameters get no ``.grad``. Both runs are ``instrumented``'s own (fixed edits, SAEs).
+    For each value at ``at`` and each location (as ``patch`` takes them: the whole value, or
+    ``positions="each"`` / a list, ``heads="each"`` / a list): ``(clean - corrupt) * d metric / d value``
+    (the gradient at the corrupt run) summed over the location, which estimates
+    ``metric(patched) - metric(corrupt)`` for that location. ``{name: tensor}``, shaped as ``patch``'s
+    values: ``[]``, ``[positions]``, ``[heads]`` or ``[positions, heads]`` (a pattern's positions are
+    its queries). ``metric(logits)`` must return a scalar tensor; the model's parameters get no
+    ``.grad``. Both runs are ``instrumented``'s own (fixed edits, SAEs).
     """
     clean, corrupt = _pair(clean, corrupt, metric)
     names = instrumented.resolve(at)
@@ -81,10 +88,29 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
     for name in names:
         entry = watcher.catalogue[name]
         dims = [str(d) for d in (entry.spec.dims if entry.spec else entry.shape)]
-        effect = (clean_values[name] - out.values[name].detach()) * grads[name]
-        summed = [axis for axis, dim in enumerate(dims) if dim not in _KEPT_AXES]
-        attributions[name] = effect.sum(dim=summed) if summed else effect
+        effect = ((clean_values[name] - out.values[name].detach()) * grads[name]).detach()
+        attributions[name] = _by_location(effect, dims, name, positions, heads)
     return attributions
+
+
+def _by_location(effect: torch.Tensor, dims: list[str], name: str, positions, heads) -> torch.Tensor:
+    """``effect`` summed over each location: over every axis but those of the positions and heads
+    asked for, then those indexed as asked, positions first (``patch``'s shapes)."""
+    from .sweep import axis_of, locations
+    kept = {}  # axis -> the indices asked along it, in the order positions, heads
+    for what, given in (("positions", positions), ("heads", heads)):
+        axis = axis_of(dims, what)
+        if given is None:
+            continue
+        if axis is None:
+            raise InvalidArgument(f"attribution_patch({what}={given!r}) at '{name}': its layout has no "
+                                  f"{'/'.join(_AXES[what])} axis; leave {what}=None to take the whole value")
+        kept[axis] = locations(given, effect.shape[axis], what, name)
+    others = [axis for axis in range(effect.dim()) if axis not in kept]
+    summed = effect.sum(dim=others) if others else effect  # the kept axes stay, in the layout's order
+    for rank, axis in enumerate(sorted(kept)):
+        summed = summed.index_select(rank, torch.tensor(kept[axis], device=summed.device))
+    return summed.permute([sorted(kept).index(axis) for axis in kept])
 
 
 def _pair(clean, corrupt, metric) -> tuple[dict, dict]:

@@ -239,10 +239,11 @@ def test_attribution_patch_runs_under_the_fixed_edits(eager_model, ids):
     steered = qgraph.instrument(eager_model, edits=qgraph.steer(0, vector))
     clean, corrupt = ids, ids_of(2, 12, seed=12)
     metric = lambda logits: logits[:, -1, 3].sum()  # noqa: E731
-    estimate = qgraph.attribution_patch(steered, clean, corrupt, at=["layers.2.layer_output"], metric=metric)
+    estimate = qgraph.attribution_patch(steered, clean, corrupt, at=["layers.2.layer_output"], metric=metric,
+                                        positions="each")
     _, clean_blocks = hooked_blocks(eager_model, clean, {0: lambda out: out + vector, 2: _same})
     logits, seen = hooked_blocks(eager_model, corrupt, {0: lambda out: out + vector,
                                                         2: lambda out: out.detach().requires_grad_()}, grad=True)
     grad, = torch.autograd.grad(metric(logits), seen[2])
-    want = ((clean_blocks[2] - seen[2].detach()) * grad).sum(-1)
+    want = ((clean_blocks[2] - seen[2].detach()) * grad).sum((0, -1))  # per position, over the batch and hidden
     torch.testing.assert_close(estimate["layers.2.layer_output"], want, atol=1e-5, rtol=1e-4)

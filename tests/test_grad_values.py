@@ -103,13 +103,13 @@ def test_attribution_patching_ranks_locations_as_patching_does(sdpa_model):
         base = metric(ig(corrupt).logits).item()
         effects = {name: value - base for name, value in
                    qgraph.patch(ig, clean, corrupt, at=at, metric=lambda l: metric(l).item()).items()}
-    estimates = qgraph.attribution_patch(ig, clean, corrupt, at=at, metric=metric)
+    estimates = qgraph.attribution_patch(ig, clean, corrupt, at=at, metric=metric, positions="each")
     assert all(p.grad is None for p in sdpa_model.parameters())
-    assert estimates["layers.3.self_attn.attention_output"].shape == (1, 12)  # per batch row and position
+    assert estimates["layers.3.self_attn.attention_output"].shape == (12,)  # per position
     totals = {name: estimate.sum().item() for name, estimate in estimates.items()}
     assert set(totals) == set(effects)
     # positions before the changed token carry no difference: zero attribution
-    assert all(estimate[0, :4].abs().max() == 0 for estimate in estimates.values())
+    assert all(estimate[:4].abs().max() == 0 for estimate in estimates.values())
     top = sorted(effects, key=lambda name: -abs(effects[name]))[:4]
     assert all((totals[name] > 0) == (effects[name] > 0) for name in top), (effects, totals)
     ranked = sorted(top, key=lambda name: -abs(totals[name]))
@@ -119,9 +119,9 @@ def test_attribution_patching_ranks_locations_as_patching_does(sdpa_model):
 def test_attribution_per_head(sdpa_model):
     clean, corrupt = random_ids(2, 8, seed=6), random_ids(2, 8, seed=7)
     ig = qgraph.instrument(sdpa_model)
-    estimates = qgraph.attribution_patch(ig, clean, corrupt, at=[PREMIX, "layers.3.self_attn.attention_output"],
-                                         metric=lambda l: l[:, -1, 1].sum())
-    assert estimates[PREMIX].shape == (2, 8, 4)  # batch, positions, heads
+    estimates = qgraph.attribution_patch(ig, clean, corrupt, at=[PREMIX], metric=lambda l: l[:, -1, 1].sum(),
+                                         positions="each", heads="each")
+    assert estimates[PREMIX].shape == (8, 4)  # positions, heads
     assert estimates[PREMIX].abs().sum() > 0
     with pytest.raises(ValueError, match="scalar"):
         qgraph.attribution_patch(ig, clean, corrupt, at=[PREMIX], metric=lambda l: l[:, -1])

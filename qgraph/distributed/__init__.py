@@ -12,7 +12,7 @@ from .pipeline import Pipeline
 from .split import cuts_for, split
 from .world import World, join
 
-__all__ = ["Pipeline", "Stages", "World", "join", "stage_program"]
+__all__ = ["Pipeline", "Stages", "World", "blocks_of", "join", "stage_program"]
 
 
 @dataclass(frozen=True)
@@ -40,24 +40,27 @@ class Stages:
         return cls(split=stages)
 
 
-def stage_program(program, stages: Stages) -> Pipeline:
-    """Cut a built ``Program`` into ``stages`` and return the pipeline that runs it here: this
-    process's stage under torchrun, every stage otherwise."""
-    family = program.family
-    blocks = len(family.block_mixers(program.model.config))
-    cuts = cuts_for(list(stages.split) if isinstance(stages.split, tuple) else stages.split, blocks)
-
+def blocks_of(family):
+    """``block_of(node)``: the block a node's module scope names (None outside the blocks)."""
     def block_of(node):
         for path, _ in (node.meta.get("nn_module_stack") or {}).values():
             match = re.match(r"layers\.(\d+)(?:\.|$)", family.module_name(path))
             if match:
                 return int(match.group(1))
         return None
+    return block_of
 
+
+def stage_program(program, stages: Stages) -> Pipeline:
+    """Cut a built ``Program`` into ``stages`` and return the pipeline that runs it here: this
+    process's stage under torchrun, every stage otherwise."""
+    family = program.family
+    blocks = len(family.block_mixers(program.model.config))
+    cuts = cuts_for(list(stages.split) if isinstance(stages.split, tuple) else stages.split, blocks)
     if stages.microbatches > 1 and program.exported.images:
         raise InvalidArgument("micro-batches cut input_ids and attention_mask, not the images: call the image-text model "
                               "with microbatches=1 (or without images)")
-    plan = split(program.module, block_of, cuts)
+    plan = split(program.module, blocks_of(family), cuts)
     device = next(iter(program.model.parameters()), torch.empty(0)).device
     world = join(device if device.type != "meta" else torch.device("cpu"))
     user = [i for i, name in enumerate(program.input_names) if name in ("input_ids", "attention_mask")]

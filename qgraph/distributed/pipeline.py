@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidArgument, InvalidType
-from .split import Plan
+from .split import Plan, pick
 from .world import World
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
@@ -70,10 +70,10 @@ class Pipeline:
         """Every stage in this process, in order."""
         produced = []
         for index, module in enumerate(self.plan.modules):
-            inputs = [args[where[0]] if kind == "input" else _pick(produced[where[0]], where[1])
+            inputs = [args[where[0]] if kind == "input" else pick(produced[where[0]], where[1])
                       for kind, *where in self.plan.inputs[index]]
             produced.append(module(*inputs))
-        return [args[where[0]] if kind == "input" else _pick(produced[where[0]], where[1])
+        return [args[where[0]] if kind == "input" else pick(produced[where[0]], where[1])
                 for kind, *where in self.plan.outputs]
 
     def _stage(self, m: int, args: list, sends: list) -> list:
@@ -85,9 +85,9 @@ class Pipeline:
             produced = self.plan.modules[rank](*inputs)
         for output, readers in enumerate(self.plan.readers[rank]):
             for reader in readers:
-                sends += _isend(_pick(produced, output if isinstance(produced, (tuple, list)) else None), reader,
+                sends += _isend(pick(produced, output if isinstance(produced, (tuple, list)) else None), reader,
                                 _tag(m, output, 0))
-        return [args[where[0]] if kind == "input" else _pick(produced, where[1]) if where[0] == rank else None
+        return [args[where[0]] if kind == "input" else pick(produced, where[1]) if where[0] == rank else None
                 for kind, *where in self.plan.outputs]
 
     def gather(self, outputs: list) -> list:
@@ -107,10 +107,6 @@ class Pipeline:
         for work in sends:
             work.wait()
         return gathered
-
-
-def _pick(produced, index):
-    return produced if index is None else produced[index]
 
 
 def _isend(value, dst: int, tag: int) -> list:

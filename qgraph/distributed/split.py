@@ -6,7 +6,10 @@ the rotary, the masks) is stage 0, what follows the last (the final norm, the lm
 stage, and what a pass added (taps, edit slots, views) goes with what it reads. A node that reads
 only program inputs and lies in no block (a parameter's ``1 + weight``, export's checks on a
 parameter) goes to the earliest stage that uses it (or its parameter), so no stage computes for
-another what it could compute itself, nor reads a parameter it does not need.
+another what it could compute itself, nor reads a parameter it does not need. The size of a program
+input (a ``sym_size`` of ``input_ids``, say) is computed again in every stage that reads it, so only
+tensors cross stages: a stage's sizes follow the inputs it is given (a pipeline sends fewer messages,
+and a patching sweep can run a stage on a larger batch than the stages before it ran on).
 
 ``Plan`` says, for each stage, where each of its inputs comes from (a program input, or an output
 of an earlier stage) and which later stages and program outputs read each of its outputs: what a
@@ -18,10 +21,13 @@ import operator
 import re
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
 from ..errors import InternalError, InvalidArgument, InvalidType
+
+SYM_SIZE = torch.ops.aten.sym_size.int
 
 
 def cuts_for(stages, blocks: int) -> list[int]:
@@ -63,14 +69,26 @@ class Plan:
         return source[1] if source[0] == "stage" else None
 
 
+def pick(produced, index):
+    """Output ``index`` of what a stage returned (None: the stage returns one value, bare)."""
+    return produced if index is None else produced[index]
+
+
 def split(module: GraphModule, block_of, cuts: list[int]) -> Plan:
-    """Cut ``module`` (a built program) into ``len(cuts) + 1`` stages; ``block_of(node)`` is the block a
-    node's scope names (None outside the blocks)."""
+    """Cut ``module`` (a built program, left as it is) into ``len(cuts) + 1`` stages; ``block_of(node)`` is
+    the block a node's scope names (None outside the blocks)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    module = GraphModule(module, graph)  # the same attributes and submodules, a graph of its own
     stage_of_block = lambda block: sum(block >= cut for cut in cuts)  # noqa: E731
     stage: dict[Node, int] = {}
     free: list[Node] = []
+    sizes: list[Node] = []
     for node in module.graph.nodes:
         if node.op in ("placeholder", "output"):
+            continue
+        if node.target is SYM_SIZE and node.args[0].op == "placeholder":
+            sizes.append(node)
             continue
         block = block_of(node)
         inputs = [stage[n] for n in node.all_input_nodes if n in stage]
@@ -83,8 +101,26 @@ def split(module: GraphModule, block_of, cuts: list[int]) -> Plan:
         if not readers:  # a check on a parameter: where the parameter is read
             readers = [stage[user] for source in node.all_input_nodes for user in source.users if user in stage]
         stage[node] = min(readers, default=0)
+    for node in sizes:
+        _size_in_each_stage(graph, node, stage)
     split_gm = split_module(module, module, lambda node: stage[node])
     return _plan(split_gm, len(cuts) + 1)
+
+
+def _size_in_each_stage(graph: torch.fx.Graph, node: Node, stage: dict[Node, int]) -> None:
+    """Give each stage that reads the size ``node`` its own copy of it (in the first, the node itself)."""
+    readers: dict[int, list[Node]] = {}
+    for user in node.users:
+        if user in stage:
+            readers.setdefault(stage[user], []).append(user)
+    first, *others = sorted(readers) or [0]
+    stage[node] = first
+    for index in others:
+        with graph.inserting_after(node):
+            copy = graph.node_copy(node)
+        for user in readers[index]:
+            user.replace_input_with(node, copy)
+        stage[copy] = index
 
 
 def _plan(split_gm: GraphModule, count: int) -> Plan:
