@@ -36,10 +36,14 @@
    default (unused: every block is MoE), and the other ``Qwen3_5MoeTextConfig`` defaults
    (``norm_topk_prob``, ``hidden_act``, ...).
 2. Forward on a small MoE shape (hidden 512, 8 blocks, 32 experts, top-4, expert inner 256, shared
-   inner 256, vocab 32000; random weights, float32, sdpa), batch 1, under ``torch.no_grad()``: the HF
-   forward (its default experts implementation, and ``"eager"`` on a deep copy) against
-   ``qgraph.instrument(model)`` and an instrument of every block's layer_output and routing values.
-   Interleaved, median of 5 after a warm-up.
+   inner 256, vocab 32000; random weights, float32, sdpa), batch 1, under ``torch.no_grad()``: for
+   each experts implementation (``--implementations``, default grouped_mm (HF's default), batched_mm,
+   eager; each on a deep copy set to it), the HF forward and ``qgraph.instrument(copy)`` with no
+   values (its experts op runs that implementation: logits checked bit-equal), and an instrument of
+   every block's layer_output and routing values on the default. All interleaved in one run, median
+   of ``--repeats`` (default 7) after a warm-up; printed as ratios: qgraph with no values over the HF
+   forward with the default implementation (goal <= 1.05x), and qgraph over HF per implementation,
+   with the load average (``os.getloadavg``) before and after the timing.
 
 Exports go to a temporary ``$QGRAPH_CACHE`` (removed at the end), so the export is cold and no
 program is left in the user's cache.
@@ -185,50 +189,58 @@ def meta_instrument(model) -> None:
           f"peak RSS {maxrss_mib():.0f} MiB")
 
 
-def forward(tokens: int) -> None:
+def forward(tokens: int, implementations=("grouped_mm", "batched_mm", "eager"), repeats: int = 7) -> None:
     import qgraph
     from transformers import Qwen3_5MoeForCausalLM
     print(f"== forward, small MoE shape, {tokens} tokens ==")
     torch.manual_seed(0)
     model = Qwen3_5MoeForCausalLM(config_small()).eval()
     default = model.config._experts_implementation
-    eager = copy.deepcopy(model)
-    eager.set_experts_implementation("eager")
+    models = {default: model}
+    for implementation in implementations:
+        if implementation not in models:
+            models[implementation] = copy.deepcopy(model)
+            models[implementation].set_experts_implementation(implementation)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"{parameters / 1e6:.0f} M parameters; HF default experts implementation {default!r}, "
-          f"the copy's {eager.config._experts_implementation!r}; torch threads {torch.get_num_threads()}")
+    print(f"{parameters / 1e6:.0f} M parameters; HF default experts implementation {default!r}; "
+          f"torch threads {torch.get_num_threads()}")
     ids = torch.randint(0, model.config.vocab_size, (1, tokens))
     values = ["layers.*.layer_output", "layers.*.mlp.router_logits", "layers.*.mlp.router_weights",
               "layers.*.mlp.router_indices", "layers.*.mlp.expert_weights"]
-    start = time.perf_counter()
-    plain = qgraph.instrument(model)
-    cold = time.perf_counter() - start
-    start = time.perf_counter()
+    programs = {}
+    for implementation, twin in models.items():
+        start = time.perf_counter()
+        programs[implementation] = qgraph.instrument(twin)
+        print(f"instrument() with {implementation} experts: {time.perf_counter() - start:.1f} s (export)")
     routed = qgraph.instrument(model, values=values)
-    warm = time.perf_counter() - start
-    print(f"instrument(): {cold:.1f} s cold (export), {warm:.2f} s warm with the values")
-    runs = {f"HF forward ({default})": lambda: model(input_ids=ids)}
-    if default != "eager":
-        runs["HF forward (eager experts)"] = lambda: eager(input_ids=ids)
-    runs["qgraph, no values"] = lambda: plain(ids)
-    runs["qgraph, layer_output + routing"] = lambda: routed(ids)
+    runs = {}
+    for implementation, twin in models.items():
+        runs[f"HF {implementation}"] = lambda twin=twin: twin(input_ids=ids)
+        runs[f"qgraph {implementation}"] = lambda program=programs[implementation]: program(ids)
+    runs[f"qgraph {default}, layer_output + routing"] = lambda: routed(ids)
     with torch.no_grad():
-        hf = model(input_ids=ids).logits
-        hf_eager = eager(input_ids=ids).logits
+        hf = {implementation: twin(input_ids=ids).logits for implementation, twin in models.items()}
+        for implementation, program in programs.items():
+            logits = program(ids).logits
+            print(f"{implementation}: qgraph logits equal HF's bit for bit: {torch.equal(logits, hf[implementation])} "
+                  f"(max abs diff {(logits - hf[implementation]).abs().max().item():.1e}; "
+                  f"HF {implementation} vs HF {default} {(hf[implementation] - hf[default]).abs().max().item():.1e})")
         out = routed(ids)
-        print(f"max abs logits diff: qgraph vs HF ({default}) {(out.logits - hf).abs().max().item():.1e}, "
-              f"qgraph vs HF (eager) {(out.logits - hf_eager).abs().max().item():.1e}, "
-              f"HF {default} vs eager {(hf - hf_eager).abs().max().item():.1e}, "
-              f"qgraph no values vs with {(plain(ids).logits - out.logits).abs().max().item():.1e}")
-        captured = sum(t.numel() * t.element_size() for t in out.values.values()) if hasattr(out, "values") else 0
-        print(f"values captured: {len(out.values) if hasattr(out, 'values') else '?'} "
-              f"({captured / 2**20:.1f} MiB)")
+        captured = sum(t.numel() * t.element_size() for t in out.values.values())
+        print(f"values captured: {len(out.values)} ({captured / 2**20:.1f} MiB)")
         load = os.getloadavg()
-        times = interleaved(runs, repeats=5)
-    base = times[f"HF forward ({default})"]
+        times = interleaved(runs, repeats=repeats)
+        after = os.getloadavg()
+    print(f"median of {repeats}, interleaved:")
     for name, seconds in times.items():
-        print(f"{name:34s} {seconds * 1000:8.1f} ms  {seconds / base:5.3f}x")
-    print(f"load average before timing {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+        print(f"  {name:42s} {seconds * 1000:8.1f} ms  {seconds / times[f'HF {default}']:5.3f}x HF {default}")
+    ratio = times[f"qgraph {default}"] / times[f"HF {default}"]
+    print(f"qgraph (no values) / HF forward, default implementation {default}: {ratio:.3f}x (goal <= 1.05x)")
+    for implementation in models:
+        print(f"qgraph / HF with {implementation} experts: "
+              f"{times[f'qgraph {implementation}'] / times[f'HF {implementation}']:.3f}x")
+    print(f"load average (1, 5, 15 min) before timing {' '.join(f'{x:.2f}' for x in load)}, "
+          f"after {' '.join(f'{x:.2f}' for x in after)}")
 
 
 def main() -> None:
@@ -239,6 +251,9 @@ def main() -> None:
     parser.add_argument("--skip-meta", action="store_true")
     parser.add_argument("--skip-instrument", action="store_true", help="export only, no instrument() on meta")
     parser.add_argument("--skip-forward", action="store_true")
+    parser.add_argument("--implementations", default="grouped_mm,batched_mm,eager",
+                        help="the experts implementations the forward compares (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs of each forward (the median is shown)")
     args = parser.parse_args()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with tempfile.TemporaryDirectory() as cache:
@@ -249,7 +264,7 @@ def main() -> None:
                 meta_instrument(model)
             del model  # the meta twin, before the forward's models
         if not args.skip_forward:
-            forward(args.tokens)
+            forward(args.tokens, tuple(args.implementations.split(",")), args.repeats)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -212,6 +212,72 @@ def attn_implementation_set(config, value: str | None):
         config._attn_implementation_internal = original
 
 
+# -- experts implementation (qgraph.families.qwen_moe, qgraph.kernels.experts, qgraph.export.fingerprint) ------------
+# Alike in transformers 5.23 and 5.24. A config's experts implementation ("eager", "grouped_mm",
+# "batched_mm", ...) is only exposed as ``config._experts_implementation``. transformers runs a
+# non-eager one with its function in ``integrations.moe.ALL_EXPERTS_FUNCTIONS``, which takes the
+# experts module as ``self`` and reads its weights and the flags ``use_experts_implementation`` sets
+# (``has_gate``, ..., the private ``_is_expert_parallel`` and ``_apply_gate``): qgraph's experts op
+# hands it a stand-in (``_Experts``) holding the op's tensors. A release without that interface
+# has no implementation but the modules' own eager loop: the op then runs "eager".
+_EXPERTS_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                   "has_post_expert_norm": False}  # what qgraph's experts op takes: [experts 2*inner hidden] gate|up
+
+
+def experts_implementation(config) -> str | None:
+    """``config``'s experts implementation (None when ``config`` is None or has none)."""
+    return getattr(config, "_experts_implementation", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _experts_functions():
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    return getattr(moe, "ALL_EXPERTS_FUNCTIONS", None)
+
+
+def experts_implementation_run(experts: torch.nn.Module) -> str:
+    """The implementation qgraph's experts op runs for the experts module ``experts``: its config's, as
+    transformers dispatches on it; "eager" when it names none, or (warned) transformers has no experts
+    interface. ValueError when qgraph cannot run it."""
+    name = experts_implementation(getattr(experts, "config", None)) or "eager"
+    functions = _experts_functions()
+    if name != "eager" and functions is None:
+        warnings.warn(f"qgraph: this transformers has no experts interface (integrations.moe.ALL_EXPERTS_FUNCTIONS): "
+                      f"the experts implementation {name!r} runs as 'eager'", stacklevel=3)
+        return "eager"
+    layout = {flag: getattr(experts, flag, None) for flag in _EXPERTS_LAYOUT}
+    if name != "eager" and (name not in functions or layout != _EXPERTS_LAYOUT):
+        raise ValueError(f"qgraph's experts op cannot run the experts implementation {name!r} (registered: "
+                         f"{', '.join(functions)}) of experts with {layout} (it runs {_EXPERTS_LAYOUT})")
+    return name
+
+
+class _Experts:
+    """An experts module in ``_EXPERTS_LAYOUT`` holding the given tensors, in one process (no expert
+    parallelism), as transformers' experts functions read it (``self``)."""
+
+    _is_expert_parallel = False
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn):
+        vars(self).update(_EXPERTS_LAYOUT)
+        self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, down_proj, act_fn
+        self.num_experts = len(down_proj)
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        from transformers.integrations.moe import _default_apply_gate  # what use_experts_implementation installs
+        return _default_apply_gate(self, gate_up_out)
+
+
+def run_experts(name: str, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn) -> torch.Tensor:
+    """transformers' experts function ``name`` on ``hidden`` [tokens hidden] and its top-k experts and weights
+    [tokens top_k]: the routed experts' weighted sum [tokens hidden], as the model's experts compute it."""
+    return _experts_functions()[name](_Experts(gate_up_proj, down_proj, act_fn), hidden, top_k_index, top_k_weights)
+
+
 # -- HF generation settings (qgraph.generate) -------------------------------------------------------
 # Alike in transformers 5.23 and 5.24. qgraph's decoding loop applies HF's own rules for
 # generation settings (the model's generation_config merged with keyword arguments and validated;
@@ -343,3 +409,4 @@ def _detached(forward):
     def detached(*args, **kwargs):
         return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, forward(*args, **kwargs))
     return detached
+

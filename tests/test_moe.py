@@ -1,9 +1,9 @@
 """The mixture-of-experts families (issue 16): qwen3_5_moe (text and image-text) and qwen3_next.
 
 Each tiny checkpoint (4 blocks, 8 experts, top-2) is exported once per module; its values are
-compared with forward hooks on the same checkpoint loaded with transformers' eager experts (the loop
-the program's experts op runs, so logits equal bit for bit), its logits also with the HF forward as
-loaded (the default grouped experts: equal to a few ulps), and its edits with what they mean.
+compared with forward hooks on the HF forward as loaded (the default grouped_mm experts, which the
+program's experts op runs too, so logits equal bit for bit), and its edits with what they mean. The
+same checkpoint loaded with transformers' eager experts checks the op under each implementation.
 """
 from __future__ import annotations
 
@@ -62,21 +62,20 @@ def hooked(model, ids, mask):
 
 @pytest.fixture(scope="module")
 def eager_twin(family):
-    """The same checkpoint with transformers' eager experts loop, which the program's experts op runs
-    (the default grouped experts can round differently by a few ulps on some CPUs)."""
+    """The same checkpoint with transformers' eager experts loop (the default grouped_mm experts can
+    round differently by a few ulps on some CPUs); a test that switches it switches it back."""
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(family[1].name_or_path, experts_implementation="eager").eval()
 
 
 @pytest.mark.compat
-def test_values_equal_forward_hooks_and_logits_the_hf_forward(family, padded, eager_twin):
+def test_values_equal_forward_hooks_and_logits_the_hf_forward(family, padded):
     name, model, ig = family
     ids, mask = padded
     out = ig(ids, mask)
-    with torch.no_grad():
-        torch.testing.assert_close(out.logits, model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
-    logits, seen = hooked(eager_twin, ids, mask)
-    torch.testing.assert_close(out.logits, logits, rtol=0, atol=0)
+    logits, seen = hooked(model, ids, mask)  # the experts implementation as loaded: grouped_mm
+    assert model.config._experts_implementation == "grouped_mm"
+    assert torch.equal(out.logits, logits), name
     batch, seq = ids.shape
     for i in range(model.config.num_hidden_layers):
         router_logits, weights, indices = (t.reshape(batch, seq, -1) for t in seen[i, "gate"])
@@ -112,7 +111,7 @@ def test_logits_equal_hf_for_many_lengths(family, seq):
     _, model, ig = family
     ids = random_ids(1, seq, seed=seq)
     with torch.no_grad():
-        torch.testing.assert_close(ig(ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
+        assert torch.equal(ig(ids).logits, model(input_ids=ids).logits)
 
 
 def expert_contribution(model, layer: int, expert: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -224,6 +223,14 @@ def test_a_qwen3_next_with_dense_blocks_is_refused(tmp_path):
 def test_the_experts_op_passes_opcheck():
     from qgraph.kernels.experts import moe_experts
     generator = torch.Generator().manual_seed(0)
+    # transformers' grouped / batched functions (grouped_mm: float32 or half, 16-byte strides), then the eager loop
+    hidden = torch.randn(1, 5, 16, generator=generator, requires_grad=True)
+    indices = torch.stack([torch.randperm(6, generator=generator)[:2] for _ in range(5)]).unsqueeze(0)
+    weights = torch.zeros(1, 5, 6).scatter(-1, indices, torch.rand(1, 5, 2, generator=generator)).requires_grad_()
+    gate_up = torch.randn(6, 24, 16, generator=generator, requires_grad=True)
+    down = torch.randn(6, 16, 12, generator=generator, requires_grad=True)
+    for implementation in ("grouped_mm", "batched_mm"):
+        torch.library.opcheck(moe_experts, (hidden, indices, weights, gate_up, down, "silu", implementation))
     for tokens in (5,):
         hidden = torch.randn(1, tokens, 16, dtype=torch.float64, generator=generator, requires_grad=True)
         indices = torch.stack([torch.randperm(6, generator=generator)[:2] for _ in range(tokens)]).unsqueeze(0)
@@ -240,20 +247,70 @@ def test_the_experts_op_passes_opcheck():
 
 
 @pytest.mark.compat
-def test_the_experts_op_is_transformers_eager_loop_bit_for_bit(family, eager_twin):
-    # the same experts, the same rows in the same order in each matmul, the same sums
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_the_experts_op_is_transformers_experts_bit_for_bit(family, eager_twin, implementation):
+    # eager: the same experts, the same rows in the same order in each matmul, the same sums;
+    # the others: transformers' own function, on the top-k weights gathered from expert_weights
     from qgraph.kernels.experts import moe_experts
     name, eager = family[0], eager_twin
     mlp = eager.model.layers[1].mlp
     hidden = torch.randn(37, eager.config.hidden_size, generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        gate = mlp.gate(hidden)
-        weights, indices = gate[1], gate[2]
-        expected = mlp.experts(hidden, indices, weights)
-        dense = torch.zeros(37, eager.config.num_experts).scatter(-1, indices, weights)
-        got = moe_experts(hidden[None], indices[None], dense[None], mlp.experts.gate_up_proj,
-                          mlp.experts.down_proj, "silu")[0]
+    eager.set_experts_implementation(implementation)
+    try:
+        with torch.no_grad():
+            gate = mlp.gate(hidden)
+            weights, indices = gate[1], gate[2]
+            expected = mlp.experts(hidden, indices, weights)
+            dense = torch.zeros(37, eager.config.num_experts).scatter(-1, indices, weights)
+            got = moe_experts(hidden[None], indices[None], dense[None], mlp.experts.gate_up_proj,
+                              mlp.experts.down_proj, "silu", implementation)[0]
+    finally:
+        eager.set_experts_implementation("eager")
     assert torch.equal(got, expected), name
+
+
+@pytest.mark.compat
+def test_switching_the_experts_implementation_rebuilds_and_logits_stay_bit_equal(family, eager_twin, padded):
+    """The program runs the experts implementation the model has: eager exactly as HF eager; switched
+    to grouped_mm after instrument, the next call rebuilds it, and it equals HF grouped_mm."""
+    from qgraph.kernels.experts import MOE_EXPERTS_OP
+    name, model = family[0], eager_twin
+    if name != "qwen3_5_moe":
+        pytest.skip("one family is enough: both run qwen_moe's experts patch (bit-equality of each: above)")
+    ids, mask = padded
+    ig = qgraph.instrument(model)
+
+    def run(implementation):
+        calls = ig.graph.find_nodes(op="call_function", target=MOE_EXPERTS_OP)
+        assert {(*node.args, "eager")[6] for node in calls} == {implementation}  # export leaves out the default
+        with torch.no_grad():
+            assert torch.equal(ig(ids, mask).logits, model(input_ids=ids, attention_mask=mask).logits), implementation
+
+    try:
+        ig(ids, mask)
+        run("eager")
+        model.set_experts_implementation("grouped_mm")
+        ig(ids, mask)  # rebuilds: the program then reads grouped_mm
+        run("grouped_mm")
+    finally:
+        model.set_experts_implementation("eager")
+
+
+def test_an_experts_implementation_qgraph_cannot_run_is_refused_and_no_interface_means_eager(family, monkeypatch):
+    from types import SimpleNamespace
+
+    from qgraph import compat
+    experts = family[1].model.layers[1].mlp.experts
+    assert compat.experts_implementation_run(experts) == "grouped_mm"
+    unknown = SimpleNamespace(**{**vars(experts), "config": SimpleNamespace(_experts_implementation="unknown")})
+    with pytest.raises(ValueError, match="cannot run the experts implementation 'unknown'"):
+        compat.experts_implementation_run(unknown)
+    biased = SimpleNamespace(**{**vars(experts), "has_bias": True})
+    with pytest.raises(ValueError, match="'has_bias': True"):
+        compat.experts_implementation_run(biased)
+    monkeypatch.setattr(compat, "_experts_functions", lambda: None)  # a transformers without the interface
+    with pytest.warns(UserWarning, match="no experts interface.*'grouped_mm' runs as 'eager'"):
+        assert compat.experts_implementation_run(experts) == "eager"
 
 
 def image(height, width, seed):
@@ -278,7 +335,7 @@ def test_the_image_text_moe_model_with_images(tmp_path):
     assert out["layers.1.mlp.router_indices"].shape == (*inputs["input_ids"].shape, 2)
 
 
-def test_the_experts_neurons_are_each_routed_experts_act_gate_times_up(family, padded):
+def test_the_experts_neurons_are_each_routed_experts_act_gate_times_up(family, padded, eager_twin):
     _, model, _ = family
     ids, mask = padded
     ig = qgraph.instrument(model, values=["layers.1.mlp.experts_neurons", "layers.1.mlp.router_indices",
@@ -304,6 +361,12 @@ def test_the_experts_neurons_are_each_routed_experts_act_gate_times_up(family, p
     # zeroing every neuron of every expert leaves nothing of the routed experts
     zeroed = ig(ids, mask, edits={"layers.1.mlp.experts_neurons": qgraph.Zero()})
     assert torch.equal(zeroed["layers.1.mlp.experts_output"], torch.zeros_like(out["layers.1.mlp.experts_output"]))
+    # asking for the neurons runs those blocks' experts by the eager loop, whatever the model's implementation
+    # (grouped_mm here): with every block's, the logits are HF eager's bit for bit
+    assert model.config._experts_implementation == "grouped_mm"
+    split = qgraph.instrument(model, values=["layers.*.mlp.experts_neurons"])(ids, mask)
+    with torch.no_grad():
+        assert torch.equal(split.logits, eager_twin(input_ids=ids, attention_mask=mask).logits)
 
 
 def test_compiled_and_with_a_config_that_asks_for_router_logits(family):

@@ -3,7 +3,7 @@
 ``export_model`` keeps one program per model object in memory; this module keeps them on disk too,
 in ``$QGRAPH_CACHE/programs`` (default ``~/.cache/qgraph/programs``), one ``torch.export.save``
 file per key. The key hashes what the program was specialised on: the model's config (as JSON,
-without its checkpoint path), class, dtype, device type, attention implementations, the images
+without its checkpoint path), class, dtype, device type, attention and experts implementations, the images
 flag, the torch, transformers and qgraph versions and the source of the qgraph modules that shape
 the export. Set ``QGRAPH_PROGRAM_CACHE=0`` to turn the disk cache off.
 
@@ -43,7 +43,7 @@ from .fingerprint import structure
 _READS = "qgraph-reads.json"  # the extra file holding the export's reads and their values
 
 # The qgraph sources whose changes change what export produces (markers, ops, example inputs).
-_EXPORT_SOURCES = ("export", "kernels/ops.py", "inputs.py", "compat.py", "families")
+_EXPORT_SOURCES = ("export", "kernels/ops.py", "kernels/experts.py", "inputs.py", "compat.py", "families")
 
 
 def enabled() -> bool:
@@ -95,6 +95,7 @@ def key(model: torch.nn.Module, images: bool) -> str:
         "device": parameter.device.type,
         "attn_implementation": compat.attn_implementation(model.config),
         "vision_attn_implementation": compat.attn_implementation(vision),
+        "experts_implementation": compat.experts_implementation(model.config.get_text_config()),
         "images": bool(images),
         "structure": structure(model),  # module classes, parameter shapes, tied weights (qgraph.export.fingerprint)
         "training": model.training,

@@ -1,7 +1,7 @@
 """What an exported program depends on in a model, to tell when a program went stale.
 
 A program is specialised on the model's structure (module classes, parameter shapes, dtypes and
-devices, which parameters are one tensor, the attention implementations) and reads the model's
+devices, which parameters are one tensor, the attention and experts implementations) and reads the model's
 own module objects at call time. ``structure`` is the first, a key of the export caches;
 ``fingerprint`` adds the module objects and the plain values the export baked in (a norm's eps, an
 attention's scaling, config fields the forward reads: ``qgraph.export.constants``), so an
@@ -18,7 +18,8 @@ from . import constants
 
 def structure(model: torch.nn.Module) -> tuple:
     """Module classes, parameter and buffer shapes / dtypes / devices, tied parameters (each
-    parameter names the first path it appears under) and attention implementations."""
+    parameter names the first path it appears under), attention and experts implementations (the
+    model's config's and its text config's: mixture-of-experts ops run the one their experts read)."""
     first: dict[int, str] = {}
     parameters = tuple((name, tuple(p.shape), str(p.dtype), p.device.type, first.setdefault(id(p), name))
                        for name, p in model.named_parameters(remove_duplicate=False))
@@ -27,7 +28,8 @@ def structure(model: torch.nn.Module) -> tuple:
     config = model.config
     vision = getattr(config, "vision_config", None)
     attention = (compat.attn_implementation(config), compat.attn_implementation(vision))
-    return attention, modules, parameters, buffers
+    experts = (compat.experts_implementation(config), compat.experts_implementation(config.get_text_config()))
+    return attention, experts, modules, parameters, buffers
 
 
 def fingerprint(model: torch.nn.Module, reads=()) -> tuple:

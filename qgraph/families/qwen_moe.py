@@ -12,7 +12,9 @@ of flattening the tokens (so every value keeps its layout; a linear on 3-D compu
 the router's renormalisation is out of place (the top-k weights stay a value of their own), the block
 spreads the top-k weights to one weight per expert (``expert_weights``, zero where not routed) and
 runs the routed experts as the one op ``qgraph::moe_experts``: one program for every prompt, with
-the router and the shared expert as visible nodes.
+the router and the shared expert as visible nodes. The op runs the experts module's own experts
+implementation (its config's, read while tracing: ``compat.experts_implementation_run``), so the
+logits are the HF forward's bit for bit under each; switching it rebuilds the program.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import contextlib
 
 import torch
 
+from .. import compat
 from ..errors import UnsupportedModel
 from .rules import Port, Routing, ValueSpec
 
@@ -51,7 +54,8 @@ VALUES = (
               Routing("expert_weights")),
     ValueSpec("experts_neurons", "mlp", "ExpertNeurons [batch seq top_k expert_intermediate_size]",
               "What each of a token's top-k experts' down projection receives, act(gate) * up, in router_indices' "
-              "order (expert j's tokens: experts_neurons[router_indices == j]); asking splits the experts op",
+              "order (expert j's tokens: experts_neurons[router_indices == j]); asking splits the experts op "
+              "into two that run transformers' eager experts loop (whatever the model's experts implementation)",
               Routing("neurons")),
     ValueSpec("experts_output", "mlp", RESIDUAL, "The routed experts' weighted sum", Port("experts", "output")),
     ValueSpec("shared_expert_output", "mlp", RESIDUAL, "The shared expert's output, before its gate",
@@ -75,13 +79,19 @@ def is_block(module: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def patches(model):
     """While exporting: every sparse MoE block keeps its tokens' shape and runs its routed experts
-    as ``qgraph::moe_experts`` (the classes' forwards are restored afterwards)."""
+    as ``qgraph::moe_experts`` under their experts implementation (the classes' forwards are restored
+    afterwards)."""
     from ..kernels.experts import ACTIVATIONS
     activation = model.config.get_text_config().hidden_act
     if activation not in ACTIVATIONS:
         raise UnsupportedModel(f"the experts' activation {activation!r} is not one qgraph's experts op runs "
                                f"({', '.join(ACTIVATIONS)})")
     found = [module for module in model.modules() if is_block(module)]
+    for block in found:
+        try:
+            compat.experts_implementation_run(block.experts)
+        except ValueError as error:
+            raise UnsupportedModel(str(error)) from None
     forwards = {**{type(block): _block_forward for block in found},
                 **{type(block.gate): _router_forward for block in found},
                 **{type(block.experts): _experts_forward(activation) for block in found}}
@@ -119,5 +129,5 @@ def _router_forward(self, hidden_states):
 def _experts_forward(activation: str):
     def forward(self, hidden_states, indices, expert_weights):
         return torch.ops.qgraph.moe_experts(hidden_states, indices, expert_weights, self.gate_up_proj,
-                                            self.down_proj, activation)
+                                            self.down_proj, activation, compat.experts_implementation_run(self))
     return forward

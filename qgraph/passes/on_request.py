@@ -77,12 +77,13 @@ class OpenConvContext(Rewrite):
 @dataclass(frozen=True)
 class SplitExperts(Rewrite):
     """A MoE block's experts' neurons: its ``qgraph::moe_experts`` call becomes the neurons op and the
-    down-projection op (``kernels.experts``), the neurons a node between them."""
+    down-projection op (``kernels.experts``), the neurons a node between them. The pair runs the eager
+    experts loop whatever implementation the op named (its last argument, dropped)."""
 
     note = "asking for it splits the experts op into neurons and their weighted down projections"
 
     def apply(self, program, node, name, option):
-        hidden, indices, expert_weights, gate_up_proj, down_proj, activation = node.args
+        hidden, indices, expert_weights, gate_up_proj, down_proj, activation = node.args[:6]
         emit = emitter(program.graph, node)
         with program.graph.inserting_before(node):
             neurons = emit(NEURONS_OP, hidden, indices, gate_up_proj, activation)
