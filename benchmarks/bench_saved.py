@@ -1,12 +1,21 @@
-"""Saved programs (``ig.save`` / ``qgraph.load``) on the 0.8B shape: write, read, first call, agreement.
+"""Saved programs (``ig.save`` / ``qgraph.load``) on the 0.8B shape: write, read, first call, agreement,
+and each step in a fresh process against a cold ``instrument()``.
 
     python benchmarks/bench_saved.py [--tokens 128] [--repeats 3] [--keep DIR]
 
-On the 0.8B shape (``common.build_0_8b``: random weights, float32, sdpa), with
-``ig = qgraph.instrument(model, values=["layers.*.layer_output"], edits=["layers.5.layer_output"])``:
+On the 0.8B shape (``common.build_0_8b``: random weights, float32, sdpa), with the request
+``qgraph.instrument(model, values=["layers.*.layer_output"], edits=["layers.5.layer_output"])``:
 
-1. ``ig.save(p, weights=False)``: wall time and the ``.pt2`` file's size.
-2. ``ig.save(p2, weights=True)``: wall time, the ``.pt2`` and the ``.safetensors`` written beside it.
+A. Fresh processes (``python bench_saved.py --child ...``, each building its own model first, not
+   timed; ``QGRAPH_PROGRAM_CACHE=0`` and an empty ``$QGRAPH_CACHE``): (1) a cold ``instrument()``;
+   (2) ``instrument()`` then ``ig.save(f)`` and ``ig.save(f2, weights=True)``, each timed; (3)
+   ``qgraph.load(f2)`` (weights from its ``.safetensors``), in a process that builds no model, then
+   one call of 8 tokens and whether any ``modeling_qwen*`` module was imported; (4) ``qgraph.load(f,
+   weights=model)``. Printed: each time, the ratios load / cold and save / cold, and the load average
+   (``os.getloadavg()``) at each step.
+B. In this process:
+1. ``ig.save(p, weights=False)``: wall time and the ``.qgraph`` file's size.
+2. ``ig.save(p2, weights=True)``: wall time, the ``.qgraph`` and the ``.safetensors`` written beside it.
 3. ``qgraph.load(p2)`` (weights read from that ``.safetensors``) and ``qgraph.load(p, weights=model)``
    (the model's own parameters, read at each call): wall time of each load.
 4. Batch 1, ``--tokens`` tokens, under ``torch.no_grad()``: the first call of each loaded program, and
@@ -14,7 +23,8 @@ On the 0.8B shape (``common.build_0_8b``: random weights, float32, sdpa), with
    ``--repeats`` (no warm-up: the first calls came before).
 5. Checks: max abs difference of the logits and of every captured value (24 layer_output) between
    ``ig`` and each loaded program (expected 0), and the same with a per-call edit at the saved slot
-   (``edits={"layers.5.layer_output": qgraph.Zero()}``).
+   (``edits={"layers.5.layer_output": qgraph.Zero()}``); and the file saved in the fresh process of
+   A(2), loaded with this process's model (the same seeded weights), against ``ig`` (expected 0).
 
 Programs are built with a temporary ``$QGRAPH_CACHE`` and ``QGRAPH_PROGRAM_CACHE=0`` (no disk cache:
 the instrument call exports), and the files are written to a temporary folder, removed at the end
@@ -23,8 +33,11 @@ the instrument call exports), and the files are written to a temporary folder, r
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,19 +70,72 @@ def max_diff(a, b) -> float:
     return max(diffs)
 
 
+REQUEST = dict(values=["layers.*.layer_output"], edits=["layers.5.layer_output"])
+
+
+def child(step: str, folder: Path) -> None:
+    """One step in this fresh process; prints its seconds (and what it found) as one JSON line."""
+    import qgraph
+    fresh, fresh_weights = folder / "fresh.qgraph", folder / "fresh_weights.qgraph"
+    found = {"load_average": os.getloadavg()[0]}
+    if step == "load-file":  # no model in this process: the file's weights, and no modeling file
+        program, found["load"] = timed(lambda: qgraph.load(fresh_weights))
+        with torch.no_grad():
+            program(torch.randint(0, 1000, (1, 8)))
+        found["modeling"] = [name for name in sys.modules if ".modeling_qwen" in name]
+    else:
+        model = build_0_8b()
+        found["load_average"] = os.getloadavg()[0]
+        if step == "cold":
+            _, found["instrument"] = timed(lambda: qgraph.instrument(model, **REQUEST))
+        elif step == "save":
+            ig, found["instrument"] = timed(lambda: qgraph.instrument(model, **REQUEST))
+            _, found["save"] = timed(lambda: ig.save(fresh))
+            _, found["save_weights"] = timed(lambda: ig.save(fresh_weights, weights=True))
+        else:
+            _, found["load"] = timed(lambda: qgraph.load(fresh, weights=model))
+    print(json.dumps(found))
+
+
+def fresh_processes(folder: Path) -> dict:
+    """Each step of A in a fresh process, with the disk cache off and an empty ``$QGRAPH_CACHE``."""
+    results = {}
+    for step in ("cold", "save", "load-file", "load-model"):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "QGRAPH_CACHE": cache, "QGRAPH_PROGRAM_CACHE": "0"}
+            done = subprocess.run([sys.executable, __file__, "--child", step, "--folder", str(folder)], env=env,
+                                  capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"the {step} step failed:\n{done.stderr[-3000:]}")
+        results[step] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"  fresh process, {step}: {results[step]}", flush=True)
+    cold = results["cold"]["instrument"]
+    save, save_weights = results["save"]["save"], results["save"]["save_weights"]
+    load_file, load_model = results["load-file"]["load"], results["load-model"]["load"]
+    print(f"fresh processes: cold instrument() {cold:.2f} s; ig.save {save:.2f} s (weights=True {save_weights:.2f} s); "
+          f"qgraph.load weights=model {load_model:.2f} s, weights from the file {load_file:.2f} s")
+    print(f"ratios to the cold instrument(): save {save / cold:.2f}x (weights=True {save_weights / cold:.2f}x), "
+          f"load weights=model {load_model / cold:.2f}x, load from the file {load_file / cold:.2f}x")
+    averages = ", ".join(f"{step} {found['load_average']:.2f}" for step, found in results.items())
+    print(f"modeling modules imported by the loading process: {results['load-file']['modeling'] or 'none'}; "
+          f"load average at each step: {averages}")
+    return results
+
+
 def run(args, folder: Path) -> None:
     import qgraph
+    print(f"load average before the fresh processes: {os.getloadavg()[0]:.2f}")
+    fresh_processes(folder)
     model, build = timed(build_0_8b)
     parameters = sum(p.numel() for p in model.parameters())
     print(f"0.8B shape built in {build:.1f} s: {parameters / 1e6:.0f} M parameters "
           f"({parameters * 4 / 2**20:.0f} MiB in float32); torch threads {torch.get_num_threads()}")
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens))
-    ig, seconds = timed(lambda: qgraph.instrument(model, values=["layers.*.layer_output"],
-                                                  edits=["layers.5.layer_output"]))
+    ig, seconds = timed(lambda: qgraph.instrument(model, **REQUEST))
     print(f"instrument(): {seconds:.1f} s (disk cache off: exports)")
 
-    p, p2 = folder / "probe.pt2", folder / "probe_weights.pt2"
+    p, p2 = folder / "probe.qgraph", folder / "probe_weights.qgraph"
     _, save_plain = timed(lambda: ig.save(p, weights=False))
     print(f"ig.save(p, weights=False): {save_plain:.2f} s, {p.name} {mib(p):.2f} MiB")
     _, save_weights = timed(lambda: ig.save(p2, weights=True))
@@ -102,6 +168,10 @@ def run(args, folder: Path) -> None:
         print(f"with edits={{'layers.5.layer_output': Zero()}}: loaded from file vs ig "
               f"{max_diff(edited_ig, edited_file):.1e}, loaded with model vs ig {max_diff(edited_ig, edited_model):.1e} "
               f"(the edit moves ig's logits by up to {changed:.1e})")
+        saved_fresh = qgraph.load(folder / "fresh.qgraph", weights=model)
+        print(f"saved in a fresh process, loaded with this model, vs ig: {max_diff(out_ig, saved_fresh(ids)):.1e}, "
+              f"edited {max_diff(edited_ig, saved_fresh(ids, edits=edit)):.1e}")
+        del saved_fresh
         del out_file, out_model, out_ig, edited_ig, edited_file, edited_model
         load = os.getloadavg()
         times = interleaved({"ig (in memory)": lambda: ig(ids),
@@ -121,7 +191,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", type=Path, default=None, help="write the saved files here and keep them")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one step of A, in a fresh process
+    parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child is not None:
+        child(args.child, args.folder)
+        return
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["QGRAPH_CACHE"] = cache

@@ -333,9 +333,9 @@ class InstrumentedModel:
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, path, weights: bool = False):
-        """Write the text program (its values, slots and fixed edits) to ``path`` (a ``.pt2``
-        ``torch.export`` file, without weights; ``weights=True`` writes them beside it as
-        ``.safetensors``). ``qgraph.load(path, weights=...)`` runs it with no model class."""
+        """Write the text program (its values, slots, fixed edits and SAEs) to ``path`` (a ``.qgraph``
+        archive, without weights; ``weights=True`` writes them beside it as ``.safetensors``).
+        ``qgraph.load(path, weights=...)`` runs it with no model class."""
         from .saved import save
         return save(self, path, weights)
 

@@ -1,6 +1,8 @@
 """Saved programs: ``ig.save`` then ``qgraph.load`` gives the instrumented model's values, in a fresh
-process that never imports the modeling file; edits at saved slots; refusals by name; weights checked
-as a strict ``load_state_dict`` checks them; a model given as the weights followed when it changes."""
+process that never imports the modeling file; edits at saved slots; SAEs and fixed edits traced into
+the file; refusals by name; weights checked as a strict ``load_state_dict`` checks them; a model given
+as the weights followed when it changes; a file that names anything but allow-listed ops refused, and
+nothing in it run."""
 from __future__ import annotations
 
 import json
@@ -31,7 +33,7 @@ def saved(sdpa_model, tmp_path_factory):
     slot for per-call edits, its program saved without weights."""
     ig = qgraph.instrument(sdpa_model, values=VALUES,
                            edits={"layers.2.mlp.mlp_neurons": qgraph.Zero(neurons=[0, 1]), "layers.1.layer_output": None})
-    path = tmp_path_factory.mktemp("saved") / "probe.pt2"
+    path = tmp_path_factory.mktemp("saved") / "probe.qgraph"
     ig.save(path)
     return ig, path
 
@@ -95,7 +97,7 @@ def _with_meta(path, out, **changes):
     with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w") as target:
         for item in source.infolist():
             data = source.read(item)
-            if item.filename.endswith("/extra/qgraph.json"):
+            if item.filename == "qgraph.json":
                 data = json.dumps({**json.loads(data), **changes}).encode()
             target.writestr(item, data)
     return out
@@ -103,35 +105,39 @@ def _with_meta(path, out, **changes):
 
 def test_refusals(saved, tmp_path):
     ig, bare = saved
-    with pytest.raises(qgraph.SavedProgramError, match="probe.pt2 was saved without weights: load it with weights=model"):
+    with pytest.raises(qgraph.SavedProgramError, match="probe.qgraph was saved without weights: load it with weights=model"):
         qgraph.load(bare)
-    with pytest.raises(qgraph.EditError, match="'layers.2.layer_output' is not an edit slot of probe.pt2; its slots "
+    with pytest.raises(qgraph.EditError, match="'layers.2.layer_output' is not an edit slot of probe.qgraph; its slots "
                                                "are layers.1.layer_output"):
         qgraph.load(bare, weights=ig.model)(random_ids(1, 4), edits={"layers.2.layer_output": qgraph.Zero()})
-    with pytest.raises(ValueError, match="save to a .pt2 file"):
-        ig.save(tmp_path / "probe.pt")
+    with pytest.raises(ValueError, match="save to a .qgraph file"):
+        ig.save(tmp_path / "probe.pt2")
     other = tiny_qwen3_5(tmp_path / "other", hidden_size=48)
-    with pytest.raises(qgraph.SavedProgramError, match=r"weights do not fit probe.pt2: \S+ is \(\d+, 64\) "
+    with pytest.raises(qgraph.SavedProgramError, match=r"weights do not fit probe.qgraph: \S+ is \(\d+, 64\) "
                                                        r"float32 there, \(\d+, 48\) float32 in .*other"):
         qgraph.load(bare, weights=other)
-    with pytest.raises(qgraph.SavedProgramError, match="weights do not fit probe.pt2: the model has no"):
+    with pytest.raises(qgraph.SavedProgramError, match="weights do not fit probe.qgraph: the model has no"):
         qgraph.load(bare, weights=torch.nn.Linear(2, 2))
-    versions = json.loads(zipfile.ZipFile(bare).read(next(n for n in zipfile.ZipFile(bare).namelist()
-                                                          if n.endswith("qgraph.json"))))["versions"]
-    old = _with_meta(bare, tmp_path / "old.pt2", versions={**versions, "torch": "2.0.0"})
-    with pytest.raises(qgraph.SavedProgramError, match=r"old.pt2 was saved by torch 2.0.0; this is torch 2\.13"):
+    versions = json.loads(zipfile.ZipFile(bare).read("qgraph.json"))["versions"]
+    old = _with_meta(bare, tmp_path / "old.qgraph", versions={**versions, "torch": "2.0.0"})
+    with pytest.raises(qgraph.SavedProgramError, match=r"old.qgraph was saved by torch 2.0.0; this is torch 2\.13"):
         qgraph.load(old, weights=ig.model)
-    newer = _with_meta(bare, tmp_path / "newer.pt2", versions={**versions, "qgraph": "9.9"})
-    with pytest.raises(qgraph.SavedProgramError, match=r"newer.pt2 was saved by qgraph 9.9"):
+    newer = _with_meta(bare, tmp_path / "newer.qgraph", versions={**versions, "qgraph": "9.9"})
+    with pytest.raises(qgraph.SavedProgramError, match=r"newer.qgraph was saved by qgraph 9.9"):
         qgraph.load(newer, weights=ig.model)
-    (tmp_path / "junk.pt2").write_bytes(b"not a zip")
-    with pytest.raises(qgraph.SavedProgramError, match="junk.pt2 is not a saved program"):
-        qgraph.load(tmp_path / "junk.pt2")
+    with zipfile.ZipFile(tmp_path / "v2.pt2", "w") as archive:  # format 2: a torch.export archive
+        archive.writestr("v2/extra/qgraph.json", json.dumps({"format": 2}))
+    with pytest.raises(qgraph.SavedProgramError, match="v2.pt2 is qgraph program format 2; this qgraph reads format 3: "
+                                                       "save it again"):
+        qgraph.load(tmp_path / "v2.pt2", weights=ig.model)
+    (tmp_path / "junk.qgraph").write_bytes(b"not a zip")
+    with pytest.raises(qgraph.SavedProgramError, match="junk.qgraph is not a saved program"):
+        qgraph.load(tmp_path / "junk.qgraph")
     with torch.device("meta"):
         meta = type(ig.model)(ig.model.config)
     with pytest.raises(ValueError, match="the model was built on the meta device: .* save from the model loaded with "
                                          "its weights"):
-        qgraph.instrument(meta, values=["layers.1.layer_output"]).save(tmp_path / "meta.pt2")
+        qgraph.instrument(meta, values=["layers.1.layer_output"]).save(tmp_path / "meta.qgraph")
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(qgraph.SavedProgramError, match="junk.safetensors is not a readable safetensors file .*: give a "
                                                        ".safetensors file or a checkpoint folder"):
@@ -170,7 +176,7 @@ def test_weights_of_another_size_refused_by_name(saved, sdpa_model, checkpoint, 
     extra = _keys(big) - set(sdpa_model.state_dict())
     assert len(extra) > 20 and all(name.startswith(("model.layers.4.", "model.layers.5.", "model.layers.6.",
                                                     "model.layers.7.")) for name in extra)
-    with pytest.raises(qgraph.SavedProgramError, match="never had: give the weights of the model probe.pt2 was saved "
+    with pytest.raises(qgraph.SavedProgramError, match="never had: give the weights of the model probe.qgraph was saved "
                                                        "from \\(a Qwen3_5ForCausalLM of 4 blocks\\)") as refused:
         qgraph.load(bare, weights=big)
     shown, count = _listed(str(refused.value), "holds")
@@ -183,7 +189,7 @@ def test_weights_of_another_size_refused_by_name(saved, sdpa_model, checkpoint, 
     assert count == len(set(big_model.state_dict()) - set(sdpa_model.state_dict())) and set(shown) <= extra
     small = tiny_qwen3_5(tmp_path / "small", **_blocks(2))
     lacking = _keys(checkpoint) - _keys(small)
-    with pytest.raises(qgraph.SavedProgramError, match="the weights do not fit probe.pt2: .*small has no") as refused:
+    with pytest.raises(qgraph.SavedProgramError, match="the weights do not fit probe.qgraph: .*small has no") as refused:
         qgraph.load(bare, weights=small)
     shown, count = _listed(str(refused.value), "has no")
     assert count == len(lacking) and set(shown) <= lacking
@@ -196,7 +202,7 @@ def test_image_text_checkpoint_for_its_text_program(tmp_path):
     from transformers import AutoModelForImageTextToText
     folder = tiny_qwen3_5_vl(tmp_path / "vl")
     model = AutoModelForImageTextToText.from_pretrained(folder).eval()
-    path = qgraph.instrument(model, values=["layers.1.layer_output"]).save(tmp_path / "text.pt2")
+    path = qgraph.instrument(model, values=["layers.1.layer_output"]).save(tmp_path / "text.qgraph")
     ids = random_ids(2, 11, seed=7)
     expected = hf_logits(model, ids)
     text = {name: tensor for name, tensor in model.state_dict().items()
@@ -219,7 +225,7 @@ def test_image_text_checkpoint_for_its_text_program(tmp_path):
 def plain(sdpa_model, tmp_path_factory):
     """The tiny model's program with no edit, saved without weights (its logits are the model's)."""
     return qgraph.instrument(sdpa_model, values=["layers.1.layer_output"]).save(
-        tmp_path_factory.mktemp("plain") / "plain.pt2")
+        tmp_path_factory.mktemp("plain") / "plain.qgraph")
 
 
 def test_model_followed_when_it_changes(plain, checkpoint):
@@ -241,6 +247,83 @@ def test_model_followed_when_it_changes(plain, checkpoint):
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     torch.testing.assert_close(program(ids).logits, hf_logits(model, ids), rtol=0, atol=1e-5)
     model.model.layers[1].mlp.down_proj = torch.nn.Linear(100, 64, bias=False)
-    with pytest.raises(qgraph.SavedProgramError, match=r"plain.pt2: model.layers.1.mlp.down_proj.weight is \(64, 128\) "
+    with pytest.raises(qgraph.SavedProgramError, match=r"plain.qgraph: model.layers.1.mlp.down_proj.weight is \(64, 128\) "
                                                        r"float32 there, \(64, 100\) float32 in the model"):
         program(ids)
+
+
+def test_an_sae_and_a_fixed_edit_are_traced_into_the_file(sdpa_model, tmp_path):
+    """A TopK SAE spliced at a value (its select, dense and decode each traced alone into ops, its
+    weights held once however many calls read them) and fixed edits, one a plain function: with a
+    per-call edit of the SAE's features, the loaded program's logits and values are the instrumented
+    model's bit for bit. Where the instrumented model refuses a fixed edit's position (out of range
+    for one token) the loaded program's assertion refuses it. A fixed edit whose code takes another
+    path at some length cannot be saved, and says so."""
+    from qgraph.saes import SAE
+    from qgraph.saes.fixtures import write_saelens
+    sae = SAE.load(write_saelens(tmp_path / "sae", d_in=64, d_sae=96, architecture="topk", k=4,
+                                 hook_name="blocks.1.hook_resid_post", seed=2))
+    values = ["layers.1.sae.features", "layers.1.sae.error", "layers.2.layer_output"]
+    ig = qgraph.instrument(sdpa_model, values=values, saes={"layers.1.layer_output": sae},
+                           edits={"layers.1.sae.features": None, "layers.2.mlp.mlp_neurons": lambda t: t * 0.5,
+                                  "layers.0.layer_output": qgraph.Zero(positions=[1])})
+    path = ig.save(tmp_path / "sae.qgraph")
+    held = safetensors.torch.load(zipfile.ZipFile(path).read("tensors.safetensors"))
+    assert [tuple(t.shape) for t in held.values()].count(tuple(sae.W_dec.shape)) == 1  # decode is called twice
+    edits = {"layers.1.sae.features": qgraph.Scale(2.0, neurons=[0, 5])}
+    ids = random_ids(2, 7, seed=8)
+    program = qgraph.load(path, weights=sdpa_model)
+    expected, got = ig(ids, edits=edits), program(ids, edits=edits)
+    assert torch.equal(expected.logits, got.logits) and set(got.values) == set(values)
+    assert all(torch.equal(expected[name], got[name]) for name in values)
+    with pytest.raises(qgraph.EditError, match=r"\[1\] out of range for its seq axis of size 1"):
+        ig(random_ids(1, 1))
+    with pytest.raises(RuntimeError, match=r"the fixed edit Zero\(positions=\[1\]\) at layers.0.layer_output needs "
+                                           r"dim 1 of its input to be at least 2"):  # asserted, not edited elsewhere
+        program(random_ids(1, 1))
+    fixed = qgraph.instrument(sdpa_model, values=["layers.2.layer_output"],
+                              edits={"layers.2.mlp.mlp_neurons": lambda t: t * (2.0 if t.shape[1] == 7 else 1.0)})
+    with pytest.raises(NotImplementedError, match=r"bad.qgraph cannot be saved: the fixed edit <function .*> at "
+                                                  r"layers.2.mlp.mlp_neurons cannot be traced into the saved program"):
+        fixed.save(tmp_path / "bad.qgraph")
+
+
+def _with_graph(path, out, change):
+    """A copy of the saved program at ``path`` whose graph.json is changed in place by ``change(data)``."""
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename == "graph.json":
+                graph = json.loads(data)
+                change(graph)
+                data = json.dumps(graph).encode()
+            target.writestr(item, data)
+    return out
+
+
+def test_a_file_runs_no_code_of_its_own(plain, sdpa_model, tmp_path):
+    """Loading builds fx nodes from graph.json and calls only allow-listed ops: a graph that names
+    another function (or an op outside aten, prims and qgraph), or whose node name, input name or
+    attribute path is code (fx writes those into the code it generates), is refused by name, and
+    nothing of it ran."""
+    ran = tmp_path / "ran"
+    code = f"__import__('pathlib').Path({str(ran)!r}).touch()"
+
+    def first(op):
+        return lambda data: next(n for n in data["graph"]["nodes"] if n["op"] == op)
+
+    cases = [
+        (first("call_function"), {"target": "builtins.exec", "args": [code]}, r"calls 'builtins.exec' \(node \w+\), "
+                                                                               r"which is not an operation a saved"),
+        (first("call_function"), {"target": "os.system"}, "calls 'os.system'"),
+        (first("call_function"), {"target": "torch.ops.aten.__class__.__init__"}, "calls 'torch.ops.aten.__class__"),
+        (first("call_function"), {"target": "torch.ops.mylib.evil.default"}, "calls 'torch.ops.mylib.evil.default'"),
+        (first("call_function"), {"name": f"x = {code}"}, "has a node named \"x = __import__"),
+        (first("placeholder"), {"name": f"x=({code})"}, "has a node named"),
+        (first("get_attr"), {"target": f"x; {code}"}, "reads \"x; __import__"),
+    ]
+    for index, (node, change, message) in enumerate(cases):
+        bad = _with_graph(plain, tmp_path / f"bad{index}.qgraph", lambda data: node(data).update(change))
+        with pytest.raises(qgraph.SavedProgramError, match=message):
+            qgraph.load(bad, weights=sdpa_model)
+    assert not ran.exists()

@@ -1,9 +1,11 @@
 """``qgraph.load(path, weights=...)``: run a saved program with no model class and no modeling file.
 
-The loaded program is ``torch.export``'s graph of the instrumented call (``saved.write``), called with
-the weights (from the file beside it, a model, a safetensors file or a checkpoint folder), the
-buffers it holds, and the call's inputs. It answers calls as the instrumented model did: an
-``Output`` with the logits and the values it was saved with, and ``edits={name: edit}`` at its slots.
+The loaded program is the graph of the instrumented call (``saved.write``), built node by node from
+its ``graph.json`` (``saved.fxdata``: only allow-listed ops, nothing in the file runs), holding the
+tensors of its ``tensors.safetensors`` and called with the weights (from the file beside it, a
+model, a safetensors file or a checkpoint folder) and the call's inputs. It answers calls as the
+instrumented model did: an ``Output`` with the logits and the values it was saved with, and
+``edits={name: edit}`` at its slots.
 A file from another torch or qgraph is refused by name, and so are weights that do not fit it, as a
 strict ``load_state_dict`` refuses them: a tensor it reads that they lack or hold in another shape or
 dtype, or a tensor that the model it was saved from never had (its ``qgraph.json`` names them all, so
@@ -14,12 +16,14 @@ checked) again.
 """
 from __future__ import annotations
 
+import json
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from torch.export.graph_signature import InputKind
+from safetensors import SafetensorError
 
 from ..errors import InvalidType, MissingFile, SavedProgramError
 from ..edits import EditError, Target
@@ -32,7 +36,8 @@ from ..progress import stages
 from ..values import derive
 from ..weights import WeightsMismatch, check_fit, names, read, tensor_names, unexpected
 from ..values.names import matching, patterns_of
-from .write import FORMAT, META, read_meta, versions
+from .fxdata import graph_from_data
+from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
 
 
 def load(path, weights=None) -> "LoadedProgram":
@@ -58,14 +63,20 @@ def _load(path, weights, stage) -> "LoadedProgram":
                                 f"loads with torch.export.load")
     _check_versions(path, meta)
     stage("read the weights")
-    tensors = _weights(path, meta, weights)  # checked before the (slower) program is read
+    tensors = _weights(path, meta, weights)  # checked before the program is read
     stage("load the program")
     try:
-        program = torch.export.load(path)
-    except Exception as error:
-        raise SavedProgramError(f"{path} cannot be loaded by torch {torch.__version__} "
-                                f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
-    return LoadedProgram(path, program, meta, tensors, weights if isinstance(weights, torch.nn.Module) else None)
+        with zipfile.ZipFile(path) as archive:
+            data = json.loads(archive.read(GRAPH))
+            held = safetensors.torch.load(archive.read(TENSORS))
+        devices = data.get("devices") or {}
+        held = {name: tensor.to(torch.device(devices.get(name, "cpu"))) for name, tensor in held.items()}
+    except (KeyError, ValueError, AttributeError, RuntimeError, zipfile.BadZipFile, SafetensorError) as error:
+        raise SavedProgramError(f"{path} is not a whole saved program ({type(error).__name__}: "
+                                f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
+    module = graph_from_data(data.get("graph"), held, str(path))
+    return LoadedProgram(path, module, data.get("inputs") or [], meta, tensors,
+                         weights if isinstance(weights, torch.nn.Module) else None)
 
 
 def _check_versions(path: Path, meta: dict) -> None:
@@ -77,7 +88,7 @@ def _check_versions(path: Path, meta: dict) -> None:
         if meta["versions"][package] != here[package]:
             raise SavedProgramError(f"{path} was saved by {package} {meta['versions'][package]}; this is {package} "
                                     f"{here[package]}: load it with {package}=={meta['versions'][package]}, or save it "
-                                    f"again with this one (an exported program is tied to the versions that wrote it)")
+                                    f"again with this one (a saved program names the ops of the versions that wrote it)")
 
 
 def _weights(path: Path, meta: dict, weights) -> dict[str, Callable[[], torch.Tensor]]:
@@ -130,34 +141,29 @@ class LoadedProgram:
     """A saved instrumented program: call it like the instrumented model (``input_ids``,
     ``attention_mask``, ``edits={name: edit}`` at the slots it was saved with)."""
 
-    def __init__(self, path: Path, program, meta: dict, weights: dict, model: torch.nn.Module | None = None):
-        self.path, self.exported, self.meta = path, program, meta
+    def __init__(self, path: Path, module: torch.fx.GraphModule, inputs: list, meta: dict, weights: dict,
+                 model: torch.nn.Module | None = None):
+        self.path, self.module, self.meta = path, module, meta
         self.values: list[str] = meta["values"]
         self.slots: dict[str, Target] = {name: Target(name, slot["layout"], tuple(slot["dims"]))
                                          for name, slot in meta["slots"].items()}
         self._views = {name: tuple(tuple(step) for step in slot["view"]) for name, slot in meta["slots"].items()}
         self._extra = [input_source(recipe) for recipe in meta["inputs"]]
-        self.module = program.graph_module
+        self._inputs = inputs  # per graph input: {"parameter": name} or {"input": index}
+        given = range(2 + len(self._extra))  # input_ids, attention_mask, the per-value inputs
+        if len(inputs) != len(module.graph.find_nodes(op="placeholder")) or not all(
+                isinstance(item, dict) and (item.get("input") in given or
+                                            str(item.get("parameter")) in meta["parameters"]) for item in inputs):
+            raise SavedProgramError(f"{path}: its graph's inputs do not match what graph.json says feeds them")
         self._model = model  # weights=model: followed (see _follow)
         self._use(weights)
         self.config = _config(meta)
 
     def _use(self, weights: dict) -> None:
-        """Feed the program ``weights`` (``{name: function giving the tensor}``), then the tensors it
-        holds (buffers, what qgraph added, placeholders of parameters it does not read) and the call's inputs."""
+        """Feed the program ``weights`` (``{name: function giving the tensor}``) and the call's inputs."""
         seen = None if self._model is None else fingerprint(self._model)
-        sources = []
-        for spec in self.exported.graph_signature.input_specs:
-            if spec.kind == InputKind.PARAMETER and spec.target in weights:
-                sources.append(weights[spec.target])
-            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                held = self.exported.state_dict.get(spec.target, self.exported.constants.get(spec.target))
-                sources.append(lambda t=held: t)
-            elif spec.kind == InputKind.USER_INPUT:
-                sources.append(None)
-            else:
-                sources.append(lambda c=self.exported.constants[spec.target]: c)
-        self._sources, self._anchor = sources, next(iter(weights.values()), None)  # any weight: where they are
+        self._sources = [weights[item["parameter"]] if "parameter" in item else item["input"] for item in self._inputs]
+        self._anchor = next(iter(weights.values()), None)  # any weight: where they are
         self._fingerprint = seen
 
     def _follow(self) -> None:
@@ -176,8 +182,8 @@ class LoadedProgram:
         device = self._anchor().device if self._anchor is not None else torch.device("cpu")
         input_ids, attention_mask = check_text(input_ids, attention_mask, self.meta["vocab_size"], device)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        user = iter([input_ids, attention_mask, *(source(inputs) for source in self._extra)])
-        args = [next(user) if source is None else source() for source in self._sources]
+        user = [input_ids, attention_mask, *(source(inputs) for source in self._extra)]
+        args = [user[source] if isinstance(source, int) else source() for source in self._sources]
         with editing(self._edits(edits)):
             results = list(self.module(*args))
         logits = results.pop(0) if self.meta["logits"] else None

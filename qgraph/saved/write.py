@@ -1,45 +1,50 @@
-"""``ig.save(path)``: an instrumented program as one ``torch.export`` file that runs without the model's code.
+"""``ig.save(path)``: an instrumented program as qgraph's own archive, which runs without the model's code.
 
 What is saved is the text program as the instrument call built it: its taps, its edit slots (each a
-``qgraph::edit_slot`` node named by its value, so per-call edits work after loading) and its fixed
-edits (traced into the graph). It is exported again as a plain module whose inputs are the model's
-parameters and buffers under their own names, then ``input_ids``, ``attention_mask`` and any
-per-value inputs (states' positions and heads, rebuilt on load from ``qgraph.json``).
+``qgraph::edit_slot`` node named by its value, so per-call edits work after loading), its fixed
+edits and the SAEs and transcoders spliced in (each module call traced alone into ops,
+``saved.inline``). Nothing is exported again: the built fx graph is written as data.
 
-The file holds no weights: its state dict keeps each of the model's parameters as a one-element
-placeholder of the right shape and dtype (the 0.8B program is a few MB). ``weights=True`` writes the
-ones the program reads beside it as ``<name>.safetensors`` (the text program of the image-text model
-does not read its vision tower's). Buffers (the rotary frequencies) and what qgraph added (SAE
-weights, edit tensors) are always in the file. ``qgraph.json`` (an extra file) says what the program
-returns, its slots, the versions that wrote it, the parameters it reads, and the names of every tensor
-the model had (with the patterns its class ignores on load): ``qgraph.load`` refuses weights holding
-any other, as a strict ``load_state_dict`` would.
+The file (``.qgraph``) is a zip of three members:
+
+- ``qgraph.json``: what the program returns, its slots, the versions that wrote it, the parameters it
+  reads (shape and dtype) and the names of every tensor the model had (with the patterns its class
+  ignores on load): ``qgraph.load`` refuses weights holding any other, as a strict ``load_state_dict`` would;
+- ``graph.json``: the graph, node by node (``saved.fxdata``), and what feeds each of its inputs: a
+  parameter of the model by its name, or the call's ``input_ids``, ``attention_mask`` and per-value
+  inputs (states' positions and heads, rebuilt on load from ``qgraph.json``);
+- ``tensors.safetensors``: the tensors the graph holds: buffers (the rotary frequencies) and what
+  qgraph added (SAE and transcoder weights, edit tensors).
+
+It holds no weights (the 0.8B program is under a MB); ``weights=True`` writes the parameters the
+program reads beside it as ``<name>.safetensors`` (the text program of the image-text model does
+not read its vision tower's).
 """
 from __future__ import annotations
 
-import io
+import dataclasses
 import json
 import os
 import zipfile
-import warnings
 from importlib import metadata
 from pathlib import Path
 
 import safetensors.torch
 import torch
 from torch.export.graph_signature import InputKind
-from torch.fx import GraphModule
 
-from ..errors import InvalidArgument, InvalidType
-from ..export.disk_cache import without_weights
-from ..export.trace import text_example
+from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..kernels.slot import EDIT_SLOT_OP
 from ..passes.edit import EditSlot
+from ..passes.emit import MethodCall
 from ..progress import stages
 from ..weights import tensor_names, tied_groups
+from .fxdata import graph_data
+from .inline import drop_submodule, free_name, inline_modules
 
-FORMAT = 2
-META = "qgraph.json"
+FORMAT = 3
+SUFFIX = ".qgraph"
+META, GRAPH, TENSORS = "qgraph.json", "graph.json", "tensors.safetensors"
 
 
 def versions() -> dict[str, str]:
@@ -59,24 +64,22 @@ def weights_path(path: Path) -> Path:
 
 
 def save(ig, path, weights: bool = False) -> Path:
-    """Write ``ig``'s text program to ``path`` (``.pt2``), and its weights beside it if ``weights``
+    """Write ``ig``'s text program to ``path`` (``.qgraph``), and its weights beside it if ``weights``
     (with a bar of its stages past 2 s: ``qgraph.progress``)."""
-    steps = ("export", "write", *(("write the weights",) if weights is True else ()))
+    steps = ("trace", "write", *(("write the weights",) if weights is True else ()))
     with stages(f"qgraph: saving {Path(path).name}", steps) as stage:
         return _save(ig, path, weights, stage)
 
 
 def _save(ig, path, weights: bool, stage) -> Path:
     path = Path(path)
-    if path.suffix != ".pt2":
-        raise InvalidArgument(f"save to a .pt2 file (torch.export's format), not {path.name!r}: e.g. ig.save('probe.pt2')")
+    if path.suffix != SUFFIX:
+        raise InvalidArgument(f"save to a {SUFFIX} file (qgraph's saved program), not {path.name!r}: "
+                              f"e.g. ig.save('probe{SUFFIX}')")
     if not isinstance(weights, bool):
         raise InvalidType(f"weights= takes True (write the weights beside the program) or False, not {weights!r}")
     ig.refresh()
     program = ig.program_for(False)
-    module, slots = _slots_as_ops(program)
-    tied = tied_groups(ig.model)
-    _untie(module, program, tied)
     recipes = [recipe for _, _, recipe in program.extra_inputs]
     if any(recipe is None for recipe in recipes):
         raise InvalidArgument("this program takes inputs that cannot be rebuilt after loading (a decode step's cache); "
@@ -85,22 +88,18 @@ def _save(ig, path, weights: bool, stage) -> Path:
         raise InvalidArgument("the model was built on the meta device: a program saved from it would hold its buffers and "
                               "devices as meta and could not run; save from the model loaded with its weights "
                               "(from_pretrained)")
-    stage("export")
-    holder = _Holder(module, program)
-    example, dims = text_example(ig.model)
-    device = next(holder.parameters()).device
-    example = {name: tensor.to(device) for name, tensor in example.items()}
-    extras = [source(example) for _, source, _ in program.extra_inputs]
-    dynamic = (dims["input_ids"], dims["attention_mask"], *[None] * len(extras))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exported = torch.export.export(holder, (example["input_ids"], example["attention_mask"], *extras),
-                                       dynamic_shapes={"inputs": dynamic}, strict=False)
-    specs = [spec for spec in exported.graph_signature.input_specs
-             if spec.kind == InputKind.PARAMETER and not spec.target.startswith("program.")]
-    model_parameters = {spec.target for spec in specs}
-    used = {node.name for node in exported.graph.find_nodes(op="placeholder") if node.users}
-    reads = {spec.target for spec in specs if spec.arg.name in used}  # the text program: not the vision tower
+    stage("trace")
+    module, slots = _slots_as_ops(program)
+    tied = tied_groups(ig.model)
+    _untie(module, program, tied)
+    try:
+        inline_modules(module, _describe)
+        inputs, reads = _signature(module, program)
+        tensors = {}
+        data = {"graph": graph_data(module, tensors), "inputs": inputs}
+    except NotSupported as error:
+        raise NotSupported(f"{path.name} cannot be saved: {error}") from error
+    data["devices"] = {name: str(tensor.device) for name, tensor in tensors.items()}
     meta = {
         "format": FORMAT, "versions": versions(), "family": program.family.name,
         "model_class": type(ig.model).__name__, "model_type": ig.config.model_type, "config": ig.config.to_dict(),
@@ -110,44 +109,96 @@ def _save(ig, path, weights: bool, stage) -> Path:
         "layouts": {name: program.catalogue[name].layout for name in program.tapped if name in program.catalogue},
         "slots": slots, "inputs": recipes,
         "derived": {name: {"how": how, "sources": sources} for name, (how, sources) in program.derivations.items()},
-        "parameters": {target: [list(exported.state_dict[target].shape), str(exported.state_dict[target].dtype)]
-                       for target in sorted(reads)},
+        "parameters": {target: [list(tensor.shape), str(tensor.dtype)] for target, tensor in sorted(reads.items())},
         "weights": weights_path(path).name if weights else None,
         "tied": [kept for group in tied if len(kept := [name for name in group if name in reads]) > 1],
         "tensors": tensor_names(ig.model),
         "ignored": sorted(getattr(ig.model, "_keys_to_ignore_on_load_unexpected", None) or []),
     }
     stage("write")
-    _write(path, without_weights(exported, model_parameters), meta)
+    _write(path, meta, data, tensors)
     if weights:
         stage("write the weights")
-        tensors = {target: exported.state_dict[target].detach().contiguous() for target in reads
-                   if not any(target in group[1:] for group in meta["tied"])}
+        kept = {target: tensor.detach().contiguous() for target, tensor in reads.items()
+                if not any(target in group[1:] for group in meta["tied"])}
         temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
-        safetensors.torch.save_file(tensors, temporary, metadata={"qgraph": meta["versions"]["qgraph"]})
+        safetensors.torch.save_file(kept, temporary, metadata={"qgraph": meta["versions"]["qgraph"]})
         os.replace(temporary, weights_path(path))
     return path
 
 
-def _write(path: Path, exported, meta: dict) -> None:
-    """``torch.export.save`` with ``meta`` as the extra file ``qgraph.json``, written to a temporary
-    name and renamed (a buffer first, so the archive's folder is torch's default, not the temporary name)."""
+def _write(path: Path, meta: dict, data: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The archive: ``qgraph.json``, ``graph.json`` and the held tensors, written to a temporary name
+    and renamed. Each tensor is copied (safetensors refuses tensors that share memory)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the placeholders share no storage with a "complete" tensor
-        torch.export.save(exported, buffer, extra_files={META: json.dumps(meta, default=str)})
-    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
-    temporary.write_bytes(buffer.getvalue())
+    held = safetensors.torch.save({name: tensor.detach().clone().contiguous() for name, tensor in tensors.items()})
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{SUFFIX}")
+    with zipfile.ZipFile(temporary, "w") as archive:
+        archive.writestr(META, json.dumps(meta, default=str), compress_type=zipfile.ZIP_DEFLATED)
+        archive.writestr(GRAPH, json.dumps(data), compress_type=zipfile.ZIP_DEFLATED)
+        archive.writestr(TENSORS, held)
     os.replace(temporary, path)
 
 
 def read_meta(path: Path) -> dict | None:
-    """A saved program's ``qgraph.json`` (None if it has none), read without loading the program:
-    ``torch.export.save`` keeps extra files as ``<archive>/extra/<name>`` in its zip."""
+    """A saved program's ``qgraph.json`` (None if it has none), read without reading the rest; a file of
+    format 2 (a ``torch.export`` archive) kept it as ``<archive>/extra/qgraph.json``."""
     with zipfile.ZipFile(path) as archive:
-        name = next((name for name in archive.namelist() if name.endswith(f"/extra/{META}")), None)
+        names = archive.namelist()
+        name = META if META in names else next((name for name in names if name.endswith(f"/extra/{META}")), None)
         return None if name is None else json.loads(archive.read(name))
+
+
+def _describe(called: torch.nn.Module, target: str) -> str:
+    """What a module the program calls is, for an error that it cannot be saved."""
+    if isinstance(called, _Fixed):
+        return f"the fixed edit {_short(called.slot.fixed)} at {called.slot.target.name}"
+    if isinstance(called, MethodCall):
+        return f"{type(called.owner).__name__}.{called.method} ({target})"
+    return f"the module {target} ({type(called).__name__})"
+
+
+def _short(edit) -> str:
+    """An edit in a few words: ``Add(positions=[2], tensor=...)``, a function by its name."""
+    if not dataclasses.is_dataclass(edit):
+        return f"<function {getattr(edit, '__qualname__', type(edit).__name__)}>"
+    given = {field.name: getattr(edit, field.name) for field in dataclasses.fields(edit)}
+    shown = [f"{name}={'...' if isinstance(value, torch.Tensor) else repr(value)}"
+             for name, value in given.items() if value is not None]
+    return f"{type(edit).__name__}({', '.join(shown)})"
+
+
+def _signature(module: _Draft, program) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Make the program's buffers and constants tensors the graph holds, drop the parameters it does
+    not read; returns what feeds each remaining input (``{"parameter": name}`` or ``{"input": i}``,
+    the i-th of input_ids, attention_mask and the per-value inputs) and ``{name: tensor}`` of the
+    parameters it reads."""
+    graph = module.graph
+    specs = program.exported.program.graph_signature.input_specs
+    placeholders = graph.find_nodes(op="placeholder")
+    first = next(node for node in graph.nodes if node.op != "placeholder")
+    inputs, reads, user = [], {}, 0
+    for index, node in enumerate(placeholders):
+        spec = specs[index] if index < len(specs) else None
+        if spec is None or spec.kind == InputKind.USER_INPUT:
+            inputs.append({"input": user})
+            user += 1
+            continue
+        if not node.users:
+            graph.erase_node(node)
+        elif spec.kind == InputKind.PARAMETER:
+            inputs.append({"parameter": spec.target})
+            reads[spec.target] = program.inputs[index]({})
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            name = free_name(module, node.name)
+            module.register_buffer(name, program.inputs[index]({}).detach())
+            with graph.inserting_before(first):
+                node.replace_all_uses_with(graph.get_attr(name))
+            graph.erase_node(node)
+        else:
+            raise NotSupported(f"the program reads {spec.target or node.name} ({spec.kind.name.lower()}), which a "
+                               f"saved program cannot hold")
+    return inputs, reads
 
 
 class _Fixed(torch.nn.Module):
@@ -161,12 +212,37 @@ class _Fixed(torch.nn.Module):
         return self.slot(x)
 
 
-def _slots_as_ops(program) -> tuple[GraphModule, dict]:
-    """A copy of the program's module whose edit slots are ``qgraph::edit_slot`` nodes (after the
+class _Draft(torch.nn.Module):
+    """A copy of a program's graph with the modules and tensors it reads, made ready to write; never
+    compiled to Python (nothing runs it), so each rewrite costs only itself."""
+
+    def __init__(self, graph: torch.fx.Graph, source: torch.nn.Module):
+        super().__init__()
+        self.graph = graph
+        for node in graph.nodes:
+            if node.op in ("call_module", "get_attr"):
+                *path, attribute = node.target.split(".")
+                owner = self
+                for part in path:
+                    if not hasattr(owner, part):
+                        owner.add_module(part, torch.nn.Module())
+                    owner = getattr(owner, part)
+                value = source.get_submodule(node.target) if node.op == "call_module" else \
+                    getattr(source.get_submodule(".".join(path)), attribute)
+                if isinstance(value, torch.nn.Module):
+                    owner.add_module(attribute, value)
+                elif isinstance(value, torch.Tensor):
+                    owner.register_buffer(attribute, value)
+                else:
+                    setattr(owner, attribute, value)
+
+
+def _slots_as_ops(program) -> tuple[_Draft, dict]:
+    """A copy of the program's graph whose edit slots are ``qgraph::edit_slot`` nodes (after the
     slot's fixed edit, if any), and ``{name: what the loader needs to rebuild the slot's target}``."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
-    module = GraphModule(program.module, graph)
+    module = _Draft(graph, program.module)
     slots = {}
     for node in list(graph.find_nodes(op="call_module")):
         slot = module.get_submodule(node.target)
@@ -178,19 +254,20 @@ def _slots_as_ops(program) -> tuple[GraphModule, dict]:
         source = node.args[0]
         with graph.inserting_after(node):
             if slot.fixed is not None:
-                module.add_submodule(node.target, _Fixed(slot))
+                module.set_submodule(node.target, _Fixed(slot))
                 edited = graph.call_function(EDIT_SLOT_OP, (node, name))
+                edited.meta["val"] = node.meta.get("val")  # its shape, for the modules that read it (inline)
                 node.replace_all_uses_with(edited, delete_user_cb=lambda user: user is not edited)
                 continue
             edited = graph.call_function(EDIT_SLOT_OP, (source, name))
+            edited.meta["val"] = node.meta.get("val")
         node.replace_all_uses_with(edited)
         graph.erase_node(node)
-        module.delete_submodule(node.target)
-    module.recompile()
+        drop_submodule(module, node.target)
     return module, slots
 
 
-def _untie(module: GraphModule, program, tied: list[list[str]]) -> None:
+def _untie(module: _Draft, program, tied: list[list[str]]) -> None:
     """Point each use of a tied parameter at the name its own module reads it by. The export reads
     one name for every use (``lm_head.weight`` for the embedding too); the saved program reads each,
     so a loaded program follows a model whose ``lm_head`` was untied after saving."""
@@ -204,52 +281,3 @@ def _untie(module: GraphModule, program, tied: list[list[str]]) -> None:
                 owner = next((name for name in nodes if stack and name.rpartition(".")[0] == stack[-1][0]), None)
                 if owner is not None:
                     user.replace_input_with(node, nodes[owner])
-    module.recompile()
-
-
-class _Holder(torch.nn.Module):
-    """The program as a module that holds the model's parameters and buffers under their own names
-    (so the export's signature names them as the model does) and takes the call's inputs."""
-
-    def __init__(self, module: GraphModule, program):
-        super().__init__()
-        self.program = module
-        self.order = []  # per program input: (kind, target or value or index)
-        user, seen = 0, set()
-        for spec, source in zip(program.exported.program.graph_signature.input_specs, program.inputs):
-            if spec.kind == InputKind.PARAMETER:
-                tensor = source({})
-                if id(tensor) in seen:  # tied: an object of its own (same storage), read by this name
-                    tensor = torch.nn.Parameter(tensor.detach(), requires_grad=False)
-                seen.add(id(tensor))
-                _register(self, spec.target, tensor, parameter=True)
-                self.order.append(("parameter", spec.target))
-            elif spec.kind == InputKind.BUFFER:
-                _register(self, spec.target, source({}), parameter=False, persistent=spec.persistent)
-                self.order.append(("buffer", spec.target))
-            elif spec.kind == InputKind.USER_INPUT:
-                self.order.append(("input", user))
-                user += 1
-            else:
-                self.order.append(("constant", source({})))
-        self.order += [("input", user + index) for index in range(len(program.extra_inputs))]
-
-    def forward(self, *inputs):
-        read = {"parameter": self.get_parameter, "buffer": self.get_buffer,
-                "input": inputs.__getitem__, "constant": lambda value: value}
-        return tuple(self.program(*(read[kind](what) for kind, what in self.order)))
-
-
-def _register(root: torch.nn.Module, target: str, tensor: torch.Tensor, parameter: bool, persistent: bool = True) -> None:
-    """Put ``tensor`` at the dotted ``target`` under ``root``, making the modules on the way."""
-    *path, attribute = target.split(".")
-    module = root
-    for part in path:
-        if not hasattr(module, part):
-            module.add_module(part, torch.nn.Module())
-        module = getattr(module, part)
-    if parameter:
-        module.register_parameter(attribute, tensor if isinstance(tensor, torch.nn.Parameter)
-                                  else torch.nn.Parameter(tensor, requires_grad=False))
-    else:
-        module.register_buffer(attribute, tensor, persistent=persistent)
