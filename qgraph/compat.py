@@ -21,6 +21,8 @@ from torch._C import DispatchKey
 from torch.export import ExportedProgram
 from torch.nn.modules import module as _module
 
+from .errors import UnsupportedModel
+
 # The releases the tests ran on: (floor, newest tested), as major.minor. Below the floor qgraph
 # does not import (an ImportError names the floor); past the newest it imports with a warning.
 # transformers' floor is 5.23, the first whose gated DeltaNet hands its kernel the queries and keys
@@ -241,7 +243,7 @@ def _experts_functions():
 def experts_implementation_run(experts: torch.nn.Module) -> str:
     """The implementation qgraph's experts op runs for the experts module ``experts``: its config's, as
     transformers dispatches on it; "eager" when it names none, or (warned) transformers has no experts
-    interface. ValueError when qgraph cannot run it."""
+    interface. ``UnsupportedModel`` when qgraph cannot run it."""
     name = experts_implementation(getattr(experts, "config", None)) or "eager"
     functions = _experts_functions()
     if name != "eager" and functions is None:
@@ -250,8 +252,9 @@ def experts_implementation_run(experts: torch.nn.Module) -> str:
         return "eager"
     layout = {flag: getattr(experts, flag, None) for flag in _EXPERTS_LAYOUT}
     if name != "eager" and (name not in functions or layout != _EXPERTS_LAYOUT):
-        raise ValueError(f"qgraph's experts op cannot run the experts implementation {name!r} (registered: "
-                         f"{', '.join(functions)}) of experts with {layout} (it runs {_EXPERTS_LAYOUT})")
+        raise UnsupportedModel(f"qgraph's experts op cannot run the experts implementation {name!r} (registered: "
+                               f"{', '.join(functions)}) of experts with {layout} (it runs {_EXPERTS_LAYOUT}): "
+                               f"set another with model.set_experts_implementation(...)")
     return name
 
 
@@ -410,3 +413,11 @@ def _detached(forward):
         return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, forward(*args, **kwargs))
     return detached
 
+
+# -- symbolic sizes (qgraph.distributed.engine) --------------------------------------------------------
+# Alike in torch 2.13 and 2.14. torch's pipeline stages take the shapes of what crosses between
+# processes before they run; qgraph computes them, for each call's batch and length, from the sizes the
+# exported graph records (SymInts), whose expression (sympy) is only reachable as ``SymInt.node.expr``.
+def size_expression(size):
+    """The sympy expression of a symbolic size (a plain int stays an int)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size

@@ -55,8 +55,9 @@ def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = Tr
     (values ``layers.{i}.transcoder.*``); ``splice="reconstruction"`` makes the model read the
     reconstructions instead of the values (the default, "error", keeps the values exact).
     ``stages=N`` (or a list of the blocks that start stages 1, 2, ..., or ``qgraph.Stages(...)`` with
-    micro-batches) cuts the program at block boundaries into stages: under torchrun one stage per
-    rank, each returning its own values (see ``qgraph.distributed``); otherwise all in this process.
+    micro-batches, torch's schedule, devices) cuts the program at block boundaries into stages: under
+    torchrun one stage per rank on torch's pipeline engine, each returning its own values (see
+    ``qgraph.distributed``); otherwise all in this process (each on its device with ``devices=``).
     """
     options = compile_options(compile)
     if stages is not None and options is not None:
@@ -71,9 +72,11 @@ class InstrumentedModel:
 
     Call it like the model (``ig(input_ids=..., attention_mask=...)``, ``ig(**tokenizer(...))`` or,
     on the image-text model, ``ig(**processor(text=..., images=..., return_tensors="pt"))``), with
-    ``edits={name: edit}`` at any value; it returns an ``Output``. The model's parameters are read
-    at call time, never copied. A call with edits at values that have no declared slot runs a
-    program with those slots, built on first use and kept for the next call with the same set.
+    ``edits={name: edit}`` at any value; it returns an ``Output``. ``loss=fn`` (logits to a scalar)
+    runs the backward of ``fn(logits)`` too (through every stage, across processes as well):
+    parameters get ``.grad``, ``out.grad(name)`` answers and ``out.loss`` is its value. The model's
+    parameters are read at call time, never copied. A call with edits at values that have no declared
+    slot runs a program with those slots, built on first use and kept for the next call with the same set.
     When the model changes in a way the program depends on (a replaced submodule, untied weights,
     another dtype or device, another attention implementation), the next call rebuilds the programs.
 
@@ -267,7 +270,7 @@ class InstrumentedModel:
 
     # -- running ---------------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 *, edits: Mapping | None = None, **inputs) -> Output:
+                 *, edits: Mapping | None = None, loss=None, **inputs) -> Output:
         self.refresh()
         images = self.exported.images and inputs.get("pixel_values") is not None
         given = [key for key in image_keys(self.family) if inputs.get(key) is not None]
@@ -284,17 +287,21 @@ class InstrumentedModel:
             raise EditError(f"{missing} are not in this call's program: a call without images has no vision values")
         watched = [name for name in program.tapped if name.endswith("#grad")]
         with applying({program.slots[name]: edit for name, edit in call_edits.items()}):
-            logits, captured = program.run(prepared, eager=bool(call_edits) or bool(watched))
+            ran = program.run(prepared, eager=bool(call_edits) or bool(watched) or loss is not None, loss=loss)
+        logits, captured = ran[:2]
         derive.fill(captured, program.derivations, prepared, self.config)  # not those whose sources are on another rank
         values = {name: captured[name] for name in self.values if captured.get(name) is not None}
         grads = {}
         for key in watched:
             name, tensor = key[:-5], captured[key]
+            if tensor is None:  # computed on another rank
+                continue
             if tensor.requires_grad:
                 tensor.retain_grad()
             grads[name] = (tensor, program.catalogue[name].location.view)
         return Output(logits, values, len(self.family.block_mixers(self.config)), grads,
-                      aliases=aliases(self.family, self.config), source=self, input_ids=prepared["input_ids"])
+                      aliases=aliases(self.family, self.config), source=self, input_ids=prepared["input_ids"],
+                      loss=ran[2] if loss is not None else None)
 
     def call_edits(self, edits: Mapping | None) -> dict[str, object]:
         """``{name: edit}`` for a call's ``edits={pattern: edit}``, patterns resolved, each name checked
@@ -324,20 +331,21 @@ class InstrumentedModel:
                     self._device = None
                     self._build()
 
-    def load_weights(self, checkpoint, device="cpu") -> list[str]:
+    def load_weights(self, checkpoint, device=None) -> list[str]:
         """Read the weights of a model built on the ``meta`` device from ``checkpoint`` (a safetensors
-        file or a folder of them) onto ``device``: only the parameters and buffers this process's
-        stage reads (every one without stages). The model is not touched; the programs read these.
-        Returns the names read."""
+        file or a folder of them) onto ``device`` (the CPU by default; with ``Stages(devices=...)`` each
+        stage's onto its device): only the parameters and buffers this process's stage reads (every one
+        without stages). The model is not touched; the programs read these. Returns the names read."""
         return load_weights(self, checkpoint, device)
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, path, weights: bool = False):
+    def save(self, path, weights: bool = False, max_shard_size: int | str | None = "5GB"):
         """Write the text program (its values, slots, fixed edits and SAEs) to ``path`` (a ``.qgraph``
-        archive, without weights; ``weights=True`` writes them beside it as ``.safetensors``).
+        archive, without weights; ``weights=True`` writes them beside it: ``<name>.safetensors``, or
+        shards of at most ``max_shard_size`` and ``<name>.safetensors.index.json``).
         ``qgraph.load(path, weights=...)`` runs it with no model class."""
         from .saved import save
-        return save(self, path, weights)
+        return save(self, path, weights, max_shard_size)
 
     # -- generating --------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

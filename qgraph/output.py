@@ -30,6 +30,8 @@ class Output:
     # layouts and the tokenizer's folder from the one and labels its axes with the other
     source: object = field(default=None, repr=False, compare=False)
     input_ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # a call with loss=fn: the loss's value (its backward has run; None on a rank without the last stage)
+    loss: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def plot(self, name: str, tokens=None, **options):
         """A ``qgraph.Figure`` of a captured value, drawn as its layout says (``qgraph/plots/``): an

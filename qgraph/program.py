@@ -11,7 +11,8 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
-from .errors import InvalidState
+from .errors import InvalidArgument, InvalidState, InvalidType
+from .distributed.engine import loss_value
 from .values.catalogue import Entry, build_catalogue
 from .values.saes import sae_entries
 from .values.transcoders import transcoder_entries
@@ -143,17 +144,41 @@ class Program:
                                f"weights): load them with ig.load_weights(checkpoint) first")
         return args
 
-    def run(self, inputs: dict, eager: bool = False) -> tuple[torch.Tensor | None, dict]:
+    def run(self, inputs: dict, eager: bool = False, loss=None) -> tuple:
         """Run on prepared program inputs: (logits or None, {tapped name: tensor}). A compiled
-        program runs compiled unless ``eager`` (a call with per-call edits)."""
+        program runs compiled unless ``eager`` (a call with per-call edits). With ``loss`` (a function
+        of the logits to a scalar) the backward runs too, and the loss's value comes third (None on a
+        rank without the last stage); with stages and micro-batches the loss is each micro-batch's, summed."""
         args = self.arguments(inputs)
+        if loss is not None:
+            self._check_loss(loss)
+        watched = frozenset(i + self.returns_logits for i, name in enumerate(self.tapped) if name.endswith("#grad"))
+        value = None
         with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
             if self.pipeline is not None:  # its stages: this process's, or all of them (qgraph.distributed)
-                results = self.pipeline(args)
+                results, value = self.pipeline(args, loss, watched if loss is not None else frozenset())
+                results = list(results)
             else:
                 results = list((self.module if eager or self.compiled is None else self.compiled)(*args))
+                if loss is not None:
+                    for position in watched:
+                        if results[position].requires_grad:
+                            results[position].retain_grad()
+                    value = loss_value(loss, results[0])
+                    value.backward()
+                    value = value.detach()
         logits = results.pop(0) if self.returns_logits else None
-        return logits, dict(zip(self.tapped, results))
+        captured = dict(zip(self.tapped, results))
+        return (logits, captured) if loss is None else (logits, captured, value)
+
+    def _check_loss(self, loss) -> None:
+        if not callable(loss):
+            raise InvalidType(f"loss= takes a function of the logits to a scalar, not {type(loss).__name__}")
+        if not self.returns_logits:
+            raise InvalidArgument("loss= takes a function of the logits to a scalar: instrument with logits=True")
+        if not torch.is_grad_enabled():
+            raise InvalidState("loss= runs a backward, which gradients off forbid: call outside torch.no_grad() "
+                               "(and torch.inference_mode())")
 
 
 def _input_sources(model, exported: ExportedModel, weights: dict):

@@ -260,6 +260,21 @@ def saved_programs(ns):
     assert torch.equal(low.logits, plain.logits) and all(p.is_meta for p in ns["big"].parameters())
 
 
+def stages_with_loss(ns):
+    # "forward and backward through the stages: parameters get .grad", and the placed stages give the values
+    model, ids = ns["model"], ns["ids"]
+    got = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss = ns["fn"](model(input_ids=ids).logits)
+    loss.backward()
+    expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(expected) and abs(ns["out"].loss - loss) <= 1e-5
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    plain, placed = qgraph.instrument(model, values=["layers.*.layer_output"])(ids), ns["placed"](ids)
+    assert torch.equal(plain.logits, placed.logits) and all(torch.equal(plain[n], placed[n]) for n in plain.values)
+
+
 CLAIMS = {  # the section and a line of its block -> the check of what the README says it gives
     ("Reading values", "out.logits"): reading_values,
     ("Editing values", "Zero(heads=[2])"): editing_values,
@@ -273,6 +288,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("Sparse autoencoders", "qgraph.SAE.load("): saes,
     ("Mixtures of experts", "tiny_qwen3_5_moe("): mixtures_of_experts,
     ("Saved programs and stages", "ig.save("): saved_programs,
+    ("Saved programs and stages", "loss=fn"): stages_with_loss,
 }
 
 

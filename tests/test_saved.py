@@ -140,7 +140,7 @@ def test_refusals(saved, tmp_path):
         qgraph.instrument(meta, values=["layers.1.layer_output"]).save(tmp_path / "meta.qgraph")
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(qgraph.SavedProgramError, match="junk.safetensors is not a readable safetensors file .*: give a "
-                                                       ".safetensors file or a checkpoint folder"):
+                                                       ".safetensors file, a safetensors index or a checkpoint folder"):
         qgraph.load(bare, weights=tmp_path / "junk.safetensors")
 
 
@@ -327,3 +327,46 @@ def test_a_file_runs_no_code_of_its_own(plain, sdpa_model, tmp_path):
         with pytest.raises(qgraph.SavedProgramError, match=message):
             qgraph.load(bad, weights=sdpa_model)
     assert not ran.exists()
+
+
+def test_weights_in_shards_with_an_index(saved, sdpa_model, tmp_path):
+    """weights=True with a small max_shard_size: shards named as Hugging Face names them and their
+    index, whose weight_map puts every tensor the program reads (tied ones once) in the shard that
+    holds it; loaded from beside it, from the index or from the folder: the instrumented model's
+    values bit for bit; without one of its shards, refused by the shard's name. Saved again in one
+    file, the shards and index are gone."""
+    ig, _ = saved
+    path = qgraph.saved.save(ig, tmp_path / "probe.qgraph", weights=True, max_shard_size="100KB")
+    index = tmp_path / "probe.safetensors.index.json"
+    table = json.loads(index.read_text())
+    files = sorted(tmp_path.glob("probe-*.safetensors"))
+    assert [file.name for file in files] == [f"probe-{i:05d}-of-{len(files):05d}.safetensors"
+                                             for i in range(1, len(files) + 1)] and len(files) > 2
+    assert not (tmp_path / "probe.safetensors").exists() and not list(tmp_path.glob(".*"))  # no temporaries left
+    meta = json.loads(zipfile.ZipFile(path).read("qgraph.json"))
+    assert meta["weights"] == index.name
+    assert set(table["weight_map"]) == set(meta["parameters"]) - {name for group in meta["tied"] for name in group[1:]}
+    state, total = sdpa_model.state_dict(), 0
+    for file in files:
+        tensors = safetensors.torch.load_file(file)
+        assert set(tensors) == {name for name, shard in table["weight_map"].items() if shard == file.name}
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= 100_000 or len(tensors) == 1
+        assert all(torch.equal(tensor, state[name]) for name, tensor in tensors.items())  # bit for bit
+        total += size
+    assert table["metadata"]["total_size"] == total
+    ids = random_ids(2, 9, seed=3)
+    expected = ig(ids, edits=EDIT)
+    for weights in (None, index, tmp_path):
+        got = qgraph.load(path, weights=weights)(ids, edits=EDIT)
+        assert torch.equal(expected.logits, got.logits) and all(torch.equal(expected[n], got[n]) for n in expected.values)
+    files[1].rename(tmp_path / "away")
+    with pytest.raises(qgraph.MissingFile, match=rf"probe.safetensors.index.json puts .* in {files[1].name}, which is "
+                                                 rf"not in {tmp_path}: copy the shards the index names beside it"):
+        qgraph.load(path)
+    qgraph.saved.save(ig, path, weights=True)  # fits the default 5GB: one file
+    assert sorted(file.name for file in tmp_path.iterdir()) == ["away", "probe.qgraph", "probe.safetensors"]
+    assert torch.equal(qgraph.load(path)(ids, edits=EDIT).logits, expected.logits)
+    with pytest.raises(ValueError, match="max_shard_size= takes a number of bytes or a size such as '5GB' or "
+                                         "'500MiB', not '5 parsecs'"):
+        qgraph.saved.save(ig, path, weights=True, max_shard_size="5 parsecs")

@@ -1,6 +1,8 @@
-"""Stages: a program cut at block boundaries (``instrument(..., stages=...)``), run in one process and
-as a two-process pipeline under torchrun (gloo): logits and every value equal the single-process
-program's; an edit on stage 2 changes only what follows it."""
+"""Stages: a program cut at block boundaries (``instrument(..., stages=...)``), run in one process (each
+stage on its device with ``devices=``) and as a two-process pipeline under torchrun (gloo): logits and
+every value equal the single-process program's; an edit on stage 2 changes only what follows it;
+``loss=`` runs the backward through the stages, across processes on torch's schedules, and every
+parameter's ``.grad`` equals single-process autograd."""
 from __future__ import annotations
 
 import os
@@ -44,6 +46,23 @@ def _inputs():
 
 
 EDIT = {"layers.2.layer_output": qgraph.Zero(positions=[-1])}
+GRADS = {"layers.*.layer_output": {}, "layers.1.layer_output": {"grad": True}, "layers.3.layer_input": {"grad": True}}
+LOSS = lambda logits: logits[:, -1].logsumexp(-1).sum()  # noqa: E731 - summed over the batch (as in stages_worker.py)
+
+
+def _autograd(model, ids, mask) -> tuple[dict, torch.Tensor]:
+    """The HF model's parameter gradients of LOSS, and the loss (the model's .grad left empty)."""
+    model.zero_grad(set_to_none=True)
+    loss = LOSS(model(input_ids=ids, attention_mask=mask).logits)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads, loss.detach()
+
+
+def _close(got: dict, expected: dict, atol=1e-5):
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _same(expected: qgraph.Output, logits, values, names, atol=0.0):
@@ -66,6 +85,7 @@ def test_in_one_process_stages_give_the_single_program(model, single):
 
 
 def test_two_processes_under_torchrun(model, single, checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
     ids, mask = _inputs()
     torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -97,6 +117,75 @@ def test_two_processes_under_torchrun(model, single, checkpoint, tmp_path):
     assert "model.norm.weight" in read1 and "model.norm.weight" not in read0
     _same(expected, ranks[1]["meta"][0], ranks[1]["meta"][1], second)
     _same(expected, None, ranks[0]["meta"][1], first)
+    # loss= on torch's schedules through a tied model: each rank's parameters hold the gradients of one process
+    tied = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    reference, loss = _autograd(tied, ids[:2], mask[:2])
+    alone = qgraph.instrument(tied, values=GRADS)(ids[:2], mask[:2], loss=LOSS)
+    tied.zero_grad(set_to_none=True)
+    for name, blocks in {"gpipe": ({0, 1}, {2, 3}), "1f1b": ({0, 1}, {2, 3}), "interleaved": ({0, 2}, {1, 3})}.items():
+        for rank, held in zip((0, 1), blocks):
+            grads, value_grads, got_loss, logits, values = ranks[rank][name]
+            assert {int(n.split(".")[2]) for n in grads if ".layers." in n} == held, name
+            assert "model.embed_tokens.weight" in grads, name  # tied: read on both ranks, its parts summed
+            _close(grads, reference)
+            _close(value_grads, {n: alone.grad(n) for n in value_grads}, atol=1e-6)
+            if got_loss is not None:
+                assert abs(got_loss - loss) <= 1e-5
+        assert set(ranks[0][name][0]) | set(ranks[1][name][0]) == set(reference)
+        assert ranks[1][name][2] is not None and len(ranks[1][name][1]) >= 1
+    gathered = ranks[0]["interleaved"]  # gather=True: every value, its gradient and the loss on rank 0
+    assert sorted(gathered[1]) == ["layers.1.layer_output", "layers.3.layer_input"] and gathered[2] is not None
+    _same(alone, gathered[3], gathered[4], alone.values, atol=1e-5)
+    forward = ranks[0]["interleaved forward"]  # forward alone, 3 rows into 2 micro-batches: a step of 2, one of 1
+    assert sorted(forward) == sorted([f"layers.{i}.layer_output" for i in range(4)] + ["layers.3.layer_input"])
+    _same(expected, None, forward, [f"layers.{i}.layer_output" for i in range(4)], atol=1e-5)
+
+
+def test_loss_runs_the_backward_through_the_stages_in_one_process(model):
+    ids, mask = _inputs()
+    reference, loss = _autograd(model, ids, mask)
+    first = None
+    for stages in (None, qgraph.Stages(2, microbatches=2)):  # micro-batches of 2 and 1 rows: their losses summed
+        out = qgraph.instrument(model, values=GRADS, stages=stages)(ids, mask, loss=LOSS)
+        got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        assert set(got) == set(reference) and abs(out.loss - loss) <= 1e-5
+        _close(got, reference)
+        first = out if first is None else first
+        for name in ("layers.1.layer_output", "layers.3.layer_input"):
+            torch.testing.assert_close(out.grad(name), first.grad(name), rtol=0, atol=1e-6)
+
+
+def test_devices_place_each_stage_in_one_process(model, single):
+    ids, mask = _inputs()
+    expected = single(ids, mask, edits=EDIT)
+    staged = qgraph.instrument(model, values=VALUES, edits=["layers.2.layer_output"],
+                               stages=qgraph.Stages([1], devices=["cpu", "cpu"]))
+    pipeline = staged.program_for(False).pipeline
+    read = {}  # each stage module's tensor arguments: on its own device
+    for index, module in enumerate(pipeline.plan.modules):
+        module.forward = _recording(module, read.setdefault(index, set()))
+    got = staged(ids, mask, edits=EDIT)
+    _same(expected, got.logits, got.values, expected.values)
+    assert read == {0: {torch.device("cpu")}, 1: {torch.device("cpu")}}
+    # a weight on another device than the one stage reading it is refused by name, with the way out
+    program = staged.program_for(False)
+    args = program.arguments({"input_ids": ids, "attention_mask": mask})
+    index = program.input_names.index("p_model_layers_2_mlp_down_proj_weight")
+    args[index] = args[index].to("meta")
+    with pytest.raises(RuntimeError, match=r"model.layers.2.mlp.down_proj.weight is on meta, but stage 1 reads it on "
+                                           r"cpu .* qgraph does not move or copy the model's weights: .*"
+                                           r"model.get_submodule\('model.layers.2.mlp.down_proj'\).to\('cpu'\)"):
+        pipeline.placement.check(args)
+
+
+def _recording(module, devices: set):
+    """``module``'s forward, noting the devices of the tensors it is given."""
+    def forward(*args):
+        devices.update(arg.device for arg in args if isinstance(arg, torch.Tensor))
+        return type(module).forward(module, *args)
+    return forward
 
 
 @pytest.mark.compat
@@ -114,6 +203,13 @@ def test_a_model_on_meta_runs_with_weights_read_from_the_checkpoint(model, singl
     got = ig(ids, mask, edits=EDIT)
     _same(expected, got.logits, got.values, expected.values)
     assert all(p.is_meta for p in meta.parameters())  # the model is untouched
+    placed = qgraph.instrument(meta, values=VALUES, edits=["layers.2.layer_output"],
+                               stages=qgraph.Stages(2, devices=["cpu", "cpu"]))
+    with pytest.raises(ValueError, match="devices= places each stage's weights on its device: call load_weights"):
+        placed.load_weights(checkpoint, device="cpu")
+    placed.load_weights(checkpoint)  # each stage's weights onto its device
+    got = placed(ids, mask, edits=EDIT)
+    _same(expected, got.logits, got.values, expected.values)
     with pytest.raises(ValueError, match=r"the weights do not fit the model: .* is \(\d+, 64\) float32 there, "
                                          r"\(\d+, 48\) float32 in"):
         from qgraph.testing import tiny_qwen3_5
@@ -130,5 +226,27 @@ def test_stage_mistakes_are_named(model):
         qgraph.instrument(model, values=VALUES, stages=2, compile=True)
     with pytest.raises(ValueError, match="microbatches takes a positive int"):
         qgraph.Stages(2, microbatches=0)
+    for devices, message in ((["cpu"], "devices= names 1 device for 2 stages: give one per stage"),
+                             (["cpu", "nowhere"], "devices=: 'nowhere' is not a device"),
+                             (["cpu", "meta"], "a stage cannot compute on 'meta'"),
+                             ("cpu", "devices= takes one device per stage")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            qgraph.Stages(2, devices=devices)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="devices=: cuda:7 is not usable here"):
+            qgraph.Stages(2, devices=["cpu", "cuda:7"])
+    with pytest.raises(ValueError, match="schedule='zigzag': qgraph runs torch's 'gpipe', '1f1b', 'interleaved-1f1b'"):
+        qgraph.Stages(2, schedule="zigzag")
+    with pytest.raises(ValueError, match="schedule='1f1b' runs at least as many micro-batches as stages"):
+        qgraph.Stages(2, schedule="1f1b")
+    ig, ids = qgraph.instrument(model, values=VALUES), random_ids(2, 5)
+    with pytest.raises(TypeError, match="loss= takes a function of the logits to a scalar, not int"):
+        ig(ids, loss=3)
+    with pytest.raises(ValueError, match=r"loss= maps the logits to a scalar tensor .* a tensor of shape \(2, 5\)"):
+        ig(ids, loss=lambda logits: logits.sum(-1))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="loss= runs a backward, which gradients off forbid"):
+        ig(ids, loss=LOSS)
+    with pytest.raises(ValueError, match="loss= takes a function of the logits to a scalar: instrument with logits="):
+        qgraph.instrument(model, values=VALUES, logits=False)(ids, loss=LOSS)
     with pytest.raises(NotImplementedError, match="generate does not run stages yet"):
         qgraph.instrument(model, values=VALUES, stages=2).generate(random_ids(1, 3), max_new_tokens=2)

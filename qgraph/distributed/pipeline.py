@@ -1,23 +1,30 @@
-"""Run a program's stages (``split.Plan``) one per process, or all in this one.
+"""Run a program's stages (``split.Plan``): all in this process, or one per torchrun rank.
+
+In one process the stages run in turn, autograd through all of them; with ``devices`` each runs on
+its device (``place``). With ``microbatches=M`` the batch is cut into ``M`` parts (``tensor_split``:
+3 rows into 2 and 1) that run one after another, and the outputs are joined along the batch.
 
 Under torchrun (``torch.distributed`` initialised, or ``WORLD_SIZE`` set: ``world.join``) rank ``r``
-runs stage ``r`` and holds only the parameters that stage reads. Every rank is called with the same
-inputs and edits (as torchrun runs one script on every rank). A stage receives what it reads from
-earlier stages (point-to-point ``recv``), runs, and sends each output to the later stages that read
-it (``isend``, so it goes on with the next micro-batch while they work): with ``microbatches=M`` the
-batch is cut into ``M`` parts that flow through the stages one after another, which keeps every
-stage busy once the pipeline is full. Each rank returns the program outputs its stage computed;
-``gather`` sends them to rank 0.
+runs stage ``r`` (stages ``r``, ``r + W``, ... with an interleaved schedule) and holds only the
+parameters those stages read; every rank is called with the same inputs and edits (as torchrun runs
+one script on every rank). The stages run on torch's own engine (``engine``:
+``torch.distributed.pipelining``, its ``PipelineStage`` and schedules), forward alone or, with a
+``loss``, forward and backward, so gradients cross processes. Each rank returns the program outputs
+its stages computed; ``gather`` sends them to rank 0 (with the gradients of the values asked with
+``{"grad": True}`` and the loss) as point-to-point messages: a header (kind, dtype, shape), then the
+payload.
 
-A message is a header (kind, dtype, shape) and the payload; sizes between stages that the graph
-computes (a ``sym_size``) travel as scalars. Gradients do not cross processes: a stage across
-processes runs under ``torch.no_grad()`` (in one process, autograd runs through every stage).
+qgraph had its own point-to-point protocol for the stages before (forward only, under no_grad);
+measured against it on the 0.8B shape, torch's engine runs the forward as fast (0.98x with one
+micro-batch, 0.94x with two: ``benchmarks/bench_stages.py``), so it is the one engine.
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import InvalidArgument, InvalidType
+from .engine import Engine, loss_value, stage_device
+from .place import Placement
 from .split import Plan, pick
 from .world import World
 
@@ -27,86 +34,135 @@ _HEADER = 10  # kind, dtype, ndim, then up to 7 sizes
 _SCALARS = {int: (1, torch.int64), float: (2, torch.float64), bool: (3, torch.bool)}
 
 
-def _tag(microbatch: int, output: int, part: int, base: int = 0) -> int:
-    return base + (microbatch * 4096 + output) * 2 + part
+def _tag(position: int, base: int) -> int:
+    """The tag of a gathered message (its header; the payload's is the next)."""
+    return base + position * 2
 
 
 class Pipeline:
     """Runs a ``Plan`` on program arguments; ``batched`` says which program inputs are cut into
-    micro-batches (along dim 0), and every program output is joined along dim 0."""
+    micro-batches (along dim 0), and every program output is joined along dim 0. ``kinds`` names each
+    program input (``(kind, name)``, kind "parameter", "buffer", "constant" or "input"), ``values`` are
+    the program's placeholder values (their symbolic shapes), ``logits`` the position of the logits among
+    the outputs (None without), ``devices`` one device per stage (in one process; ``recorded`` is the
+    device the graph names)."""
 
     def __init__(self, plan: Plan, world: World | None, batched: set[int], microbatches: int = 1,
-                 gather: bool = False):
+                 gather: bool = False, schedule: str = "gpipe", *, kinds: list | None = None,
+                 values: list | None = None, logits: int | None = None, devices=None,
+                 recorded: torch.device | None = None):
         self.plan, self.world, self.batched, self.microbatches = plan, world, batched, microbatches
-        self.gathering = gather
-        if world is not None and world.size != len(plan):
-            raise InvalidArgument(f"stages={len(plan)} runs one stage per process, but this torch.distributed world has "
-                             f"{world.size}: launch with torchrun --nproc_per_node {len(plan)} (or instrument without "
-                                  f"torch.distributed initialised to run every stage in this process)")
+        self.gathering, self.logits, self.schedule = gather, logits, schedule
+        kinds = kinds or []
+        self.placement = Placement(plan, devices, kinds, recorded) if devices is not None else None
+        self.engine = None
+        if world is not None:
+            if schedule.startswith("interleaved") and len(plan) % world.size:
+                raise InvalidArgument(f"stages={len(plan)} with schedule='{schedule}' runs the same number of stages "
+                                      f"in each of the {world.size} processes: make the stages a multiple of "
+                                      f"{world.size}")
+            if not schedule.startswith("interleaved") and world.size != len(plan):
+                raise InvalidArgument(f"stages={len(plan)} runs one stage per process, but this torch.distributed "
+                                      f"world has {world.size}: launch with torchrun --nproc_per_node {len(plan)} (or "
+                                      f"instrument without torch.distributed initialised to run every stage in this "
+                                      f"process)")
+            parameters = {i for i, (kind, _) in enumerate(kinds) if kind == "parameter"}
+            differentiable = parameters | {i for i, (kind, _) in enumerate(kinds) if kind == "input"
+                                           and isinstance(values[i], torch.Tensor) and values[i].is_floating_point()}
+            self.engine = Engine(plan, world.rank, world.size, batched, values, differentiable, parameters, schedule,
+                                 logits)
 
     def local_inputs(self, count: int) -> list[int]:
-        """The program inputs (of ``count``) this process's stage reads (all of them in one process)."""
+        """The program inputs (of ``count``) this process's stages read (all of them in one process)."""
         if self.world is None:
             return list(range(count))
-        return [where[0] for kind, *where in self.plan.inputs[self.world.rank] if kind == "input"]
+        return sorted({where[0] for stage in self.engine.local for kind, *where in self.plan.inputs[stage]
+                       if kind == "input"})
 
-    def __call__(self, args: list) -> list:
+    def __call__(self, args: list, loss=None, watched=frozenset()) -> tuple[list, torch.Tensor | None]:
+        """(the program outputs, the loss's value or None). With ``loss`` (a function of the logits to
+        a scalar) the backward runs too: per micro-batch, summed; ``watched`` output positions keep
+        their gradients (``.grad``)."""
+        if self.placement is not None:
+            self.placement.check(args)
+        if self.world is not None:
+            joined, value = self.engine(args, self.microbatches, loss, watched)
+            return self.gather(joined, watched, value, loss is not None) if self.gathering else (joined, value)
         count = min(self.microbatches, *(args[i].shape[0] for i in self.batched)) if self.batched else 1
         parts = [[arg.tensor_split(count)[m] if i in self.batched else arg for i, arg in enumerate(args)]
                  for m in range(count)]
         results = [[] for _ in self.plan.outputs]
-        sends = []
-        for m, margs in enumerate(parts):
-            outputs = self._local(margs) if self.world is None else self._stage(m, margs, sends)
-            for position, value in enumerate(outputs):
-                results[position].append(value)
-        for work in sends:
-            work.wait()
+        value = None
+        for margs in parts:
+            outputs = self._local(margs)
+            for position, output in enumerate(outputs):
+                results[position].append(output)
+            if loss is not None:
+                part = loss_value(loss, outputs[self.logits])
+                value = part if value is None else value + part
+        if value is not None:
+            for position in watched:
+                for piece in results[position]:
+                    if piece.requires_grad:
+                        piece.retain_grad()
+            value.backward()
+            value = value.detach()
         joined = [None if pieces[0] is None else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
                   for pieces in results]
-        return self.gather(joined) if self.gathering else joined
+        if value is not None and count > 1:  # each watched value's pieces' gradients, joined
+            for position in watched:
+                grads = [piece.grad for piece in results[position]]
+                joined[position] = joined[position].detach().requires_grad_(True)
+                joined[position].grad = None if any(g is None for g in grads) else torch.cat(grads)
+        return joined, value
 
     def _local(self, args: list) -> list:
-        """Every stage in this process, in order."""
-        produced = []
+        """Every stage in this process, in order (each on its device, with ``devices``)."""
+        produced, place = [], self.placement
         for index, module in enumerate(self.plan.modules):
-            inputs = [args[where[0]] if kind == "input" else pick(produced[where[0]], where[1])
-                      for kind, *where in self.plan.inputs[index]]
+            if place is None:
+                inputs = [args[where[0]] if kind == "input" else pick(produced[where[0]], where[1])
+                          for kind, *where in self.plan.inputs[index]]
+            else:
+                inputs = [place.argument(index, where[0], args[where[0]]) if kind == "input" else
+                          place.crossing(index, pick(produced[where[0]], where[1]))
+                          for kind, *where in self.plan.inputs[index]]
             produced.append(module(*inputs))
         return [args[where[0]] if kind == "input" else pick(produced[where[0]], where[1])
                 for kind, *where in self.plan.outputs]
 
-    def _stage(self, m: int, args: list, sends: list) -> list:
-        """This rank's stage on micro-batch ``m``: receive, run, send; the outputs it owns (None for others')."""
-        rank = self.world.rank
-        inputs = [args[where[0]] if kind == "input" else _recv(where[0], _tag(m, where[1] or 0, 0))
-                  for kind, *where in self.plan.inputs[rank]]
-        with torch.no_grad():
-            produced = self.plan.modules[rank](*inputs)
-        for output, readers in enumerate(self.plan.readers[rank]):
-            for reader in readers:
-                sends += _isend(pick(produced, output if isinstance(produced, (tuple, list)) else None), reader,
-                                _tag(m, output, 0))
-        return [args[where[0]] if kind == "input" else pick(produced, where[1]) if where[0] == rank else None
-                for kind, *where in self.plan.outputs]
-
-    def gather(self, outputs: list) -> list:
-        """Every program output on rank 0 (sent by the rank that owns it); other ranks keep their own."""
+    def gather(self, outputs: list, watched=frozenset(), value=None, backward: bool = False) \
+            -> tuple[list, torch.Tensor | None]:
+        """Every program output on rank 0 (sent by the rank that owns it), the gradients of the ``watched``
+        ones and the loss's ``value`` with them; other ranks keep their own."""
         if self.world is None:
-            return outputs
+            return outputs, value
         rank, sends = self.world.rank, []
         gathered = list(outputs)
         for position in range(len(outputs)):
             owner = self.plan.owner(position)
-            if owner is None or owner == 0:
+            if owner is None or owner % self.world.size == 0:
                 continue
-            if rank == owner:
-                sends += _isend(outputs[position], 0, _tag(0, position, 0, base=1 << 24))
+            if rank == owner % self.world.size:
+                sends += _isend(outputs[position], 0, _tag(position, 1 << 24))
+                if position in watched:
+                    grad = outputs[position].grad
+                    sends += _isend(False if grad is None else grad, 0, _tag(position, 2 << 24))
             elif rank == 0:
-                gathered[position] = _recv(owner, _tag(0, position, 0, base=1 << 24))
+                gathered[position] = _recv(owner % self.world.size, _tag(position, 1 << 24))
+                if position in watched:
+                    grad = _recv(owner % self.world.size, _tag(position, 2 << 24))
+                    gathered[position].requires_grad_(True)
+                    gathered[position].grad = grad if isinstance(grad, torch.Tensor) else None
+        last = (len(self.plan) - 1) % self.world.size
+        if backward and last != 0:  # the loss, from the last stage's rank
+            if rank == last:
+                sends += _isend(value, 0, _tag(0, 3 << 24))
+            elif rank == 0:
+                value = _recv(last, _tag(0, 3 << 24))
         for work in sends:
             work.wait()
-        return gathered
+        return gathered, value
 
 
 def _isend(value, dst: int, tag: int) -> list:
@@ -130,7 +186,7 @@ def _isend(value, dst: int, tag: int) -> list:
 
 def _recv(src: int, tag: int):
     import torch.distributed as dist
-    device = _device()
+    device = stage_device()
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src, tag=tag)
     kind, dtype, ndim, *shape = header.tolist()
@@ -138,11 +194,4 @@ def _recv(src: int, tag: int):
     dist.recv(payload, src, tag=tag + 1)
     return payload if kind == 0 else payload.item()
 
-
-def _device() -> torch.device:
-    """Where this rank's messages land: its GPU under nccl, else the CPU."""
-    import torch.distributed as dist
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 

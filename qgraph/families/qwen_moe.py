@@ -87,11 +87,8 @@ def patches(model):
         raise UnsupportedModel(f"the experts' activation {activation!r} is not one qgraph's experts op runs "
                                f"({', '.join(ACTIVATIONS)})")
     found = [module for module in model.modules() if is_block(module)]
-    for block in found:
-        try:
-            compat.experts_implementation_run(block.experts)
-        except ValueError as error:
-            raise UnsupportedModel(str(error)) from None
+    for block in found:  # an implementation the op cannot run is refused before tracing
+        compat.experts_implementation_run(block.experts)
     forwards = {**{type(block): _block_forward for block in found},
                 **{type(block.gate): _router_forward for block in found},
                 **{type(block.experts): _experts_forward(activation) for block in found}}

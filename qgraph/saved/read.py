@@ -2,8 +2,9 @@
 
 The loaded program is the graph of the instrumented call (``saved.write``), built node by node from
 its ``graph.json`` (``saved.fxdata``: only allow-listed ops, nothing in the file runs), holding the
-tensors of its ``tensors.safetensors`` and called with the weights (from the file beside it, a
-model, a safetensors file or a checkpoint folder) and the call's inputs. It answers calls as the
+tensors of its ``tensors.safetensors`` and called with the weights (from the file or the shards'
+index beside it, a model, a safetensors file or index, or a checkpoint folder: ``qgraph.weights``
+opens only the shards holding a tensor it reads) and the call's inputs. It answers calls as the
 instrumented model did: an ``Output`` with the logits and the values it was saved with, and
 ``edits={name: edit}`` at its slots.
 A file from another torch or qgraph is refused by name, and so are weights that do not fit it, as a
@@ -41,10 +42,13 @@ from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
 
 
 def load(path, weights=None) -> "LoadedProgram":
-    """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` written beside
-    it by ``save(..., weights=True)``), a model (its parameters, read at each call; re-read when a
-    submodule is replaced), a safetensors file, or a folder of them (a Hugging Face checkpoint). Weights
-    that lack a tensor the program reads, or hold one the model it was saved from never had, are refused.
+    """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` file, or the
+    shards' ``.safetensors.index.json``, written beside it by ``save(..., weights=True)``), a model
+    (its parameters, read at each call; re-read when a submodule is replaced), a safetensors file, a
+    safetensors index (``model.safetensors.index.json`` and its shards), or a folder of them (a
+    Hugging Face checkpoint; its index if it has one); only the files holding a tensor it reads are
+    opened. Weights that lack a tensor the program reads, or hold one the model it was saved from
+    never had, are refused.
     A bar of its stages shows past 2 s (``qgraph.progress``)."""
     with stages(f"qgraph: loading {Path(path).name}", ("read the weights", "load the program")) as stage:
         return _load(path, weights, stage)
@@ -103,7 +107,7 @@ def _weights(path: Path, meta: dict, weights) -> dict[str, Callable[[], torch.Te
         if isinstance(weights, torch.nn.Module):
             return _from_model(path, meta, weights)
         if not isinstance(weights, (str, Path)):
-            raise InvalidType(f"weights= takes a model, a safetensors file or a checkpoint folder, not "
+            raise InvalidType(f"weights= takes a model, a safetensors file or index, or a checkpoint folder, not "
                               f"{type(weights).__name__}")
         tensors = read(weights, meta["parameters"], meta["tied"])
         _fit(path, meta, tensors, names(weights), str(weights))

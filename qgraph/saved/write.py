@@ -17,8 +17,11 @@ The file (``.qgraph``) is a zip of three members:
   qgraph added (SAE and transcoder weights, edit tensors).
 
 It holds no weights (the 0.8B program is under a MB); ``weights=True`` writes the parameters the
-program reads beside it as ``<name>.safetensors`` (the text program of the image-text model does
-not read its vision tower's).
+program reads beside it (the text program of the image-text model does not read its vision tower's),
+tied ones once: as ``<name>.safetensors`` if they fit in one file of ``max_shard_size`` (5 GB unless
+told; None: one file however large), else as shards ``<name>-00001-of-0000N.safetensors`` and their
+index ``<name>.safetensors.index.json``, as a Hugging Face checkpoint has (``qgraph.weights.write``).
+``qgraph.json`` names the file to read them from (the one file or the index).
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ from ..kernels.slot import EDIT_SLOT_OP
 from ..passes.edit import EditSlot
 from ..passes.emit import MethodCall
 from ..progress import stages
-from ..weights import tensor_names, tied_groups
+from ..weights import SHARD_SIZE, size_in_bytes, tensor_names, tied_groups
+from ..weights import write as write_weights
 from .fxdata import graph_data
 from .inline import drop_submodule, free_name, inline_modules
 
@@ -59,25 +63,29 @@ def versions() -> dict[str, str]:
 
 
 def weights_path(path: Path) -> Path:
-    """Where ``save(..., weights=True)`` writes the weights of the program at ``path``."""
+    """Where ``save(..., weights=True)`` writes the weights of the program at ``path`` when they fit in
+    one file (shards: ``<name>-0000i-of-0000N.safetensors`` and ``<name>.safetensors.index.json``)."""
     return path.with_suffix(".safetensors")
 
 
-def save(ig, path, weights: bool = False) -> Path:
-    """Write ``ig``'s text program to ``path`` (``.qgraph``), and its weights beside it if ``weights``
-    (with a bar of its stages past 2 s: ``qgraph.progress``)."""
-    steps = ("trace", "write", *(("write the weights",) if weights is True else ()))
+def save(ig, path, weights: bool = False, max_shard_size: int | str | None = SHARD_SIZE) -> Path:
+    """Write ``ig``'s text program to ``path`` (``.qgraph``), and its weights beside it if ``weights``:
+    one ``.safetensors`` file, or shards of at most ``max_shard_size`` (bytes, or ``"5GB"``; None: one
+    file) and their index (with a bar of its stages past 2 s: ``qgraph.progress``)."""
+    steps = ("trace", *(("write the weights",) if weights is True else ()), "write")
     with stages(f"qgraph: saving {Path(path).name}", steps) as stage:
-        return _save(ig, path, weights, stage)
+        return _save(ig, path, weights, max_shard_size, stage)
 
 
-def _save(ig, path, weights: bool, stage) -> Path:
+def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
     path = Path(path)
     if path.suffix != SUFFIX:
         raise InvalidArgument(f"save to a {SUFFIX} file (qgraph's saved program), not {path.name!r}: "
                               f"e.g. ig.save('probe{SUFFIX}')")
     if not isinstance(weights, bool):
         raise InvalidType(f"weights= takes True (write the weights beside the program) or False, not {weights!r}")
+    if max_shard_size is not None:
+        size_in_bytes(max_shard_size)  # refused before any work
     ig.refresh()
     program = ig.program_for(False)
     recipes = [recipe for _, _, recipe in program.extra_inputs]
@@ -110,20 +118,19 @@ def _save(ig, path, weights: bool, stage) -> Path:
         "slots": slots, "inputs": recipes,
         "derived": {name: {"how": how, "sources": sources} for name, (how, sources) in program.derivations.items()},
         "parameters": {target: [list(tensor.shape), str(tensor.dtype)] for target, tensor in sorted(reads.items())},
-        "weights": weights_path(path).name if weights else None,
+        "weights": None,  # the file to read them from, once written
         "tied": [kept for group in tied if len(kept := [name for name in group if name in reads]) > 1],
         "tensors": tensor_names(ig.model),
         "ignored": sorted(getattr(ig.model, "_keys_to_ignore_on_load_unexpected", None) or []),
     }
-    stage("write")
-    _write(path, meta, data, tensors)
     if weights:
         stage("write the weights")
         kept = {target: tensor.detach().contiguous() for target, tensor in reads.items()
                 if not any(target in group[1:] for group in meta["tied"])}
-        temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
-        safetensors.torch.save_file(kept, temporary, metadata={"qgraph": meta["versions"]["qgraph"]})
-        os.replace(temporary, weights_path(path))
+        meta["weights"] = write_weights(kept, weights_path(path), max_shard_size,
+                                        metadata={"qgraph": meta["versions"]["qgraph"]}).name
+    stage("write")
+    _write(path, meta, data, tensors)
     return path
 
 
