@@ -34,18 +34,11 @@ import qgraph  # noqa: E402
 
 
 def build_medium():
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    torch.manual_seed(0)
-    config = Qwen3_5TextConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-        linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-        linear_conv_kernel_dim=4, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        tie_word_embeddings=True, rms_norm_eps=1e-6)
-    config._attn_implementation = "sdpa"
-    return Qwen3_5ForCausalLM(config).eval()
+    """The medium shape: Qwen3.5-0.8B's architecture at 8 blocks, hidden 512, vocab 32000."""
+    return build_0_8b(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=4, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=8,
+                      linear_key_head_dim=64, linear_value_head_dim=64,
+                      layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)
 
 
 def main():
