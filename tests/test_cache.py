@@ -12,7 +12,7 @@ import qgraph
 from qgraph.export import disk_cache as cache
 from qgraph.kernels.ops import MARK_OP
 from qgraph.export.repeat import repeated_blocks
-from conftest import random_ids
+from conftest import hf_logits, random_ids
 
 VALUES = ["layers.*.layer_output", "layers.0.linear_attn.*", "layers.3.self_attn.attention_probabilities",
           "layers.2.mlp.down_proj.input"]
@@ -73,6 +73,21 @@ def test_second_model_object_loads_the_program_and_gives_identical_values(checkp
         parameter = first.model.get_parameter(name)
         assert placeholder.shape == parameter.shape and placeholder.dtype == parameter.dtype
         assert placeholder.untyped_storage().nbytes() <= placeholder.element_size()
+
+
+@pytest.mark.compat
+def test_a_block_unlike_its_seed_loads_from_the_cache_still_apart(checkpoint, disk_cache):
+    def unlike(model):
+        model.model.layers[2].linear_attn.norm.variance_epsilon = 1.0  # block 0 is the DeltaNet blocks' seed
+        return model
+    first = qgraph.instrument(unlike(_load(checkpoint)))
+    assert disk_cache == [1, 1]  # the second trace holds block 2 apart (qgraph.export.variants)
+    second = qgraph.instrument(unlike(_load(checkpoint)))
+    assert disk_cache == [1, 1] and second.exported.from_cache
+    assert second.exported.apart == first.exported.apart and len(first.exported.apart) == 1
+    ids = random_ids(2, 20, seed=6)
+    with torch.no_grad():
+        torch.testing.assert_close(second(ids).logits, hf_logits(second.model, ids), atol=1e-5, rtol=0)
 
 
 def test_a_corrupt_file_falls_back_to_exporting_and_is_overwritten(checkpoint, disk_cache):

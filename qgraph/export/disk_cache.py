@@ -113,8 +113,8 @@ def path_for(model: torch.nn.Module, images: bool) -> Path:
 
 def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=None):
     """The cached program of ``model`` and the reads it baked in (None when there is none, or it
-    cannot be used); ``finish`` turns the file's program into the model's (the export's seed into
-    the full program: see ``qgraph.export.repeat``), None when it cannot."""
+    cannot be used); ``finish(program, reads)`` turns the file's program into the model's (the export's
+    seed into the full program: see ``qgraph.export.repeat``), None when it cannot."""
     if not usable():
         return None
     path = path_for(model, images)
@@ -130,7 +130,7 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=N
         if json.loads(json.dumps(constants.current(model, reads))) != recorded["constants"]:
             return None  # the same model under other baked-in values: export again
         if finish is not None:
-            program = finish(program)
+            program = finish(program, reads)
         problem = "it does not repeat into this model's blocks" if program is None else _mismatch(program, model, inputs)
     except Exception as error:  # a corrupt or incompatible file: export again
         problem = _one_line(f"{type(error).__name__}: {error}")

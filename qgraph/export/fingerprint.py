@@ -4,9 +4,11 @@ A program is specialised on the model's structure (module classes, parameter sha
 devices, which parameters are one tensor, the attention and experts implementations) and reads the model's
 own module objects at call time. ``structure`` is the first, a key of the export caches;
 ``fingerprint`` adds the module objects and the plain values the export baked in (a norm's eps, an
-attention's scaling, config fields the forward reads: ``qgraph.export.constants``), so an
-instrumented model notices a replaced submodule, an untied ``lm_head``, a model moved to another
-dtype or device, or a changed ``eps``, and rebuilds its programs.
+attention's scaling, config fields the forward reads: ``qgraph.export.constants``) on every
+object of the model, every block's and not only the traced seed blocks', so an instrumented model
+notices a replaced submodule, an untied ``lm_head``, a model moved to another dtype or device, or
+a changed ``eps`` on any block, and rebuilds its programs (a block left unlike its seed is then
+traced apart: ``qgraph.export.variants``).
 """
 from __future__ import annotations
 

@@ -3,8 +3,10 @@
 Tracing costs time per traced op (the 24 blocks of the 0.8B shape take ~20 s), yet every block of
 one kind traces to the same graph but for its parameters and names. So ``export_model`` traces a
 twin whose layer list holds only the first block of each kind (the *seed*: blocks 0 and 3 of
-Qwen3.5), and ``repeat_blocks`` builds the full program from it: for every block, a copy of its
-kind's seed nodes reading that block's parameters, with that block's module scopes and port names.
+Qwen3.5; a block unlike its kind's first in what the trace bakes in is a seed of its own:
+``qgraph.export.variants``), and ``repeat_blocks`` builds the full program from it: for every
+block, a copy of its seed's nodes reading that block's parameters, with that block's module scopes
+and port names.
 The result is the graph a full export gives (tests compare the two node by node).
 
 A seed that does not look like a chain of self-contained blocks (a block reads another block's
@@ -16,7 +18,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.export import ExportedProgram
@@ -34,13 +36,21 @@ class Blocks:
     path: str  # the layer list's module path, e.g. "model.layers"
     kinds: tuple[str, ...]  # each block's kind, by block index (config.layer_types)
     kinds_attribute: str | None = None  # the text config's list of kinds, if the owner loops over it
+    # each block's variant of its kind (``qgraph.export.variants``: blocks that differ from their kind's
+    # first block in what the trace bakes in); () when every block is its kind's first block's variant
+    variants: tuple[int, ...] = ()
+    apart: tuple[str, ...] = field(default=(), compare=False)  # why each variant past the first is one
+
+    def group(self, index: int) -> tuple[str, int]:
+        """Block ``index``'s kind and variant: the blocks of one group repeat one seed block."""
+        return self.kinds[index], self.variants[index] if self.variants else 0
 
     @property
     def seed(self) -> tuple[int, ...]:
-        """The first block of each kind, in block order: the blocks the seed export traces."""
+        """The first block of each kind (and variant), in block order: the blocks the seed export traces."""
         first = {}
-        for index, kind in enumerate(self.kinds):
-            first.setdefault(kind, index)
+        for index in range(len(self.kinds)):
+            first.setdefault(self.group(index), index)
         return tuple(sorted(first.values()))
 
     def worth_repeating(self) -> bool:
@@ -104,8 +114,8 @@ class _Repeater:
     def __init__(self, seed: ExportedProgram, model, family, blocks: Blocks):
         self.seed, self.model, self.family, self.blocks = seed, model, family, blocks
         self.graph = seed.graph
-        # seed position (index in the twin's layer list) of every block kind
-        self.position_of_kind = {blocks.kinds[index]: position for position, index in enumerate(blocks.seed)}
+        # seed position (index in the twin's layer list) of every block kind and variant
+        self.position_of_group = {blocks.group(index): position for position, index in enumerate(blocks.seed)}
         self._split()
 
     # -- the seed graph: prefix, one run of nodes per seed block, suffix --------------------------
@@ -193,7 +203,7 @@ class _Repeater:
             emitted_kinds.add(spec.kind)
             # every block's tensors of this kind, in block order (as a full export lists them)
             for index in range(count):
-                position = self.position_of_kind[self.blocks.kinds[index]]
+                position = self.position_of_group[self.blocks.group(index)]
                 for other in seed_specs:
                     rest = other.kind == spec.kind and other.target and self._block_target(other.target, position)
                     if not rest:
@@ -210,7 +220,7 @@ class _Repeater:
             env[node] = graph.node_copy(node, lambda arg: env[arg])
         hidden = env[self.hidden_in[0]]
         for index in range(count):
-            position = self.position_of_kind[self.blocks.kinds[index]]
+            position = self.position_of_group[self.blocks.group(index)]
             seed_index = self.blocks.seed[position]
             local: dict[Node, Node] = {}
 

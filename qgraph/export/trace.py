@@ -37,6 +37,7 @@ from ..families import Family, family_for
 from ..progress import progress, stages
 from .fingerprint import structure
 from .repeat import Blocks, repeat_blocks, repeated_blocks, seeded
+from .variants import split
 
 # Example sizes for the trace: distinct and > 1, so no dim is specialised or unified with another.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 9
@@ -55,6 +56,7 @@ class ExportedModel:
     reads: frozenset = frozenset()  # the plain values the forward read, baked in (``qgraph.export.constants``)
     from_cache: bool = False  # loaded from the disk cache (``qgraph.export.disk_cache``) instead of exported
     constants: tuple = ()  # the reads' values on the model when it was exported (set by ``export_model``)
+    apart: tuple[str, ...] = ()  # the blocks traced apart from their kind's first block, and why (``export.variants``)
 
     def fits(self, model: torch.nn.Module) -> bool:
         """Whether this program still is ``model``'s: the same structure and the same baked-in values."""
@@ -98,9 +100,14 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
     start = time.perf_counter()
     names = TEXT_INPUTS + family.images.inputs if images else TEXT_INPUTS
     blocks = repeated_blocks(model, family, images)
+    apart: list[str] = []  # the blocks traced apart from their kind's first, and why (qgraph.export.variants)
 
-    def full(program: ExportedProgram) -> ExportedProgram | None:
+    def full(program: ExportedProgram, reads) -> ExportedProgram | None:
+        """The seed ``program``, whose trace read ``reads``, repeated into the full program."""
+        apart.clear()
         for listed in blocks:
+            listed = split(model, listed, reads)  # the seeds that trace held
+            apart.extend(listed.apart)
             program = repeat_blocks(program, model, family, listed)
             if program is None:
                 return None
@@ -113,22 +120,41 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         program, reads = loaded
         _use_kernels(program, family)
         return _keep(programs, images, model, ExportedModel(program, family, time.perf_counter() - start,
-                                                            _cache_key(model), names, reads, True))
+                                                            _cache_key(model), names, reads, True, apart=tuple(apart)))
     saving = ("save to the cache",) if disk_cache.enabled() else ()
     with stages(f"qgraph: exporting {type(model).__name__}", ("trace", "repeat blocks", *saving)) as stage:
         stage("trace")  # torch.export of one block per kind (the bar shows past 2 s)
-        seed, reads = _export(model, family, images, names, blocks)
+        # a rebuild (the model changed since): what its last export read tells at once which blocks differ
+        seed, reads = _export_seeds(model, family, images, names, blocks, cached.reads if cached else frozenset())
         stage("repeat blocks")
-        program = full(seed)
+        program = full(seed, reads) if seed is not None else None
         repeated = program is not None
         if not repeated:  # the blocks did not repeat cleanly: trace them all
             stage("trace every block")
             program, reads = _export(model, family, images, names, [])
-        exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, reads)
+            apart.clear()
+        exported = ExportedModel(program, family, time.perf_counter() - start, _cache_key(model), names, reads,
+                                 apart=tuple(apart))
         if repeated and saving:  # the file holds the seed (a full export would not repeat when loaded)
             stage("save to the cache")
             disk_cache.save(model, images, seed, reads)
     return _keep(programs, images, model, exported)
+
+
+def _export_seeds(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks], predicted):
+    """The seed export of ``blocks`` and the plain values it read, ``(None, reads)`` if its seeds do not
+    settle. A block unlike its kind's first in what the trace reads is a seed of its own
+    (``qgraph.export.variants``); which values those are is known after a trace, so where the reads
+    split blocks otherwise than the trace's seeds did, the seeds are traced again (``predicted``:
+    the reads of an earlier export of this model, which tell at once where a rebuild's blocks differ)."""
+    listed = [split(model, listed, predicted) for listed in blocks]
+    for _ in range(3):
+        seed, reads = _export(model, family, images, names, listed)
+        settled = [split(model, listed, reads) for listed in blocks]
+        if settled == listed:
+            return seed, reads
+        listed = settled
+    return None, reads
 
 
 def _keep(programs: dict, images: bool, model: torch.nn.Module, exported: ExportedModel) -> ExportedModel:
