@@ -421,3 +421,22 @@ def _detached(forward):
 def size_expression(size):
     """The sympy expression of a symbolic size (a plain int stays an int)."""
     return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+# -- fake tensors with symbolic sizes (qgraph.saved.sandbox) -----------------------------------------
+# Alike in torch 2.13 and 2.14. The sandbox runs an untrusted graph on fake tensors (shapes, no data) to
+# know every tensor it can make before anything real runs; FakeTensorMode is only in torch._subclasses.
+def fake_mode():
+    """A fake-tensor mode over a fresh shape environment (every size symbolic where asked)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def fake(mode, tensor: torch.Tensor, dynamic: bool):
+    """``tensor`` as a fake of ``mode``: every dim a fresh symbol (equal sizes one symbol) if ``dynamic``."""
+    if not dynamic:
+        return mode.from_tensor(tensor, static_shapes=True)
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * tensor.dim())
+    return mode.from_tensor(tensor, symbolic_context=context)

@@ -17,7 +17,6 @@ checked) again.
 """
 from __future__ import annotations
 
-import json
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -37,7 +36,8 @@ from ..progress import stages
 from ..values import derive
 from ..weights import WeightsMismatch, check_fit, names, read, tensor_names, unexpected
 from ..values.names import matching, patterns_of
-from .fxdata import graph_from_data
+from . import sandbox, schema
+from .fxdata import device, graph_from_data
 from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
 
 
@@ -60,38 +60,61 @@ def _load(path, weights, stage) -> "LoadedProgram":
         raise MissingFile(f"no saved program at {path}: write one with ig.save({str(path)!r})")
     try:
         meta = read_meta(path)
-    except (zipfile.BadZipFile, ValueError) as error:
+    except zipfile.BadZipFile as error:
         raise SavedProgramError(f"{path} is not a saved program ({type(error).__name__}: {error})") from None
     if meta is None:
         raise SavedProgramError(f"{path} is not a qgraph program (it has no {META}): a plain torch.export file "
                                 f"loads with torch.export.load")
     _check_versions(path, meta)
+    schema.check_meta(meta, str(path))
+    members = schema.read_members(path, (GRAPH, TENSORS))
+    data = schema.parse(members[GRAPH], GRAPH, path)
+    schema.check_graph_fields(data, meta, str(path))
+    held = _held(path, members[TENSORS], data["tensors"])
+    module = graph_from_data(data["graph"], held, str(path))
+    if len(module.graph.find_nodes(op="placeholder")) != len(data["inputs"]):
+        raise SavedProgramError(f"{path}: its graph has {len(module.graph.find_nodes(op='placeholder'))} inputs, "
+                                f"graph.json says what feeds {len(data['inputs'])}")
+    bounds = sandbox.check(module, data["placeholders"], data["symbols"], ["parameter" in item for item in data["inputs"]],
+                           str(path))
     stage("read the weights")
-    tensors = _weights(path, meta, weights)  # checked before the program is read
+    tensors = _weights(path, meta, weights)
     stage("load the program")
+    return LoadedProgram(path, module, data["inputs"], meta, tensors,
+                         weights if isinstance(weights, torch.nn.Module) else None, bounds)
+
+
+def _held(path: Path, data: bytes, expected: dict) -> dict[str, torch.Tensor]:
+    """The tensors the graph holds, each as ``graph.json`` says (shape, dtype) on its device."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            data = json.loads(archive.read(GRAPH))
-            held = safetensors.torch.load(archive.read(TENSORS))
-        devices = data.get("devices") or {}
-        held = {name: tensor.to(torch.device(devices.get(name, "cpu"))) for name, tensor in held.items()}
-    except (KeyError, ValueError, AttributeError, RuntimeError, zipfile.BadZipFile, SafetensorError) as error:
-        raise SavedProgramError(f"{path} is not a whole saved program ({type(error).__name__}: "
-                                f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
-    module = graph_from_data(data.get("graph"), held, str(path))
-    return LoadedProgram(path, module, data.get("inputs") or [], meta, tensors,
-                         weights if isinstance(weights, torch.nn.Module) else None)
+        held = safetensors.torch.load(data)
+    except (SafetensorError, ValueError, RuntimeError) as error:
+        raise SavedProgramError(f"{path}: its {TENSORS} is not a safetensors file ({str(error)[:200]})") from None
+    if set(held) != set(expected):
+        odd = sorted(set(held) ^ set(expected))
+        raise SavedProgramError(f"{path}: its {TENSORS} holds other tensors than graph.json says ({', '.join(odd[:5])})")
+    for name, tensor in held.items():
+        want = expected[name]
+        if list(tensor.shape) != want["shape"] or str(tensor.dtype).removeprefix("torch.") != want["dtype"]:
+            raise SavedProgramError(f"{path}: its held tensor {name} is {list(tensor.shape)} "
+                                    f"{str(tensor.dtype).removeprefix('torch.')}, graph.json says {want['shape']} "
+                                    f"{want['dtype']}")
+        held[name] = tensor.to(device(want["device"], f"{path}: held tensor {name}"))
+    return held
 
 
 def _check_versions(path: Path, meta: dict) -> None:
     here = versions()
     if meta.get("format") != FORMAT:
-        raise SavedProgramError(f"{path} is qgraph program format {meta.get('format')}; this qgraph reads format "
-                                f"{FORMAT}: save it again with this qgraph")
+        raise SavedProgramError(f"{path} is qgraph program format {str(meta.get('format'))[:20]}; this qgraph reads "
+                                f"format {FORMAT}: save it again with this qgraph")
+    written = meta.get("versions")
     for package in ("torch", "qgraph"):
-        if meta["versions"][package] != here[package]:
-            raise SavedProgramError(f"{path} was saved by {package} {meta['versions'][package]}; this is {package} "
-                                    f"{here[package]}: load it with {package}=={meta['versions'][package]}, or save it "
+        if not isinstance(written, dict) or not isinstance(written.get(package), str):
+            raise SavedProgramError(f"{path} ({META}): its field 'versions' does not name the {package} that wrote it")
+        if written[package] != here[package]:
+            raise SavedProgramError(f"{path} was saved by {package} {written[package][:40]}; this is {package} "
+                                    f"{here[package]}: load it with {package}=={written[package][:40]}, or save it "
                                     f"again with this one (a saved program names the ops of the versions that wrote it)")
 
 
@@ -146,22 +169,21 @@ class LoadedProgram:
     ``attention_mask``, ``edits={name: edit}`` at the slots it was saved with)."""
 
     def __init__(self, path: Path, module: torch.fx.GraphModule, inputs: list, meta: dict, weights: dict,
-                 model: torch.nn.Module | None = None):
-        self.path, self.module, self.meta = path, module, meta
+                 model: torch.nn.Module | None = None, bounds: sandbox.Bounds | None = None):
+        self.path, self.module, self.meta, self._bounds = path, module, meta, bounds
         self.values: list[str] = meta["values"]
         self.slots: dict[str, Target] = {name: Target(name, slot["layout"], tuple(slot["dims"]))
                                          for name, slot in meta["slots"].items()}
         self._views = {name: tuple(tuple(step) for step in slot["view"]) for name, slot in meta["slots"].items()}
         self._extra = [input_source(recipe) for recipe in meta["inputs"]]
-        self._inputs = inputs  # per graph input: {"parameter": name} or {"input": index}
-        given = range(2 + len(self._extra))  # input_ids, attention_mask, the per-value inputs
-        if len(inputs) != len(module.graph.find_nodes(op="placeholder")) or not all(
-                isinstance(item, dict) and (item.get("input") in given or
-                                            str(item.get("parameter")) in meta["parameters"]) for item in inputs):
-            raise SavedProgramError(f"{path}: its graph's inputs do not match what graph.json says feeds them")
+        self._inputs = inputs  # per graph input: {"parameter": name} or {"input": index} (checked: saved.schema)
+        # the messages of the graph's assertions of a fixed edit's needs (saved.inline): a call they refuse
+        # is an EditError, as the instrumented model's own refusal is
+        self._needs = {node.args[1] for node in module.graph.find_nodes(
+            op="call_function", target=torch.ops.aten._assert_scalar.default) if isinstance(node.args[1], str)}
         self._model = model  # weights=model: followed (see _follow)
         self._use(weights)
-        self.config = _config(meta)
+        self.config = _config(path, meta)
 
     def _use(self, weights: dict) -> None:
         """Feed the program ``weights`` (``{name: function giving the tensor}``) and the call's inputs."""
@@ -188,8 +210,16 @@ class LoadedProgram:
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         user = [input_ids, attention_mask, *(source(inputs) for source in self._extra)]
         args = [user[source] if isinstance(source, int) else source() for source in self._sources]
+        if self._bounds is not None:
+            self._bounds.check(args)
         with editing(self._edits(edits)):
-            results = list(self.module(*args))
+            try:
+                results = list(self.module(*args))
+            except RuntimeError as error:
+                need = next((need for need in self._needs if need in str(error)), None)
+                if need is None:
+                    raise
+                raise EditError(f"{need}; this call has {input_ids.shape[1]} tokens") from None
         logits = results.pop(0) if self.meta["logits"] else None
         captured = dict(zip(self.meta["outputs"], results))
         derive.fill(captured, {name: (rule["how"], rule["sources"]) for name, rule in self.meta["derived"].items()},
@@ -218,9 +248,13 @@ class LoadedProgram:
                 f"slots {list(self.slots)})")
 
 
-def _config(meta: dict):
+def _config(path: Path, meta: dict):
     """The model's config, rebuilt from its class's configuration file (never its modeling file)."""
     from transformers import AutoConfig
     config = dict(meta["config"])
     config.pop("model_type", None)
-    return AutoConfig.for_model(meta["model_type"], **config)
+    try:
+        return AutoConfig.for_model(meta["model_type"], **config)
+    except Exception as error:  # noqa: BLE001 (any refusal of the config's fields is the file's)
+        raise SavedProgramError(f"{path} ({META}): its field 'config' is not a {meta['model_type']} config "
+                                f"({type(error).__name__}: {str(error)[:200]})") from None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import zipfile
 from importlib import metadata
@@ -36,6 +37,7 @@ import safetensors.torch
 import torch
 from torch.export.graph_signature import InputKind
 
+from .. import compat
 from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..kernels.slot import EDIT_SLOT_OP
 from ..passes.edit import EditSlot
@@ -46,7 +48,7 @@ from ..weights import write as write_weights
 from .fxdata import graph_data
 from .inline import drop_submodule, free_name, inline_modules
 
-FORMAT = 3
+FORMAT = 4
 SUFFIX = ".qgraph"
 META, GRAPH, TENSORS = "qgraph.json", "graph.json", "tensors.safetensors"
 
@@ -107,7 +109,9 @@ def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
         data = {"graph": graph_data(module, tensors), "inputs": inputs}
     except NotSupported as error:
         raise NotSupported(f"{path.name} cannot be saved: {error}") from error
-    data["devices"] = {name: str(tensor.device) for name, tensor in tensors.items()}
+    data["tensors"] = {name: {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                              "device": str(tensor.device)} for name, tensor in tensors.items()}
+    data["placeholders"], data["symbols"] = _placeholders(module, program)
     meta = {
         "format": FORMAT, "versions": versions(), "family": program.family.name,
         "model_class": type(ig.model).__name__, "model_type": ig.config.model_type, "config": ig.config.to_dict(),
@@ -148,12 +152,49 @@ def _write(path: Path, meta: dict, data: dict, tensors: dict[str, torch.Tensor])
 
 
 def read_meta(path: Path) -> dict | None:
-    """A saved program's ``qgraph.json`` (None if it has none), read without reading the rest; a file of
-    format 2 (a ``torch.export`` archive) kept it as ``<archive>/extra/qgraph.json``."""
+    """A saved program's ``qgraph.json`` (None if it has none), read without reading the rest and bounded
+    before it is read (``saved.schema``)."""
+    from .schema import parse, read_members
     with zipfile.ZipFile(path) as archive:
         names = archive.namelist()
-        name = META if META in names else next((name for name in names if name.endswith(f"/extra/{META}")), None)
-        return None if name is None else json.loads(archive.read(name))
+    if META not in names:  # format 2 (a torch.export archive) kept it as <archive>/extra/qgraph.json
+        return {"format": 2} if any(name.endswith(f"/extra/{META}") for name in names) else None
+    return parse(read_members(path, (META,))[META], META, path)
+
+
+def _placeholders(module: torch.nn.Module, program) -> tuple[list[dict], dict]:
+    """Each graph input's shape (a size, or the name of a symbol: the batch, the length) and dtype, and each
+    symbol's range (``{"min", "max"}``: the export's, raised to what a fixed edit's assertion needs), which
+    the loader's sandbox runs the graph on (``saved.sandbox``)."""
+    ranges = program.exported.program.range_constraints
+    symbols, shapes = {}, []
+    for node in module.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            raise NotSupported(f"the program's input {node.name} is not a tensor, which a saved program cannot take")
+        shape = []
+        for size in value.shape:
+            expr = compat.size_expression(size)
+            if isinstance(size, int):
+                shape.append(size)
+                continue
+            if not getattr(expr, "is_Symbol", False):
+                raise NotSupported(f"the program's input {node.name} has a size {expr} that is not one of its inputs' "
+                                   f"own sizes")
+            limits = ranges.get(expr)  # none for an input added after the export (a value's positions)
+            upper = int(limits.upper) if limits is not None and limits.upper.is_Integer else None  # int_oo: no bound
+            symbols[str(expr)] = {"min": int(limits.lower) if limits is not None else 0, "max": upper}
+            shape.append(str(expr))
+        shapes.append({"shape": shape, "dtype": str(value.dtype).removeprefix("torch."), "device": str(value.device)})
+    for node in module.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default):
+        test = node.args[0]  # ge(sym_size(x, dim), least), from saved.inline's needs
+        if getattr(test, "target", None) is operator.ge and getattr(test.args[0], "target", None) is \
+                torch.ops.aten.sym_size.int and isinstance(test.args[1], int):
+            source, dim = test.args[0].args
+            expr = str(compat.size_expression(source.meta["val"].shape[dim]))
+            if expr in symbols:
+                symbols[expr]["min"] = max(symbols[expr]["min"], test.args[1])
+    return shapes, symbols
 
 
 def _describe(called: torch.nn.Module, target: str) -> str:

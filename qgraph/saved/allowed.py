@@ -1,0 +1,90 @@
+"""The positive list of what a saved program may call: the op overloads ``ig.save`` writes, each group with its
+reason, and the size arithmetic ``torch.export`` puts between them. Nothing else resolves.
+
+How it was chosen: every overload that ``ig.save`` wrote for the three families (Qwen3.5, its mixture of
+experts, Qwen3-Next), sdpa and eager attention, every standard value, edit slots, fixed edits, SAEs of each
+architecture, transcoders of each activation, DeltaNet states and bf16 weights (a survey of their graphs), plus
+the functional siblings that the supported transformers releases write for the same modules (a mask by
+``masked_fill`` rather than ``where``, ``bmm`` rather than ``matmul``). Each is a pure function of its tensors:
+no op here opens a file, prints, warns, reads or advances a random generator, or touches state outside its
+arguments. No ``.out`` overload, no ``_foreach`` op, no higher-order op (a subgraph) and no TorchScript builtin
+is here. Three ops write in place (``INPLACE``); the sandbox lets them write only tensors the graph made itself.
+Two ops take a random generator when told to (``dropout`` with ``train=True``, ``sdpa`` with a dropout
+probability); ``CONSTANT`` pins those arguments to what makes them pure.
+
+The writer refuses to write an op that is not here (``saved.fxdata.target_name``), so what one qgraph writes,
+the same qgraph reads; a new op enters by a line here, with its reason.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+_GROUPS = {
+    "elementwise arithmetic, pure functions of their tensors": """
+        add.Tensor add.Scalar sub.Tensor sub.Scalar rsub.Tensor rsub.Scalar mul.Tensor mul.Scalar div.Tensor
+        div.Scalar div.Tensor_mode neg.default abs.default pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar
+        reciprocal.default sqrt.default rsqrt.default exp.default log.default log1p.default expm1.default
+        sin.default cos.default tanh.default sigmoid.default erf.default clamp.default clamp_min.default
+        clamp_max.default maximum.default minimum.default floor.default ceil.default round.default sign.default
+        remainder.Scalar remainder.Tensor floor_divide.default lerp.Scalar""",
+    "activations of the models' and SAEs' layers": """
+        silu.default gelu.default relu.default softplus.default softmax.int log_softmax.int _softmax.default
+        _log_softmax.default""",
+    "comparisons, logic and selection by mask": """
+        eq.Tensor eq.Scalar ne.Tensor ne.Scalar lt.Tensor lt.Scalar le.Tensor le.Scalar gt.Tensor gt.Scalar
+        ge.Tensor ge.Scalar __and__.Tensor __or__.Tensor __xor__.Tensor logical_and.default
+        logical_or.default logical_not.default bitwise_and.Tensor bitwise_or.Tensor bitwise_not.default
+        where.self where.Scalar where.ScalarOther where.ScalarSelf masked_fill.Scalar masked_fill.Tensor
+        isnan.default isinf.default""",
+    "reductions and ordering": """
+        sum.default sum.dim_IntList mean.default mean.dim amax.default amin.default max.dim min.dim max.default
+        min.default argmax.default argmin.default any.default any.dim all.default all.dim topk.default sort.default
+        argsort.default cumsum.default prod.dim_int var.correction norm.ScalarOpt_dim""",
+    "linear algebra, convolution and attention": """
+        linear.default matmul.default mm.default bmm.default addmm.default baddbmm.default einsum.default
+        conv1d.default embedding.default scaled_dot_product_attention.default""",
+    "shapes and views (no copy, or a copy of their input)": """
+        view.default reshape.default _unsafe_view.default flatten.using_ints unflatten.int squeeze.dim
+        squeeze.dims squeeze.default unsqueeze.default transpose.int permute.default t.default expand.default
+        expand_as.default slice.Tensor select.int narrow.default split.Tensor split_with_sizes.default
+        chunk.default unbind.int contiguous.default clone.default alias.default detach.default view_as.default
+        repeat.default repeat_interleave.self_int tril.default triu.default diagonal.default movedim.int""",
+    "joining, indexing and scattering into new tensors": """
+        cat.default stack.default index.Tensor index_select.default gather.default scatter.src scatter.value
+        scatter_add.default index_put.default constant_pad_nd.default pad.default one_hot.default""",
+    "dtype and device casts (the device checked against this machine at load)": """
+        to.dtype to.device to.dtype_layout to.other type_as.default _to_copy.default""",
+    "tensors made from sizes and literals (every size bounded at load)": """
+        zeros.default ones.default full.default empty.memory_format arange.default arange.start
+        arange.start_step zeros_like.default ones_like.default full_like.default empty_like.default
+        new_zeros.default new_ones.default new_full.default new_empty.default scalar_tensor.default
+        lift_fresh_copy.default""",
+    "checks that export writes (they raise, or do nothing)": """
+        _assert_tensor_metadata.default _assert_scalar.default sym_constrain_range_for_size.default
+        sym_size.int""",
+    "in place, on tensors the graph made itself (the sandbox refuses them on its inputs and held tensors)": """
+        copy_.default detach_.default index_put_.default""",
+}
+_QGRAPH = {
+    "qgraph's kernels: the gated delta rule (its state-emitting form too), the experts, the edit slots": """
+        chunk_gated_delta_rule.default chunk_gated_delta_rule_states.default moe_experts.default
+        moe_expert_neurons.default moe_experts_down.default edit_slot.default""",
+}
+OPS: dict[str, str] = {f"aten.{name}": reason for reason, names in _GROUPS.items() for name in names.split()}
+OPS.update({f"qgraph.{name}": reason for reason, names in _QGRAPH.items() for name in names.split()})
+INPLACE = frozenset(("aten.copy_.default", "aten.detach_.default", "aten.index_put_.default"))
+# argument position -> the one value it may hold (otherwise the op reads the global random generator)
+CONSTANT = {"aten.dropout.default": {2: False}, "aten.scaled_dot_product_attention.default": {4: 0.0}}
+OPS["aten.dropout.default"] = "dropout in eval mode (train=False: the identity, no random numbers)"
+
+# the size arithmetic export writes between ops (on symbolic sizes, never on tensors)
+FUNCTIONS = {
+    **{f"operator.{name}": getattr(operator, name) for name in (
+        "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "eq", "ne", "lt",
+        "le", "gt", "ge", "and_", "or_", "not_")},
+    **{f"math.{name}": getattr(math, name) for name in ("floor", "ceil", "trunc")},
+    **{f"torch.{name}": getattr(torch, name) for name in ("sym_float", "sym_int", "sym_max", "sym_min", "sym_not")},
+}

@@ -1,0 +1,297 @@
+"""What an untrusted graph (a saved program's) must pass before anything of it runs.
+
+``saved.fxdata`` builds the graph only from the positive list (``saved.allowed``) and identifiers; this
+module checks what the graph does with them, at load:
+
+- **Pure ops stay pure.** An op that takes a random generator when told to (``dropout``, ``sdpa``'s dropout)
+  holds the one argument that makes it pure (``allowed.CONSTANT``).
+- **Nothing outside the graph is written, or handed out.** An in-place op (``allowed.INPLACE``) may write
+  only a tensor the graph made; a view (an op whose schema says its result aliases an argument) of an
+  input or a held tensor is followed to that tensor. No output is a weight, a held tensor or a view of one.
+- **Every tensor it can make is bounded.** The graph runs once on fake tensors (shapes, no data), every
+  size of the call's inputs a symbol: every node's arguments must fit its op (a malformed node is refused
+  here, by name, not at the call), and each tensor's size in bytes is an expression of those symbols. Each
+  must be a polynomial of degree at most ``DEGREE`` in them (at most 2 in any one: an attention pattern's
+  batch × length²) and fit this machine's memory at the smallest call; each call then evaluates them on
+  its own sizes (``Bounds.check``) before it runs.
+Every refusal is a ``SavedProgramError`` naming the node and why.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import os
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from .. import compat
+from ..errors import InvalidArgument, SavedProgramError
+from .allowed import CONSTANT, INPLACE
+from .fxdata import device
+
+DEGREE = 3  # batch × length², the attention pattern's size
+_OP_OVERLOAD = type(torch.ops.aten.add.Tensor)
+_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def check(module: GraphModule, placeholders: list[dict], symbols: dict, weights: list[bool],
+          where: str) -> "Bounds":
+    """Check ``module``'s graph, its inputs shaped as ``placeholders`` say (``{"shape": [a size, or the
+    name of a symbol of ``symbols``: ``{"min", "max"}``], "dtype", "device"}``), ``weights[i]`` telling
+    whether input i is a weight (else the call's own); returns the bounds each call checks."""
+    graph = module.graph
+    for node in graph.nodes:
+        _constant_arguments(node, where)
+    _aliasing(graph, {node for node, weight in zip(graph.find_nodes(op="placeholder"), weights) if not weight}, where)
+    return _sizes(module, placeholders, symbols, where)
+
+
+def _constant_arguments(node: Node, where: str) -> None:
+    if node.op != "call_function" or not isinstance(node.target, _OP_OVERLOAD):
+        return
+    pinned = CONSTANT.get(str(node.target), {})
+    schema = node.target._schema
+    for index, value in pinned.items():
+        name = schema.arguments[index].name
+        given = node.args[index] if index < len(node.args) else node.kwargs.get(name, schema.arguments[index].default_value)
+        if given != value or isinstance(given, Node):
+            raise SavedProgramError(f"{where}: node {node.name} calls {node.target} with {name}={given!r}; a saved "
+                                    f"program holds it only with {name}={value!r} (otherwise it draws random numbers)")
+
+
+def _roots(value, roots: dict) -> set:
+    """The inputs and held tensors that ``value`` (an argument: a node, or a list of them) may alias."""
+    if isinstance(value, Node):
+        return roots.get(value, set())
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_roots(item, roots) for item in value)) if value else set()
+    return set()
+
+
+def _aliasing(graph: torch.fx.Graph, calls: set, where: str) -> None:
+    """Refuse a write into an input or held tensor, and an output that is a weight or held tensor
+    (the call's own ``calls`` inputs it may hand back: a value of ``input_ids``)."""
+    roots: dict[Node, set] = {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            roots[node] = {node}
+        elif node.op == "call_function" and node.target is operator.getitem:
+            roots[node] = _roots(node.args[0], roots)
+        elif node.op == "call_function" and isinstance(node.target, _OP_OVERLOAD):
+            schema, bound = node.target._schema, _bound_arguments(node)
+            for argument in schema.arguments:
+                info = argument.alias_info
+                if info is not None and info.is_write and argument.name in bound:
+                    hit = _roots(bound[argument.name], roots)
+                    if hit or str(node.target) not in INPLACE:
+                        raise SavedProgramError(
+                            f"{where}: node {node.name} ({node.target}) writes in place into "
+                            f"{_named(hit) if hit else 'its argument ' + argument.name}: a saved program may write "
+                            f"only tensors it made itself")
+            shared = set()  # the alias sets its results are in: a view shares its argument's
+            for result in schema.returns:
+                if result.alias_info is not None:
+                    shared |= set(result.alias_info.before_set)
+            roots[node] = set().union(*(_roots(bound.get(a.name), roots) for a in schema.arguments
+                                        if a.alias_info is not None and set(a.alias_info.before_set) & shared)) \
+                if shared else set()
+        elif node.op == "output":
+            hit = _roots(list(node.args[0]) if isinstance(node.args[0], (list, tuple)) else node.args[0], roots) - calls
+            if hit:
+                raise SavedProgramError(f"{where}: the graph returns {_named(hit)} (or a view of it): a saved program "
+                                        f"returns tensors it computed, never its weights or held tensors")
+
+
+def _bound_arguments(node: Node) -> dict:
+    schema = node.target._schema
+    bound = dict(zip((a.name for a in schema.arguments if not a.kwarg_only), node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _named(nodes: set) -> str:
+    return ", ".join(sorted(f"{'its input' if n.op == 'placeholder' else 'its held tensor'} {n.name}" for n in nodes))
+
+
+# -- sizes -------------------------------------------------------------------------------------------
+
+
+def memory_limit(device: torch.device) -> int:
+    """The bytes a tensor on ``device`` can have at most: the machine's memory (the GPU's for cuda)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: str) -> "Bounds":
+    mode = compat.fake_mode()
+    nodes = module.graph.find_nodes(op="placeholder")
+    hints, fakes, dims = {}, [], {}
+    for index, (node, spec) in enumerate(zip(nodes, placeholders)):
+        shape = []
+        for dim, size in enumerate(spec["shape"]):
+            if isinstance(size, str):
+                if size not in hints:  # distinct hints: equal ones would be taken for one size
+                    low, high = limits[size]["min"], limits[size]["max"]
+                    hint = max(low, 2) + 61 + 2 * len(hints)
+                    hints[size] = hint if high is None else min(hint, high)
+                dims.setdefault(size, (index, dim))
+                shape.append(hints[size])
+            else:
+                shape.append(size)
+        dtype, on = getattr(torch, spec["dtype"].removeprefix("torch.")), device(spec["device"], f"{where}: input {node.name}")
+        if not any(isinstance(s, str) for s in spec["shape"]):
+            with mode:  # a fake of its own: nothing allocated, however large
+                fakes.append(torch.empty(shape, dtype=dtype, device=on))
+            continue
+        if math.prod(shape) > 2**24:  # a call's inputs (ids, a mask, positions): small at the sandbox's sizes
+            raise SavedProgramError(f"{where}: its input {node.name} is {shape} at the sandbox's sizes, more than "
+                                    f"any input a saved program takes")
+        fakes.append(compat.fake(mode, torch.empty(shape, dtype=dtype, device=on), dynamic=True))
+    symbols = {}
+    for size, (index, dim) in dims.items():
+        value = fakes[index].shape[dim]
+        if isinstance(value, torch.SymInt):
+            symbols[compat.size_expression(value)] = (index, dim, limits[size])
+    made = _propagate(module, mode, fakes, where)
+    found: dict = {}  # bytes expression -> (node, device)
+    for node, value in made:
+        for tensor in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(tensor, torch.Tensor):
+                size = sympy.sympify(compat.size_expression(tensor.numel())) * tensor.element_size()
+                found.setdefault(size, (node, tensor.device))
+    return Bounds(found, symbols, where)
+
+
+def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
+    """``[(node, fake value)]`` of every node of ``module`` run on ``fakes`` (held tensors faked too)."""
+    made, seen = [], {}
+
+    class Fake(torch.fx.Interpreter):
+        def get_attr(self, target, args, kwargs):
+            return compat.fake(mode, super().get_attr(target, args, kwargs), dynamic=False)
+
+        def call_function(self, target, args, kwargs):
+            # one op on arguments of one kind (shapes, strides, dtypes, literals) makes one kind of result:
+            # the blocks of a model repeat their ops, so each kind runs once (a fake result holds no data)
+            key = _kind((target, args, kwargs))
+            if key is None:
+                return super().call_function(target, args, kwargs)
+            if key not in seen:
+                seen[key] = super().call_function(target, args, kwargs)
+            return seen[key]
+
+        def run_node(self, node):
+            if node.target is _METADATA:  # a check of its argument's dtype and device: nothing it makes
+                return None
+            try:
+                value = super().run_node(node)
+            except Exception as error:  # noqa: BLE001 (any failure of a node is the file's)
+                message = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+                raise SavedProgramError(f"{where}: node {node.name} ({node.target}) does not fit its arguments: "
+                                        f"{message}") from None
+            made.append((node, value))
+            return value
+
+    with mode:
+        Fake(module).run(*fakes)
+    return made
+
+
+def _kind(value):
+    """A hashable description of an op call's arguments as a fake run sees them (None if there is none)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(map(compat.size_expression, value.shape)),
+                tuple(map(compat.size_expression, value.stride())), compat.size_expression(value.storage_offset()),
+                value.dtype, value.device, value.requires_grad)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("symbol", type(value).__name__, value.node.expr)
+    if isinstance(value, (list, tuple)):
+        items = tuple(_kind(item) for item in value)
+        return None if any(item is None for item in items) else (type(value).__name__, items)
+    if isinstance(value, dict):
+        items = tuple((key, _kind(item)) for key, item in value.items())
+        return None if any(item is None for _, item in items) else ("dict", items)
+    if isinstance(value, slice):
+        return _kind(("slice", value.start, value.stop, value.step))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                           torch.memory_format)) or callable(value) or value is Ellipsis:
+        return ("literal", type(value).__name__, value)
+    return None
+
+
+class Bounds:
+    """The size in bytes of every tensor a graph can make, as expressions of its inputs' sizes; checked at
+    load (the degree, and the smallest call) and by each call on its own sizes."""
+
+    def __init__(self, found: dict, symbols: dict, where: str):
+        self.symbols = symbols  # symbol -> (placeholder index, dim, {"min", "max"})
+        self.sizes = found
+        self._seen: set = set()
+        low = {symbol: max(1, int(limits["min"])) for symbol, (_, _, limits) in symbols.items()}
+        for size, (node, device) in found.items():
+            unknown = size.free_symbols - set(symbols)
+            if unknown:
+                raise SavedProgramError(f"{where}: node {node.name} makes a tensor whose size depends on its data "
+                                        f"({size} bytes), which a saved program cannot bound")
+            _degree(size, list(symbols), node, where)
+            least = int(size.xreplace(low))
+            if least > memory_limit(device):
+                raise SavedProgramError(f"{where}: node {node.name} makes a tensor of {least:,} bytes at the smallest "
+                                        f"call, more than this machine's memory")
+
+    def check(self, args: list) -> None:
+        """Refuse a call (its arguments ``args``) whose sizes are out of the graph's range, or for which the
+        graph would make a tensor larger than the memory of its device."""
+        sizes = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else () for arg in args)
+        if sizes in self._seen:
+            return
+        values = {}
+        for symbol, (index, dim, limits) in self.symbols.items():
+            value = sizes[index][dim]
+            if limits["max"] is not None and value > limits["max"]:
+                raise InvalidArgument(f"this program takes at most {limits['max']} along dim {dim} of its input "
+                                      f"{index}; the call has {value}")
+            values[symbol] = value
+        for size, (node, device) in self.sizes.items():
+            needed = int(size.xreplace(values)) if size.free_symbols else int(size)
+            if needed > memory_limit(device):
+                raise InvalidArgument(f"this call would make a tensor of {needed / 2**30:,.1f} GiB (node {node.name}), "
+                                      f"more than the memory of {device}: call with fewer or shorter prompts")
+        self._seen.add(sizes)
+
+
+def _degree(size, symbols: list, node: Node, where: str) -> None:
+    """Refuse a size that grows faster than ``DEGREE`` in the call's sizes (or 2 in any one of them)."""
+    bound = _upper(size, node, where)
+    if not symbols or not bound.free_symbols:
+        return
+    poly = sympy.Poly(sympy.expand(bound), *symbols)
+    worst = max(poly.degree(symbol) for symbol in symbols)
+    if poly.total_degree() > DEGREE or worst > 2:
+        raise SavedProgramError(f"{where}: node {node.name} makes a tensor of {size} bytes, which grows faster with "
+                                f"the call's sizes than any tensor a saved program makes (at most batch × length²)")
+
+
+def _upper(expr, node: Node, where: str):
+    """A polynomial at least ``expr`` for sizes of at least 1: a floor division by its dividend, a remainder
+    by its divisor, a max or min by the sum of its arguments."""
+    if isinstance(expr, (sympy.Symbol, sympy.Integer, sympy.Rational)):
+        return expr
+    if isinstance(expr, (sympy.Add, sympy.Mul)):
+        return expr.func(*(_upper(arg, node, where) for arg in expr.args))
+    if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and expr.exp >= 0:
+        return sympy.Pow(_upper(expr.base, node, where), expr.exp)
+    name = type(expr).__name__
+    if name in ("FloorDiv", "CleanDiv", "IntTrueDiv"):
+        return _upper(expr.args[0], node, where)
+    if name in ("Mod", "PythonMod"):
+        return _upper(expr.args[1], node, where)
+    if name in ("Max", "Min"):
+        return sympy.Add(*(_upper(arg, node, where) for arg in expr.args))
+    if name in ("CeilDiv", "CeilToInt", "FloorToInt", "TruncToInt"):
+        return _upper(expr.args[0], node, where) + 1
+    raise SavedProgramError(f"{where}: node {node.name} makes a tensor of {expr} bytes, a size a saved program "
+                            f"cannot bound ({name})")

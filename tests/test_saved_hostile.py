@@ -1,0 +1,265 @@
+"""Saved programs as an attacker writes them: each hostile rewrite of a ``.qgraph`` archive is refused at
+``qgraph.load`` with a ``SavedProgramError`` naming the field or node, and nothing was read, written or
+changed (a canary file's bytes and its folder, ``torch.nn.Module``'s and ``GraphModule``'s attributes, the
+process's peak memory). The sandbox's own bounds at call time, and the positive list's promises (every op on
+it pure, registered, and written by ``ig.save``), are tested here too (docs/threat-model.md)."""
+from __future__ import annotations
+
+import json
+import resource
+import zipfile
+
+import pytest
+import safetensors.torch
+import torch
+
+import qgraph
+from qgraph.saved import allowed, fxdata, sandbox
+
+from conftest import random_ids
+
+
+@pytest.fixture(scope="module")
+def program(sdpa_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile")
+    path = qgraph.instrument(sdpa_model, values=["layers.1.layer_output"],
+                             edits={"layers.2.layer_output": None}).save(folder / "probe.qgraph", weights=True)
+    return path
+
+
+@pytest.fixture
+def canary(tmp_path):
+    """A file an attacker would read or write, and a snapshot of what must not change."""
+    (tmp_path / "canary").mkdir()
+    secret = tmp_path / "canary" / "secret.bin"
+    secret.write_bytes(b"the canary's bytes: nothing reads or writes me")
+    before = {name: value for name, value in vars(torch.nn.Module).items()}, dict(vars(torch.fx.GraphModule))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield secret
+    assert secret.read_bytes() == b"the canary's bytes: nothing reads or writes me"
+    assert [p.name for p in secret.parent.iterdir()] == ["secret.bin"]
+    assert dict(vars(torch.nn.Module)) == before[0] and dict(vars(torch.fx.GraphModule)) == before[1]
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 * 1024  # KiB: no large allocation
+
+
+def rewrite(path, out, graph=None, meta=None, members=None, tensors=None):
+    """A copy of the saved program ``path`` at ``out``, its graph.json / qgraph.json changed in place by
+    ``graph(data)`` / ``meta(data)``, its held tensors replaced by ``tensors``, ``members`` added."""
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            change = {"graph.json": graph, "qgraph.json": meta}.get(item.filename)
+            if change is not None:
+                loaded = json.loads(data)
+                change(loaded)
+                data = json.dumps(loaded).encode()
+            if item.filename == "tensors.safetensors" and tensors is not None:
+                data = safetensors.torch.save(tensors)
+            target.writestr(item, data)
+        for name, data in (members or {}).items():
+            target.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED)
+    for weights in path.parent.glob(f"{path.stem}*.safetensors*"):
+        (out.parent / weights.name.replace(path.stem, out.stem, 1)).write_bytes(weights.read_bytes())
+    return out
+
+
+def call(target, *args, **kwargs):
+    return {"name": f"hostile_{len(args)}_{abs(hash((target, str(args)))) % 10**8}", "op": "call_function",
+            "target": target, "args": list(args), **({"kwargs": kwargs} if kwargs else {})}
+
+
+def returning(*nodes):
+    """A change of graph.json adding ``nodes`` before the output, the last one returned too."""
+    def change(data):
+        graph = data["graph"]["nodes"]
+        output = graph.pop()
+        graph.extend(nodes)
+        output["args"][0]["tuple"].append({"node": nodes[-1]["name"]})
+        graph.append(output)
+    return change
+
+
+def nodes_of(data, op):
+    return [node for node in data["graph"]["nodes"] if node["op"] == op]
+
+
+def first_weight(data):
+    return nodes_of(data, "placeholder")[0]["name"]
+
+
+def ids_input(data):
+    return nodes_of(data, "placeholder")[[item.get("input") for item in data["inputs"]].index(0)]["name"]
+
+
+def sized(data):
+    """A size node of the call's length (sym_size of input_ids, dim 1), as the hostile graphs use."""
+    return {"name": "hostile_length", "op": "call_function", "target": "torch.ops.aten.sym_size.int",
+            "args": [{"node": ids_input(data)}, 1]}
+
+
+OPS = "torch.ops.aten"
+
+
+def graph_cases(secret):
+    """(case, change of graph.json, what the refusal says)."""
+    path = str(secret)
+    empty = {"name": "buf", "op": "call_function", "target": f"{OPS}.empty.memory_format", "args": [[0]],
+             "kwargs": {"dtype": {"dtype": "uint8"}}}
+
+    def lazy(make):  # a change that needs the graph's own names
+        return lambda data: returning(*make(data))(data)
+
+    def power(data):
+        size, nodes = {"node": "hostile_length"}, [sized(data)]
+        for index in range(4):
+            nodes.append({"name": f"hostile_p{index}", "op": "call_function", "target": "operator.mul",
+                          "args": [size, {"node": "hostile_length"}]})
+            size = {"node": f"hostile_p{index}"}
+        return nodes + [call(f"{OPS}.zeros.default", [size])]
+
+    return [
+        ("from_file reads a file", returning(empty, call(f"{OPS}.from_file.out", path, False, 25, out={"node": "buf"})),
+         r"calls 'torch.ops.aten.from_file.out' .* not on the positive list"),
+        ("from_file, the functional form", returning(call(f"{OPS}.from_file.default", path, True, 25)),
+         "from_file.default"),
+        ("save writes a file", returning(call(f"{OPS}.save.default", path)), "save.default"),
+        ("_print prints", returning(call(f"{OPS}._print.default", "pwned")), "_print.default"),
+        ("an out= variant", lazy(lambda d: [call(f"{OPS}.add.out", {"node": first_weight(d)}, {"node": first_weight(d)},
+                                                 out={"node": first_weight(d)})]), "add.out"),
+        ("an in-place op outside the list", lazy(lambda d: [call(f"{OPS}.mul_.Scalar", {"node": first_weight(d)}, 0.0)]),
+         "mul_.Scalar"),
+        ("copy_ into a weight", lazy(lambda d: [call(f"{OPS}.copy_.default", {"node": first_weight(d)},
+                                                     {"node": first_weight(d)})]),
+         r"writes in place into its input p_model_embed_tokens_weight"),
+        ("index_put_ into a view of a held tensor", lazy(lambda d: [
+            {"name": "hostile_view", "op": "call_function", "target": f"{OPS}.view.default",
+             "args": [{"node": nodes_of(d, "get_attr")[0]["name"]}, [-1]]},
+            call(f"{OPS}.index_put_.default", {"node": "hostile_view"}, [None], {"node": "hostile_view"})]),
+         r"writes in place into its held tensor"),
+        ("a view of a weight returned", lazy(lambda d: [call(f"{OPS}.t.default", {"node": first_weight(d)})]),
+         r"returns its input p_model_embed_tokens_weight \(or a view of it\)"),
+        ("a held tensor returned", lazy(lambda d: [call(f"{OPS}.alias.default", {"node": nodes_of(d, "get_attr")[0]["name"]})]),
+         r"returns its held tensor"),
+        ("a _foreach op", lazy(lambda d: [call(f"{OPS}._foreach_add.Scalar", [{"node": first_weight(d)}], 1.0)]),
+         "_foreach_add.Scalar"),
+        ("random numbers", returning(call(f"{OPS}.rand.default", [4])), "rand.default"),
+        ("dropout that draws", lazy(lambda d: [call(f"{OPS}.dropout.default", {"node": first_weight(d)}, 0.5, True)]),
+         r"with train=True; a saved program holds it only with train=False"),
+        ("a higher-order op", returning(call("torch.ops.higher_order.wrap_with_set_grad_enabled", False)),
+         "wrap_with_set_grad_enabled"),
+        ("a TorchScript builtin", returning(call("torch._C._jit_get_operation", "aten::add")), "_jit_get_operation"),
+        ("a dunder op name", returning(call(f"{OPS}.__class__.__init__")), r"'torch.ops.aten.__class__.__init__'"),
+        ("an empty tensor of 2**40 bytes", returning(call(f"{OPS}.empty.memory_format", [2**40],
+                                                          dtype={"dtype": "uint8"})),
+         r"makes a tensor of 1,099,511,627,776 bytes at the smallest call"),
+        ("a huge symbolic product", lazy(power), r"grows faster with the call's sizes"),
+        ("a node that does not fit its op", lazy(lambda d: [call(f"{OPS}.linear.default", {"node": first_weight(d)},
+                                                                 {"node": ids_input(d)})]), "does not fit its arguments"),
+        ("a device this machine lacks", lazy(lambda d: [call(f"{OPS}.to.device", {"node": first_weight(d)},
+                                                             {"device": "cuda:0"}, {"dtype": "float32"})]),
+         "names the device 'cuda:0', which this machine does not have"),
+        ("a dotted attribute path", lambda d: nodes_of(d, "get_attr")[0].update(target="__class__.__base__.__base__.X"),
+         "a held tensor's name is a flat identifier"),
+        ("a leading underscore", lambda d: nodes_of(d, "get_attr")[0].update(target="_parameters"),
+         "a held tensor's name is a flat identifier"),
+        ("a graph module's attribute", lambda d: nodes_of(d, "get_attr")[0].update(target="forward"),
+         "a held tensor's name is a flat identifier"),
+        ("a unicode name", lambda d: nodes_of(d, "call_function")[0].update(name="lineаr"), "has a node named"),
+        ("code as a node name", lambda d: nodes_of(d, "call_function")[0].update(name="x = __import__('os')"),
+         "has a node named"),
+        ("a subgraph of its own", lambda d: d["graph"].update(modules={"body": {"nodes": []}}),
+         "not an object holding only a list of nodes"),
+        ("an unknown kind of node", lambda d: nodes_of(d, "call_function")[0].update(op="call_module"), "of kind"),
+    ]
+
+
+def test_hostile_graphs_are_refused_at_load_and_nothing_ran(program, canary, sdpa_model, monkeypatch):
+    for index, (case, change, message) in enumerate(graph_cases(canary)):
+        bad = rewrite(program, canary.parent.parent / f"case{index}.qgraph", graph=change)
+        with pytest.raises(qgraph.SavedProgramError, match=message):
+            qgraph.load(bad)
+            pytest.fail(f"{case}: loaded")
+    assert not hasattr(torch.nn.Module, "X")
+    monkeypatch.setitem(fxdata.LIMITS, "nodes", 100)
+    with pytest.raises(qgraph.SavedProgramError, match=r"nodes, more than a saved program may have \(100\)"):
+        qgraph.load(program)
+
+
+def test_hostile_fields_and_members_are_refused_at_load(program, canary, tmp_path):
+    versions = json.loads(zipfile.ZipFile(program).read("qgraph.json"))["versions"]
+    (tmp_path.parent / "outside.safetensors").write_bytes(b"")  # what ".." would reach
+    cases = [
+        (dict(meta=lambda m: m.update(weights="..")), r"field 'weights' is not null or the name of a .safetensors"),
+        (dict(meta=lambda m: m.update(weights="/etc/passwd")), "field 'weights'"),
+        (dict(meta=lambda m: m.update(weights="../outside.safetensors")), "field 'weights'"),
+        (dict(meta=lambda m: m.pop("slots")), r"field 'slots' is missing"),
+        (dict(meta=lambda m: m.update(versions={k: v for k, v in versions.items() if k != "torch"})),
+         "does not name the torch that wrote it"),
+        (dict(meta=lambda m: m.update(model_type="evil_remote_code")), r"field 'model_type' names no model_type"),
+        (dict(meta=lambda m: m.update(family="other")), r"field 'family' names no family"),
+        (dict(meta=lambda m: m["config"].update(__class__="str")), "field 'config'"),
+        (dict(meta=lambda m: m.update(derived={"x": {"how": "exec", "sources": []}})), "derives 'x' by 'exec'"),
+        (dict(meta=lambda m: m.update(blocks="4")), r"field 'blocks' is not the number of blocks"),
+        (dict(graph=lambda g: g["tensors"][next(iter(g["tensors"]))].update(device="cuda:0")),
+         "which this machine does not have"),
+        (dict(graph=lambda g: g["tensors"][next(iter(g["tensors"]))].update(shape=[5])), r"is \[4\] float32, graph.json says \[5\]"),
+        (dict(tensors={"b_model_rotary_emb_inv_freq": torch.zeros(4, dtype=torch.float64)}), r"is \[4\] float64"),
+        (dict(graph=lambda g: g["placeholders"][0].update(shape=[9, 9])), "shapes the parameter model.embed_tokens.weight"),
+        (dict(graph=lambda g: g["inputs"].__setitem__(0, {"parameter": "not.a.parameter"})), "field 'inputs'"),
+        (dict(graph=lambda g: g.update(symbols={})), "field 'placeholders'"),
+        (dict(members={"evil.py": b"import os"}), r"holds 'evil.py', which a saved program does not have"),
+        (dict(members={"graph.json ": b"{}"}), "which a saved program does not have"),
+    ]
+    for index, (change, message) in enumerate(cases):
+        bad = rewrite(program, tmp_path / f"field{index}.qgraph", **change)
+        with pytest.raises(qgraph.SavedProgramError, match=message):
+            qgraph.load(bad)
+
+
+def test_an_inflating_member_is_refused_before_it_is_read(program, canary, tmp_path):
+    bomb = tmp_path / "bomb.qgraph"
+    with zipfile.ZipFile(program) as source, zipfile.ZipFile(bomb, "w") as target:
+        for item in source.infolist():
+            if item.filename != "qgraph.json":
+                target.writestr(item, source.read(item))
+                continue
+            info = zipfile.ZipInfo("qgraph.json")
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with target.open(info, "w", force_zip64=True) as member:
+                member.write(source.read(item))
+                for _ in range(300):  # 300 MB of spaces after the JSON, written a MB at a time
+                    member.write(b" " * 2**20)
+    assert bomb.stat().st_size < 2**20
+    with pytest.raises(qgraph.SavedProgramError, match=r"its qgraph.json inflates to 314,[\d,]+ bytes from"):
+        qgraph.load(bomb)
+
+
+def test_a_call_past_the_memory_is_refused_before_it_runs(program, canary, tmp_path, sdpa_model):
+    """A tensor of length² × C bytes: within the degree, small at the smallest call, refused by the
+    call that would make it larger than this machine's memory (and nothing allocated)."""
+    limit = sandbox.memory_limit(torch.device("cpu"))
+    columns = limit // (4 * 3 * 3) + 1  # float32: past the memory at 3 tokens, not at 1
+    bad = rewrite(program, tmp_path / "grows.qgraph", graph=lambda d: returning(
+        sized(d), {"name": "hostile_square", "op": "call_function", "target": "operator.mul",
+                   "args": [{"node": "hostile_length"}, {"node": "hostile_length"}]},
+        call(f"{OPS}.empty.memory_format", [{"node": "hostile_square"}, columns]))(d))
+    loaded = qgraph.load(bad, weights=sdpa_model)
+    with pytest.raises(qgraph.InvalidArgument, match=r"this call would make a tensor of [\d.,]+ GiB .* more than the "
+                                                     r"memory of cpu"):
+        loaded(random_ids(1, 3))
+
+
+def test_the_positive_list_is_pure_and_registered():
+    """Every op on the list resolves in this torch; none takes a random generator unless its
+    argument is pinned (CONSTANT) nor writes unless it is INPLACE; none is an out= overload."""
+    import qgraph.kernels  # noqa: F401 (registers qgraph's ops)
+    for name in allowed.OPS:
+        op = fxdata._resolve(f"torch.ops.{name}")
+        assert op is not None, name
+        schema = op._schema
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        assert writes == (name in allowed.INPLACE), name
+        assert (torch.Tag.nondeterministic_seeded in op.tags) == (name in allowed.CONSTANT), name
+        assert not name.endswith(".out") and "_foreach" not in name, name
+    with pytest.raises(qgraph.NotSupported, match="not on the positive list"):
+        fxdata.target_name(torch.ops.aten.from_file.default)
