@@ -18,7 +18,7 @@ from .families import family_for
 from .export.fingerprint import fingerprint
 from .inputs import image_keys, prepare
 from .values.names import aliases, resolve
-from .output import Output
+from .output import Output, retain
 from .passes.edit import EditSlot, applying
 from .program import Program
 from .values.options import check_options
@@ -296,8 +296,7 @@ class InstrumentedModel:
             name, tensor = key[:-5], captured[key]
             if tensor is None:  # computed on another rank
                 continue
-            if tensor.requires_grad:
-                tensor.retain_grad()
+            retain(tensor)  # a tensor, or its micro-batches' (stages in this process)
             grads[name] = (tensor, program.catalogue[name].location.view)
         return Output(logits, values, len(self.family.block_mixers(self.config)), grads,
                       aliases=aliases(self.family, self.config), source=self, input_ids=prepared["input_ids"],

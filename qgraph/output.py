@@ -22,8 +22,9 @@ class Output:
     logits: torch.Tensor | None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     blocks: int = 0  # the model's block count, to read negative block indices
-    # for each value asked with {"grad": True}: the tensor its readers read, and the view it is served through
-    watched: dict[str, tuple[torch.Tensor, tuple]] = field(default_factory=dict, repr=False)
+    # for each value asked with {"grad": True}: the tensor its readers read (or, from stages in one process
+    # with micro-batches, the tuple of each micro-batch's, joined along the batch), and the view it is served through
+    watched: dict[str, tuple[torch.Tensor | tuple, tuple]] = field(default_factory=dict, repr=False)
     # name -> its standard names (values.names.aliases): out["blocks.3.hook_resid_post"] reads layers.3.layer_output
     aliases: Callable[[str], list[str]] | None = field(default=None, repr=False)
     # what made it (the instrumented model or loaded program) and the call's tokens: out.plot reads the values'
@@ -54,22 +55,27 @@ class Output:
         rest of the model read: an edited value's gradient is the edited tensor's)."""
         key = self._watched(name)
         tensor, view = self.watched[key]
-        if not tensor.requires_grad:
+        pieces = pieces_of(tensor)
+        if not any(piece.requires_grad for piece in pieces):
             raise InvalidState(f"'{key}' has no gradient: the call ran with gradients off (torch.no_grad or "
                                f"inference_mode); call the instrumented model outside it")
-        if tensor.grad is None:
+        grads = [piece.grad for piece in pieces]
+        if all(grad is None for grad in grads):
             raise InvalidState(f"no gradient has reached '{key}' yet: call backward() on a loss computed from this "
                                f"call's outputs first (a loss that does not depend on '{key}' gives it none)")
-        return views.apply(tensor.grad, view)
+        # a micro-batch the loss does not read got no gradient: zeros, as one tensor's rows would get
+        return views.apply(_cat([torch.zeros_like(p) if g is None else g for p, g in zip(pieces, grads)]), view)
 
     def gradients(self, loss: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         """``{name: d loss / d value}`` for the ``grad`` values (or ``names`` of them), computed with
         ``torch.autograd.grad``: no ``.grad`` of the model's parameters is touched. A value the loss does
         not depend on gets zeros."""
         keys = [self._watched(name) for name in (names if names is not None else self.watched)]
-        tensors = [self.watched[key][0] for key in keys]
-        grads = torch.autograd.grad(loss, tensors, allow_unused=True, materialize_grads=True)
-        return {key: views.apply(g, self.watched[key][1]) for key, g in zip(keys, grads)}
+        pieces = [pieces_of(self.watched[key][0]) for key in keys]
+        grads = iter(torch.autograd.grad(loss, [p for parts in pieces for p in parts], allow_unused=True,
+                                         materialize_grads=True))
+        return {key: views.apply(_cat([next(grads) for _ in parts]), self.watched[key][1])
+                for key, parts in zip(keys, pieces)}
 
     def _watched(self, name: str) -> str:
         key = canonical(name, self.blocks, self.aliases)
@@ -117,3 +123,19 @@ class Output:
         return torch.stack([self.values[name] for name in names])
 
     __repr__, _repr_html_ = reprs.shown(reprs.output)
+
+
+def pieces_of(tensor) -> tuple:
+    """A watched value's tensors: itself alone, or its micro-batches' (a tuple, joined along the batch)."""
+    return tensor if isinstance(tensor, tuple) else (tensor,)
+
+
+def retain(tensor) -> None:
+    """Keep the gradient a backward gives each of a watched value's tensors (``.grad``; a no-op on a leaf)."""
+    for piece in pieces_of(tensor):
+        if piece.requires_grad:
+            piece.retain_grad()
+
+
+def _cat(pieces: list) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

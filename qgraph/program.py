@@ -149,14 +149,19 @@ class Program:
         program runs compiled unless ``eager`` (a call with per-call edits). With ``loss`` (a function
         of the logits to a scalar) the backward runs too, and the loss's value comes third (None on a
         rank without the last stage); with stages and micro-batches the loss is each micro-batch's, summed."""
-        args = self.arguments(inputs)
+        try:
+            args = self.arguments(inputs)
+        except Exception as error:  # under torchrun the other ranks' stages wait on this one's: they raise too
+            if self.pipeline is not None:
+                self.pipeline.abandon(error)
+            raise
         if loss is not None:
             self._check_loss(loss)
         watched = frozenset(i + self.returns_logits for i, name in enumerate(self.tapped) if name.endswith("#grad"))
         value = None
         with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
             if self.pipeline is not None:  # its stages: this process's, or all of them (qgraph.distributed)
-                results, value = self.pipeline(args, loss, watched if loss is not None else frozenset())
+                results, value = self.pipeline(args, loss, watched)
                 results = list(results)
             else:
                 results = list((self.module if eager or self.compiled is None else self.compiled)(*args))

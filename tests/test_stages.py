@@ -2,9 +2,11 @@
 stage on its device with ``devices=``) and as a two-process pipeline under torchrun (gloo): logits and
 every value equal the single-process program's; an edit on stage 2 changes only what follows it;
 ``loss=`` runs the backward through the stages, across processes on torch's schedules, and every
-parameter's ``.grad`` equals single-process autograd."""
+parameter's ``.grad`` equals single-process autograd; without ``loss=`` the caller's own backward
+reaches the values through micro-batches; a failure on one rank ends both with its error, in bounded time."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -84,16 +86,23 @@ def test_in_one_process_stages_give_the_single_program(model, single):
         _same(edited, got.logits, got.values, edited.values, exact)
 
 
-def test_two_processes_under_torchrun(model, single, checkpoint, tmp_path):
-    from transformers import AutoModelForCausalLM
+@pytest.fixture(scope="module")
+def ranks(checkpoint, tmp_path_factory) -> list[dict]:
+    """What each rank of tests/stages_worker.py got, run once under torchrun (two processes, gloo)."""
+    folder = tmp_path_factory.mktemp("ranks")
     ids, mask = _inputs()
-    torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
+    torch.save({"ids": ids, "mask": mask}, folder / "inputs.pt")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "tests" / "stages_worker.py"), str(checkpoint), str(tmp_path / "inputs.pt"), str(tmp_path)]
+               str(REPO / "tests" / "stages_worker.py"), str(checkpoint), str(folder / "inputs.pt"), str(folder)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "QGRAPH_PROGRESS": "0"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    return [torch.load(folder / f"rank{r}.pt") for r in (0, 1)]
+
+
+def test_two_processes_under_torchrun(model, single, checkpoint, ranks):
+    from transformers import AutoModelForCausalLM
+    ids, mask = _inputs()
     expected, edited = single(ids, mask), single(ids, mask, edits=EDIT)
     first = ["layers.0.layer_output", "layers.1.layer_output", "layers.0.linear_attn.states"]
     second = ["layers.2.layer_output", "layers.3.layer_output", "layers.3.self_attn.attention_gate"]
@@ -140,6 +149,74 @@ def test_two_processes_under_torchrun(model, single, checkpoint, tmp_path):
     forward = ranks[0]["interleaved forward"]  # forward alone, 3 rows into 2 micro-batches: a step of 2, one of 1
     assert sorted(forward) == sorted([f"layers.{i}.layer_output" for i in range(4)] + ["layers.3.layer_input"])
     _same(expected, None, forward, [f"layers.{i}.layer_output" for i in range(4)], atol=1e-5)
+
+
+def test_a_failure_on_one_rank_ends_every_rank_with_its_error(ranks):
+    # (the call, the error rank 1 raised, its message, its cause, the most seconds either rank took); the worker
+    # exits after 120 s left waiting, so a failure that leaves a rank waiting fails this test instead of hanging it
+    failed = {
+        "weights": ("InvalidState", "is on the meta device", None, 10),  # before its stage ran: the vote at the start
+        "loss": ("ValueError", "the loss fails on the last stage", None, 10),  # zeros sent on: at once
+        "edit": ("KeyError", "the edit fails on rank 1", None, 10),  # a stage's forward, without loss=: at once
+        # in torch's backward: rank 0 waits on rank 1's gradients until Stages(timeout=2) runs out
+        "backward": ("RuntimeError", "Failed to run stage backward", "ArithmeticError", 2 * 2 + 10)}
+    for name, (kind, text, cause, bound) in failed.items():
+        own, other = ranks[1]["failures"][name], ranks[0]["failures"][name]
+        assert (own[0], own[2]) == (kind, cause) and text in own[1], (name, own)
+        named = text if cause is None else "the backward fails on rank 1"  # torch's wrapper unwrapped
+        assert other[0] == "InvalidState" and f"rank 1 failed in a staged call ({cause or kind}: " in other[1], other
+        assert named in other[1] and "every rank stops with its error" in other[1], other
+        assert own[3] < bound and other[3] < bound, (name, own[3], other[3])
+    assert ranks[0]["failures"]["backward"][3] >= 2  # it waited for the timeout: nothing sent on from a backward
+    assert ranks[0]["failures"]["loss"][3] < 2  # the loss's failure comes to rank 0 at once, not at a timeout
+    # and afterwards the same processes run loss= on torch's schedules exactly (test_two_processes_under_torchrun)
+
+
+def _hf_block_grads(model, ids, mask, loss, blocks) -> tuple[dict, dict]:
+    """HF autograd of ``loss(logits, output of block 1)``: each of ``blocks``' output's gradient (retain_grad
+    on its forward hook's output) and the parameters' .grad (the model's .grad left empty)."""
+    seen = {}
+
+    def keep(module, args, output, block):
+        seen[block] = output[0] if isinstance(output, tuple) else output
+        seen[block].retain_grad()
+
+    handles = [model.model.layers[b].register_forward_hook(functools.partial(keep, block=b)) for b in blocks]
+    model.zero_grad(set_to_none=True)
+    try:
+        loss(model(input_ids=ids, attention_mask=mask).logits, seen[1]).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    params = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return {b: seen[b].grad for b in blocks}, params
+
+
+def test_the_callers_own_backward_reaches_the_values_through_micro_batches(model):
+    ids, mask = _inputs()  # 3 rows: micro-batches of 2 and 1
+    names = {"layers.1.layer_output": 1, "layers.3.layer_input": 2}  # the HF block whose output each is
+
+    def loss(logits, first):  # the logits of the first micro-batch only, and block 1's output of every row
+        return LOSS(logits[:2]) + first[:, -3:].square().sum() * 1e-2
+
+    blocks, params = _hf_block_grads(model, ids, mask, loss, (1, 2))
+    assert blocks[2][2].abs().max() == 0 < blocks[2][:2].abs().max()  # the second micro-batch's rows: zeros
+    # placed stages (devices=) run the same in-process loop as plain ones, and place each piece too
+    stages = qgraph.Stages(2, microbatches=2, devices=["cpu", "cpu"])
+    ig = qgraph.instrument(model, values={name: {"grad": True} for name in names}, stages=stages)
+    out = ig(ids, mask)
+    loss(out.logits, out["layers.1.layer_output"]).backward()  # the caller's own backward, no loss=
+    got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert set(got) == set(params)
+    _close(got, params)
+    again = ig(ids, mask)  # torch.autograd.grad of the caller's loss: the parameters' .grad untouched
+    gradients = again.gradients(loss(again.logits, again["layers.1.layer_output"]))
+    assert all(p.grad is None for p in model.parameters())
+    for name, block in names.items():
+        torch.testing.assert_close(out.grad(name), blocks[block], rtol=0, atol=1e-5)
+        torch.testing.assert_close(gradients[name], blocks[block], rtol=0, atol=1e-5)
 
 
 def test_loss_runs_the_backward_through_the_stages_in_one_process(model):
@@ -226,6 +303,8 @@ def test_stage_mistakes_are_named(model):
         qgraph.instrument(model, values=VALUES, stages=2, compile=True)
     with pytest.raises(ValueError, match="microbatches takes a positive int"):
         qgraph.Stages(2, microbatches=0)
+    with pytest.raises(ValueError, match="timeout= takes the seconds a rank waits on another's message"):
+        qgraph.Stages(2, timeout=0)
     for devices, message in ((["cpu"], "devices= names 1 device for 2 stages: give one per stage"),
                              (["cpu", "nowhere"], "devices=: 'nowhere' is not a device"),
                              (["cpu", "meta"], "a stage cannot compute on 'meta'"),

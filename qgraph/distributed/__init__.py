@@ -29,13 +29,16 @@ class Stages:
     micro-batch forward, then every backward), "1f1b" (one forward, one backward, once the pipeline is
     full: less memory; needs ``microbatches`` >= stages) or "interleaved-1f1b" (several stages per
     process, ``stages`` a multiple of the processes). ``devices`` (one per stage, in one process) runs
-    each stage on its device."""
+    each stage on its device. ``timeout`` (seconds, under torchrun) bounds a rank's wait on another's
+    message: a failure on one rank ends every rank with its error, at once where qgraph catches it (the
+    loss, a stage's forward), else within ``timeout`` (``world.vote``)."""
 
     split: int | tuple = 2
     microbatches: int = 1
     gather: bool = False
     schedule: str = "gpipe"
     devices: tuple | None = None
+    timeout: float = 60.0
 
     def __post_init__(self):
         if isinstance(self.split, list):
@@ -50,6 +53,9 @@ class Stages:
                                   f"{self.microbatches} < {count} stages (use schedule='gpipe', or more micro-batches)")
         if self.devices is not None:
             object.__setattr__(self, "devices", check_devices(self.devices, count))
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise InvalidArgument(f"timeout= takes the seconds a rank waits on another's message (e.g. 60), not "
+                                  f"{self.timeout!r}")
 
     @classmethod
     def of(cls, stages) -> "Stages | None":
@@ -90,7 +96,7 @@ def stage_program(program, stages: Stages) -> Pipeline:
     values = [node.meta.get("val") for node in program.graph.find_nodes(op="placeholder")]
     return Pipeline(plan, world, set(user), stages.microbatches, stages.gather, stages.schedule,
                     kinds=input_kinds(program), values=values, logits=0 if program.returns_logits else None,
-                    devices=stages.devices, recorded=program.device or device)
+                    devices=stages.devices, recorded=program.device or device, timeout=float(stages.timeout))
 
 
 def input_kinds(program) -> list[tuple[str, str]]:

@@ -23,6 +23,13 @@ runs as "gpipe" (the same sums, in another order).
 Tied parameters (``lm_head`` reading ``embed_tokens``' weight) are read by stages on two ranks: each
 rank's backward gives its part of the gradient, and the parts are summed between those ranks after
 the schedule, so every rank's ``.grad`` is the whole gradient, as in one process.
+
+A failure on one rank ends every rank with its error (``world.vote``, at the start and the end of each
+call). A stage's forward or the loss that raises keeps its error and gives torch's schedule what the
+other ranks wait for: zeros of the shapes they expect (the row numbers -1, which tell the stages after
+it to do the same), a zero loss on the logits (its backward sends zeros), so every rank comes to the
+vote at the end of the call at once. A failure elsewhere (torch's schedule, a backward) leaves the
+ranks waiting on its messages until the timeout of the group they cross (``world.pipe``) runs out.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import torch
 from ..compat import size_expression
 from ..errors import InvalidArgument, InvalidState
 from .split import Plan, pick
+from .world import pipe, vote
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ROWS = ("rows",)  # each micro-batch's row numbers: its key among the micro-batches
@@ -100,8 +108,10 @@ class Engine:
     (W the world size; more than one per rank only for an interleaved schedule)."""
 
     def __init__(self, plan: Plan, rank: int, size: int, batched: set[int], input_values: list,
-                 differentiable: set[int], parameters: set[int], schedule: str, logits: int | None):
+                 differentiable: set[int], parameters: set[int], schedule: str, logits: int | None,
+                 timeout: float = 60.0):
         self.plan, self.rank, self.size, self.batched, self.schedule = plan, rank, size, batched, schedule
+        self.timeout = timeout  # seconds: the longest wait on another rank's message
         self.local = list(range(rank, len(plan), size))
         self.chain = Chain(plan, batched)
         self.input_values, self.logits = input_values, logits
@@ -122,30 +132,36 @@ class Engine:
         the rank of the last stage, else None). Torch's schedules run micro-batches of one size, so an
         uneven cut (3 rows into 2) runs as one schedule step per size."""
         import torch.distributed as dist
+        vote(None, self.timeout, start=True)  # every rank is here (one that failed before its stage ends them all)
+        group = pipe(self.timeout)
         batch = args[next(iter(self.batched))].shape[0] if self.batched else 1
         sizes = [len(part) for part in torch.arange(batch).tensor_split(min(microbatches, batch))]
         starts = [sum(sizes[:m]) for m in range(len(sizes))]
         run = _Run(self, args, watched, loss is not None, starts)
         before = {i: _grad_of(args[i]) for i in self.shared if self.rank in self.shared[i]} if loss is not None else {}
         losses: list = []
-        for size in sorted(set(sizes), reverse=True):  # the larger micro-batches come first
-            count = sizes.count(size)
-            first = starts[sizes.index(size)]
-            self._step(run, args, slice(first, first + size * count), count, loss, losses)
+        try:
+            for size in sorted(set(sizes), reverse=True):  # the larger micro-batches come first
+                count = sizes.count(size)
+                first = starts[sizes.index(size)]
+                self._step(run, group, args, slice(first, first + size * count), count, loss, losses)
+        except Exception as error:  # noqa: BLE001 - every rank raises it (or names it) after the vote
+            run.fail(error)
+        vote(run.failure, self.timeout)
         if loss is not None:
-            self._sum_shared(args, before, dist)
+            self._sum_shared(args, before, dist, group)
         value = torch.stack([piece.detach() for piece in losses]).sum() if losses else None
         return run.joined(), value
 
-    def _step(self, run: "_Run", args: list, rows: slice, count: int, loss, losses: list) -> None:
+    def _step(self, run: "_Run", group, args: list, rows: slice, count: int, loss, losses: list) -> None:
         """One schedule step over the batch's ``rows`` as ``count`` equal micro-batches."""
         from torch.distributed.pipelining import PipelineStage
         device = stage_device()
         root = [torch.arange(rows.start, rows.stop, device=device)] + \
             [args[item[1]][rows].to(device) for item in self.chain.root[1:]]
         metas = self._metas(args, (rows.stop - rows.start) // count, backward=loss is not None)
-        stages = [PipelineStage(StageModule(run, s), s, len(self.plan), device, group=None,
-                                input_args=None if metas is None else metas[s][0],
+        stages = [PipelineStage(StageModule(run, s, None if metas is None else metas[s][1]), s, len(self.plan),
+                                device, group=group, input_args=None if metas is None else metas[s][0],
                                 output_args=None if metas is None else metas[s][1]) for s in self.local]
         name = "gpipe" if self.schedule == "1f1b" and count < len(self.plan) else self.schedule  # same sums, in turn
         scheduled = stages if name.startswith("interleaved") else stages[0]
@@ -153,7 +169,7 @@ class Engine:
             with torch.no_grad():
                 schedule_class(name)(scheduled, count, scale_grads=False).step(*root, return_outputs=False)
         else:
-            schedule = schedule_class(name)(scheduled, count, loss_fn=lambda logits, _: loss_value(loss, logits),
+            schedule = schedule_class(name)(scheduled, count, loss_fn=lambda logits, _: run.loss(loss, logits),
                                             scale_grads=False)
             step_losses: list = []
             schedule.step(*root, target=torch.zeros(rows.stop - rows.start, device=device), losses=step_losses,
@@ -191,7 +207,7 @@ class Engine:
         except TypeError:  # a size the call's inputs do not determine
             return None
 
-    def _sum_shared(self, args: list, before: dict, dist) -> None:
+    def _sum_shared(self, args: list, before: dict, dist, group) -> None:
         """Sum the parts of each tied parameter's gradient between the ranks whose stages read it (in
         place in ``.grad``: one all-reduce when every rank reads it)."""
         for i, ranks in self.shared.items():
@@ -202,17 +218,17 @@ class Engine:
                 parameter.grad = torch.zeros_like(parameter)
             part = parameter.grad if before[i] is None else parameter.grad.sub_(before[i])  # this call's part
             if len(ranks) == self.size:
-                dist.all_reduce(part)
+                dist.all_reduce(part, group=group)
             elif self.rank == ranks[0]:
                 received = torch.empty_like(part)
                 for other in ranks[1:]:
-                    dist.recv(received, other)
+                    dist.recv(received, other, group=group)
                     part.add_(received)
                 for other in ranks[1:]:
-                    dist.send(part, other)
+                    dist.send(part, other, group=group)
             else:
-                dist.send(part, ranks[0])
-                dist.recv(part, ranks[0])
+                dist.send(part, ranks[0], group=group)
+                dist.recv(part, ranks[0], group=group)
             if before[i] is not None:
                 part.add_(before[i])
 
@@ -258,6 +274,21 @@ class _Run:
         self.gradients: dict[int, dict[int, torch.Tensor]] = {}  # position -> first row -> its gradient
         self.owned = {s: [(p, where[1]) for p, (kind, *where) in enumerate(engine.plan.outputs)
                           if kind == "stage" and where[0] == s] for s in engine.local}
+        self.failure: Exception | None = None  # this rank's first failure: every rank raises it after the vote
+        self.poisoned = False  # whether a stage here got the zeros of a failed one (its row numbers -1)
+
+    def fail(self, error: Exception) -> None:
+        self.failure = self.failure or error
+
+    def loss(self, loss, logits: torch.Tensor) -> torch.Tensor:
+        """``loss(logits)`` of one micro-batch; after a failure here, a zero loss on the logits' graph: its
+        backward still sends the stages before what they wait for (zeros)."""
+        if self.failure is None and not self.poisoned:
+            try:
+                return loss_value(loss, logits)
+            except Exception as error:  # noqa: BLE001 - raised on every rank after the vote
+                self.fail(error)
+        return logits.sum() * 0
 
     def keep(self, stage: int, row: int, produced) -> None:
         kept = self.kept[stage][row] = {}
@@ -291,14 +322,37 @@ class StageModule(torch.nn.Module):
     (``Chain.into``), returns those crossing out (on the last stage, the logits for the loss). It holds
     the model's parameters its stage reads, so ``.grad`` lands on them."""
 
-    def __init__(self, run: _Run, index: int):
+    def __init__(self, run: _Run, index: int, sends: tuple | None = None):
         super().__init__()
         self.run, self.index, self.module = run, index, run.engine.plan.modules[index]
+        self.sends = sends  # meta tensors of what it returns for one micro-batch (None: unknown)
         for kind, *where in run.engine.plan.inputs[index]:
             if kind == "input" and isinstance(run.args[where[0]], torch.nn.Parameter):
                 self.register_parameter(f"input{where[0]}", run.args[where[0]])
 
     def forward(self, *carried):
+        run = self.run
+        if int(carried[0][0]) < 0:  # the row numbers: -1 after a failed stage
+            run.poisoned = True
+        elif run.failure is None:
+            try:
+                return self._forward(carried)
+            except Exception as error:  # noqa: BLE001 - raised on every rank after the vote
+                run.fail(error)
+        if self.sends is None:  # the shapes to send are unknown: the others wait until the timeout
+            raise run.failure or InvalidState("a stage before this one failed, and this one cannot send on")
+        return self._zeros()
+
+    def _zeros(self):
+        """What this stage sends after a failure: zeros of the shapes expected (its row numbers -1)."""
+        device = stage_device()
+        sent = [torch.zeros(meta.shape, dtype=meta.dtype, device=device).requires_grad_(meta.requires_grad)
+                for meta in self.sends]
+        if self.index == len(self.run.engine.plan) - 1:
+            return sent[0] if sent else ()
+        return (torch.full_like(sent[0], -1), *sent[1:])
+
+    def _forward(self, carried):
         engine, run, stage = self.run.engine, self.run, self.index
         plan = engine.plan
         env = {item: value.item() if item in engine.scalars else value

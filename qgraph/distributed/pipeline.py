@@ -26,7 +26,7 @@ from ..errors import InvalidArgument, InvalidType
 from .engine import Engine, loss_value, stage_device
 from .place import Placement
 from .split import Plan, pick
-from .world import World
+from .world import World, pipe, vote
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.int8, torch.uint8, torch.int16]
@@ -50,7 +50,7 @@ class Pipeline:
     def __init__(self, plan: Plan, world: World | None, batched: set[int], microbatches: int = 1,
                  gather: bool = False, schedule: str = "gpipe", *, kinds: list | None = None,
                  values: list | None = None, logits: int | None = None, devices=None,
-                 recorded: torch.device | None = None):
+                 recorded: torch.device | None = None, timeout: float = 60.0):
         self.plan, self.world, self.batched, self.microbatches = plan, world, batched, microbatches
         self.gathering, self.logits, self.schedule = gather, logits, schedule
         kinds = kinds or []
@@ -70,7 +70,13 @@ class Pipeline:
             differentiable = parameters | {i for i, (kind, _) in enumerate(kinds) if kind == "input"
                                            and isinstance(values[i], torch.Tensor) and values[i].is_floating_point()}
             self.engine = Engine(plan, world.rank, world.size, batched, values, differentiable, parameters, schedule,
-                                 logits)
+                                 logits, timeout)
+
+    def abandon(self, error: Exception) -> None:
+        """This rank failed before its stages ran (its arguments): under torchrun, tell the other ranks at
+        the vote that starts a call, so that every rank raises (this one ``error``)."""
+        if self.engine is not None:
+            vote(error, self.engine.timeout, start=True)
 
     def local_inputs(self, count: int) -> list[int]:
         """The program inputs (of ``count``) this process's stages read (all of them in one process)."""
@@ -82,12 +88,22 @@ class Pipeline:
     def __call__(self, args: list, loss=None, watched=frozenset()) -> tuple[list, torch.Tensor | None]:
         """(the program outputs, the loss's value or None). With ``loss`` (a function of the logits to
         a scalar) the backward runs too: per micro-batch, summed; ``watched`` output positions keep
-        their gradients (``.grad``)."""
+        their gradients (``.grad``): in this process with micro-batches each is the tuple of its
+        micro-batches' tensors (the ones later stages read), so that ``Output.grad`` joins their
+        gradients after the loss's backward or the caller's own."""
         if self.placement is not None:
             self.placement.check(args)
-        if self.world is not None:
-            joined, value = self.engine(args, self.microbatches, loss, watched)
-            return self.gather(joined, watched, value, loss is not None) if self.gathering else (joined, value)
+        if self.world is not None:  # the caller's own backward cannot cross processes: loss= does
+            joined, value = self.engine(args, self.microbatches, loss, watched if loss is not None else frozenset())
+            if not self.gathering:
+                return joined, value
+            failure = None
+            try:
+                gathered = self.gather(joined, watched if loss is not None else frozenset(), value, loss is not None)
+            except Exception as error:  # noqa: BLE001 - every rank raises it (or names it) after the vote
+                failure = error
+            vote(failure, self.engine.timeout)
+            return gathered
         count = min(self.microbatches, *(args[i].shape[0] for i in self.batched)) if self.batched else 1
         parts = [[arg.tensor_split(count)[m] if i in self.batched else arg for i, arg in enumerate(args)]
                  for m in range(count)]
@@ -109,11 +125,9 @@ class Pipeline:
             value = value.detach()
         joined = [None if pieces[0] is None else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
                   for pieces in results]
-        if value is not None and count > 1:  # each watched value's pieces' gradients, joined
-            for position in watched:
-                grads = [piece.grad for piece in results[position]]
-                joined[position] = joined[position].detach().requires_grad_(True)
-                joined[position].grad = None if any(g is None for g in grads) else torch.cat(grads)
+        if count > 1:  # a watched value's readers read its pieces, not their join: its gradient is theirs, joined
+            for position in watched:  # (output.Output.grad; a backward of the loss or the caller's own)
+                joined[position] = tuple(results[position])
         return joined, value
 
     def _local(self, args: list) -> list:
@@ -137,35 +151,35 @@ class Pipeline:
         ones and the loss's ``value`` with them; other ranks keep their own."""
         if self.world is None:
             return outputs, value
-        rank, sends = self.world.rank, []
+        rank, sends, group = self.world.rank, [], pipe(self.engine.timeout)
         gathered = list(outputs)
         for position in range(len(outputs)):
             owner = self.plan.owner(position)
             if owner is None or owner % self.world.size == 0:
                 continue
             if rank == owner % self.world.size:
-                sends += _isend(outputs[position], 0, _tag(position, 1 << 24))
+                sends += _isend(outputs[position], 0, _tag(position, 1 << 24), group)
                 if position in watched:
                     grad = outputs[position].grad
-                    sends += _isend(False if grad is None else grad, 0, _tag(position, 2 << 24))
+                    sends += _isend(False if grad is None else grad, 0, _tag(position, 2 << 24), group)
             elif rank == 0:
-                gathered[position] = _recv(owner % self.world.size, _tag(position, 1 << 24))
+                gathered[position] = _recv(owner % self.world.size, _tag(position, 1 << 24), group)
                 if position in watched:
-                    grad = _recv(owner % self.world.size, _tag(position, 2 << 24))
+                    grad = _recv(owner % self.world.size, _tag(position, 2 << 24), group)
                     gathered[position].requires_grad_(True)
                     gathered[position].grad = grad if isinstance(grad, torch.Tensor) else None
         last = (len(self.plan) - 1) % self.world.size
         if backward and last != 0:  # the loss, from the last stage's rank
             if rank == last:
-                sends += _isend(value, 0, _tag(0, 3 << 24))
+                sends += _isend(value, 0, _tag(0, 3 << 24), group)
             elif rank == 0:
-                value = _recv(last, _tag(0, 3 << 24))
+                value = _recv(last, _tag(0, 3 << 24), group)
         for work in sends:
             work.wait()
         return gathered, value
 
 
-def _isend(value, dst: int, tag: int) -> list:
+def _isend(value, dst: int, tag: int, group) -> list:
     """Send ``value`` (a tensor or a Python scalar) to rank ``dst``: its header, then its payload."""
     import torch.distributed as dist
     if isinstance(value, torch.Tensor):
@@ -181,17 +195,18 @@ def _isend(value, dst: int, tag: int) -> list:
     header[:3] = torch.tensor([kind, _DTYPES.index(payload.dtype), payload.dim()])
     header[3:3 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
     device = payload.device
-    return [dist.isend(header.to(device), dst, tag=tag), dist.isend(payload, dst, tag=tag + 1)]
+    return [dist.isend(header.to(device), dst, group=group, tag=tag),
+            dist.isend(payload, dst, group=group, tag=tag + 1)]
 
 
-def _recv(src: int, tag: int):
+def _recv(src: int, tag: int, group):
     import torch.distributed as dist
     device = stage_device()
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src, tag=tag)
+    dist.recv(header, src, group=group, tag=tag)
     kind, dtype, ndim, *shape = header.tolist()
     payload = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
-    dist.recv(payload, src, tag=tag + 1)
+    dist.recv(payload, src, group=group, tag=tag + 1)
     return payload if kind == 0 else payload.item()
 
 
