@@ -65,6 +65,12 @@ def build_parser() -> Parser:
     add_model_arguments(support, attn_default="sdpa")
     support.set_defaults(handler=run_support)
     add_render_command(commands)
+    check = commands.add_parser("check", help="check a saved program (.qgraph) as qgraph.load does, reading no weights",
+                                description="Check a saved program as qgraph.load does (its members, every field, the "
+                                            "positive list of ops, the sandbox's fake run), without its weights: one "
+                                            "line says what it is, or why it is refused.", formatter_class=HelpFormatter)
+    check.add_argument("path", help="the .qgraph file")
+    check.set_defaults(handler=run_check)
     capture = commands.add_parser(
         "capture", help="capture values over a dataset to sharded safetensors (resumable; torchrun splits it)",
         description="Capture values over a dataset into --out (manifest.json and shards/); rerun the same command "
@@ -74,6 +80,16 @@ def build_parser() -> Parser:
     add_arguments(capture)
     capture.set_defaults(handler=run_capture)
     return parser
+
+
+def run_check(args) -> int:
+    from .saved.read import check
+    meta, _, module, bounds = check(args.path)
+    calls = sum(node.op == "call_function" for node in module.graph.nodes)
+    print(f"{args.path}: a {meta['model_class']} program of {calls} op calls, {len(meta['values'])} values, "
+          f"{len(meta['slots'])} edit slots; every op on the positive list, every tensor it makes bounded "
+          f"({len(bounds.sizes)} sizes): loads with qgraph.load(path, weights=...)")
+    return 0
 
 
 def add_model_arguments(parser, attn_default: str) -> None:

@@ -263,3 +263,17 @@ def test_the_positive_list_is_pure_and_registered():
         assert not name.endswith(".out") and "_foreach" not in name, name
     with pytest.raises(qgraph.NotSupported, match="not on the positive list"):
         fxdata.target_name(torch.ops.aten.from_file.default)
+
+
+def test_qgraph_check_says_each_refusal_in_one_line(program, canary, tmp_path, capsys):
+    """``qgraph check FILE`` runs load's checks without weights: one line for a good file, one error
+    line (exit 2, no traceback) for each hostile one."""
+    from qgraph.cli import main
+    assert main(["check", str(program)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "a Qwen3_5ForCausalLM program of" in out[0] and "every op on the positive list" in out[0]
+    for index, (case, change, message) in enumerate(graph_cases(canary)):
+        bad = rewrite(program, tmp_path / f"cli{index}.qgraph", graph=change)
+        assert main(["check", str(bad)]) == 2, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("qgraph: error: ") and "Traceback" not in err[0], (case, err)

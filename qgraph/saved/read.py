@@ -56,6 +56,18 @@ def load(path, weights=None) -> "LoadedProgram":
 
 def _load(path, weights, stage) -> "LoadedProgram":
     path = Path(path)
+    meta, data, module, bounds = check(path)
+    stage("read the weights")
+    tensors = _weights(path, meta, weights)
+    stage("load the program")
+    return LoadedProgram(path, module, data["inputs"], meta, tensors,
+                         weights if isinstance(weights, torch.nn.Module) else None, bounds)
+
+
+def check(path) -> tuple[dict, dict, torch.fx.GraphModule, sandbox.Bounds]:
+    """Everything ``load`` checks of the file at ``path`` before it reads weights (``qgraph check``):
+    its ``qgraph.json``, ``graph.json``, the graph module and the bounds of its calls."""
+    path = Path(path)
     if not path.is_file():
         raise MissingFile(f"no saved program at {path}: write one with ig.save({str(path)!r})")
     try:
@@ -77,11 +89,7 @@ def _load(path, weights, stage) -> "LoadedProgram":
                                 f"graph.json says what feeds {len(data['inputs'])}")
     bounds = sandbox.check(module, data["placeholders"], data["symbols"], ["parameter" in item for item in data["inputs"]],
                            str(path))
-    stage("read the weights")
-    tensors = _weights(path, meta, weights)
-    stage("load the program")
-    return LoadedProgram(path, module, data["inputs"], meta, tensors,
-                         weights if isinstance(weights, torch.nn.Module) else None, bounds)
+    return meta, data, module, bounds
 
 
 def _held(path: Path, data: bytes, expected: dict) -> dict[str, torch.Tensor]:
