@@ -370,3 +370,22 @@ def test_weights_in_shards_with_an_index(saved, sdpa_model, tmp_path):
     with pytest.raises(ValueError, match="max_shard_size= takes a number of bytes or a size such as '5GB' or "
                                          "'500MiB', not '5 parsecs'"):
         qgraph.saved.save(ig, path, weights=True, max_shard_size="5 parsecs")
+
+
+def test_a_program_saved_after_generate_serves_every_batch(sdpa_model, tmp_path):
+    """Generation builds its programs beside the prompt program, from one export: the decode step's
+    examples (of one batch) must not make the export's batch theirs, or a program saved (and an SAE
+    spliced) after a generate would hold that batch. Saved after generating, the loaded program equals
+    the instrumented model on batches of 1 and 3, and the HF forward."""
+    from qgraph.saes import SAE
+    from qgraph.saes.fixtures import write_saelens
+    sae = SAE.load(write_saelens(tmp_path / "sae", d_in=64, d_sae=32, architecture="topk", k=4,
+                                 hook_name="blocks.1.hook_resid_post", seed=3))
+    ig = qgraph.instrument(sdpa_model, values=["layers.1.sae.features"], saes={"layers.1.layer_output": sae})
+    ig.generate(random_ids(2, 4, seed=1), max_new_tokens=2)
+    program = qgraph.load(ig.save(tmp_path / "after.qgraph"), weights=sdpa_model)
+    for batch in (1, 3):
+        ids = random_ids(batch, 5, seed=batch)
+        expected, got = ig(ids), program(ids)
+        assert torch.equal(expected.logits, got.logits) and torch.equal(expected["layers.1.sae.features"],
+                                                                          got["layers.1.sae.features"])

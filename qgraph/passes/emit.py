@@ -2,19 +2,25 @@
 module scope of the node it stands in for, so later passes can locate and reason about it."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.fx import Graph, Node
 
 
 def fake_result(op, args, kwargs=None):
-    """The op's output on the arguments' fake values (shapes stay symbolic, nothing is computed)."""
+    """The op's output on the arguments' fake values (shapes stay symbolic, nothing is computed). What the op
+    assumes of the sizes is not recorded: the fake values are shared by every program of one export, and a
+    pass's assumption (generation's decode step puts examples of one batch beside the program's symbolic
+    batch) would otherwise make the export's sizes that example's for every later program (a saved one)."""
     fakes = torch.fx.node.map_arg(args, lambda node: node.meta["val"])
     kwargs = kwargs or {}
     tensors = []
     torch.fx.node.map_aggregate(fakes, lambda value: tensors.append(value) if hasattr(value, "fake_mode") else None)
     if not tensors:  # arithmetic on symbolic sizes
         return op(*fakes, **kwargs)
-    with tensors[0].fake_mode:
+    mode = tensors[0].fake_mode
+    with mode, (mode.shape_env.suppress_guards() if mode.shape_env is not None else contextlib.nullcontext()):
         return op(*fakes, **kwargs)
 
 

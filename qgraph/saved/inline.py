@@ -74,10 +74,11 @@ def _export(called: torch.nn.Module, node: Node):
                               for arg in node.args):
         raise NotSupported(f"{node.target} is called with arguments other than tensors of the program")
     sizes: dict[str, int] = {}  # a symbolic size (its expression) -> the example's size for it
-    examples, shapes = [], []
+    examples, shapes, ours = [], [], []  # ours: each input's dims by the program's symbol (None: static)
     for arg in node.args:
         fake = arg.meta["val"]
         shape, spec = [], []
+        ours.append([str(size) if isinstance(size, torch.SymInt) else None for size in fake.shape])
         for size in fake.shape:
             if isinstance(size, torch.SymInt):
                 # distinct sizes past 1 (0 and 1 are specialised); one size per symbol, so dims that are
@@ -111,20 +112,24 @@ def _export(called: torch.nn.Module, node: Node):
             lines = [line.strip(" -") for line in str(error).splitlines() if line.strip()]
             raise NotSupported(f"what it computes depends on a size that varies between calls (the batch or the "
                                f"length): {' '.join(lines[:2])[:300]}") from error
-    return exported, returns_tuple, _needs(called, examples, symbols, bounds)
+    return exported, returns_tuple, _needs(called, examples, ours, symbols, bounds)
 
 
-def _needs(called, examples: list[torch.Tensor], symbols: list[list], bounds: dict[str, int]) -> list[tuple]:
-    """``(input, dim, least size)`` for each dynamic dim the module needs past 1: the export's lower
-    bound where it is past 2; at 2 (export's own assumption for every dynamic dim) only if the module
-    fails on that dim at size 1 (an edit's position 1). The saved graph asserts them, as the module
-    itself refuses a call they do not hold (an ``EditError``) instead of computing something else."""
+def _needs(called, examples: list[torch.Tensor], ours: list[list], symbols: list[list],
+           bounds: dict[str, int]) -> list[tuple]:
+    """``(input, dim, least size)`` for each size of the program (``ours``: each input's dims by the
+    program's symbol) the module needs past 1: the export's lower bound (over the export's ``symbols``
+    for that size) where it is past 2; at 2 (export's own assumption for every dynamic dim) only if the
+    module fails with that size 1 in every input that has it (an edit's position 1). The saved graph
+    asserts them, as the module itself refuses a call they do not hold (an ``EditError``) instead of
+    computing something else."""
     needs = []
-    for symbol in dict.fromkeys(symbol for row in symbols for symbol in row if symbol is not None):
-        least = bounds.get(symbol, 2)
+    for symbol in dict.fromkeys(symbol for row in ours for symbol in row if symbol is not None):
+        least = max(bounds.get(theirs, 2) for row, their_row in zip(ours, symbols)
+                    for mine, theirs in zip(row, their_row) if mine == symbol)
         if least == 2:
             small = [torch.zeros([1 if s == symbol else size for s, size in zip(row, example.shape)],
-                                 dtype=example.dtype, device=example.device) for row, example in zip(symbols, examples)]
+                                 dtype=example.dtype, device=example.device) for row, example in zip(ours, examples)]
             try:
                 with torch.no_grad():
                     called(*small)
@@ -132,7 +137,7 @@ def _needs(called, examples: list[torch.Tensor], symbols: list[list], bounds: di
             except Exception:  # noqa: BLE001 (any refusal at size 1 is what the graph must assert)
                 pass
         if least > 1:
-            needs += [(i, d, least) for i, row in enumerate(symbols) for d, s in enumerate(row) if s == symbol]
+            needs += [(i, d, least) for i, row in enumerate(ours) for d, s in enumerate(row) if s == symbol]
     return needs
 
 

@@ -37,7 +37,6 @@ import safetensors.torch
 import torch
 from torch.export.graph_signature import InputKind
 
-from .. import compat
 from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..kernels.slot import EDIT_SLOT_OP
 from ..passes.edit import EditSlot
@@ -111,7 +110,7 @@ def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
         raise NotSupported(f"{path.name} cannot be saved: {error}") from error
     data["tensors"] = {name: {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                               "device": str(tensor.device)} for name, tensor in tensors.items()}
-    data["placeholders"], data["symbols"] = _placeholders(module, program)
+    data["placeholders"], data["symbols"] = _placeholders(module, inputs, recipes)
     meta = {
         "format": FORMAT, "versions": versions(), "family": program.family.name,
         "model_class": type(ig.model).__name__, "model_type": ig.config.model_type, "config": ig.config.to_dict(),
@@ -162,39 +161,31 @@ def read_meta(path: Path) -> dict | None:
     return parse(read_members(path, (META,))[META], META, path)
 
 
-def _placeholders(module: torch.nn.Module, program) -> tuple[list[dict], dict]:
-    """Each graph input's shape (a size, or the name of a symbol: the batch, the length) and dtype, and each
-    symbol's range (``{"min", "max"}``: the export's, raised to what a fixed edit's assertion needs), which
-    the loader's sandbox runs the graph on (``saved.sandbox``)."""
-    ranges = program.exported.program.range_constraints
-    symbols, shapes = {}, []
-    for node in module.graph.find_nodes(op="placeholder"):
+def _placeholders(module: torch.nn.Module, inputs: list[dict], recipes: list[dict]) -> tuple[list[dict], dict]:
+    """Each graph input's shape and dtype, and the range of each symbolic size, which the loader's sandbox
+    runs the graph on (``saved.sandbox``). The shapes are qgraph's contract, not read off the graph's
+    symbolic sizes (which later passes may have equated with an example's): the call's ``input_ids`` and
+    ``attention_mask`` are [batch, seq], a per-value input is as long as its recipe's list, a parameter is
+    its own shape. The length is at least what a fixed edit's assertion needs (``saved.inline``)."""
+    shapes = []
+    for node, item in zip(module.graph.find_nodes(op="placeholder"), inputs):
         value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            raise NotSupported(f"the program's input {node.name} is not a tensor, which a saved program cannot take")
-        shape = []
-        for size in value.shape:
-            expr = compat.size_expression(size)
-            if isinstance(size, int):
-                shape.append(size)
-                continue
-            if not getattr(expr, "is_Symbol", False):
-                raise NotSupported(f"the program's input {node.name} has a size {expr} that is not one of its inputs' "
-                                   f"own sizes")
-            limits = ranges.get(expr)  # none for an input added after the export (a value's positions)
-            upper = int(limits.upper) if limits is not None and limits.upper.is_Integer else None  # int_oo: no bound
-            symbols[str(expr)] = {"min": int(limits.lower) if limits is not None else 0, "max": upper}
-            shape.append(str(expr))
+        if "parameter" in item:
+            shape = list(value.shape)
+            if not all(isinstance(size, int) for size in shape):
+                raise NotSupported(f"the program's parameter {item['parameter']} has a symbolic size")
+        elif item["input"] < 2:
+            shape = ["batch", "seq"]
+        else:
+            recipe = recipes[item["input"] - 2]
+            shape = [len(recipe["positions"] if recipe["kind"] == "positions" else recipe["heads"])]
+        if value is None or value.dim() != len(shape):
+            raise NotSupported(f"the program's input {node.name} is not shaped as a saved program's inputs are")
         shapes.append({"shape": shape, "dtype": str(value.dtype).removeprefix("torch."), "device": str(value.device)})
-    for node in module.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default):
-        test = node.args[0]  # ge(sym_size(x, dim), least), from saved.inline's needs
-        if getattr(test, "target", None) is operator.ge and getattr(test.args[0], "target", None) is \
-                torch.ops.aten.sym_size.int and isinstance(test.args[1], int):
-            source, dim = test.args[0].args
-            expr = str(compat.size_expression(source.meta["val"].shape[dim]))
-            if expr in symbols:
-                symbols[expr]["min"] = max(symbols[expr]["min"], test.args[1])
-    return shapes, symbols
+    least = [node.args[0].args[1] for node in module.graph.find_nodes(
+        op="call_function", target=torch.ops.aten._assert_scalar.default)
+        if getattr(node.args[0], "target", None) is operator.ge and isinstance(node.args[0].args[1], int)]
+    return shapes, {"batch": {"min": 1, "max": None}, "seq": {"min": max([1, *least]), "max": None}}
 
 
 def _describe(called: torch.nn.Module, target: str) -> str:
