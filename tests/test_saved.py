@@ -389,3 +389,19 @@ def test_a_program_saved_after_generate_serves_every_batch(sdpa_model, tmp_path)
         expected, got = ig(ids), program(ids)
         assert torch.equal(expected.logits, got.logits) and torch.equal(expected["layers.1.sae.features"],
                                                                           got["layers.1.sae.features"])
+
+
+def test_a_fixed_edit_past_the_call_is_an_edit_error(sdpa_model, tmp_path):
+    """A fixed ``Zero(positions=[5])`` refuses a call of 3 tokens as the instrumented model does (an
+    EditError naming the edit), and edits position 5 of a longer call as it does."""
+    ig = qgraph.instrument(sdpa_model, values=["layers.2.layer_output"],
+                           edits={"layers.1.layer_output": qgraph.Zero(positions=[5])})
+    program = qgraph.load(ig.save(tmp_path / "zero5.qgraph"), weights=sdpa_model)
+    with pytest.raises(qgraph.EditError):
+        ig(random_ids(1, 3))
+    with pytest.raises(qgraph.EditError, match=r"the fixed edit Zero\(positions=\[5\]\) at layers.1.layer_output needs "
+                                               r"dim 1 of its input to be at least 6 .*; this call has 3 tokens"):
+        program(random_ids(1, 3))
+    ids = random_ids(2, 7, seed=5)
+    assert torch.equal(ig(ids).logits, program(ids).logits)
+    assert not torch.equal(ig(ids).logits, qgraph.instrument(sdpa_model, values=["layers.2.layer_output"])(ids).logits)
