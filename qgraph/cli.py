@@ -272,7 +272,8 @@ def run_demo(args) -> int:
 
 def value_table(values: dict):
     """A rich table of captured values: shape, how many entries are masked (-inf, NaN or the dtype's
-    lowest value, as attention masks write), and mean, std and max |x| over the other entries."""
+    lowest value, as attention masks write), and mean, std and max |x| over the other entries; a value
+    that is not a tensor (``input_size``, a ``torch.Size``) shows as it is, ``value (1, 9)``."""
     import torch
 
     from .values.support import add_text_row, plain_table
@@ -280,9 +281,13 @@ def value_table(values: dict):
     for column in table.columns[2:]:
         column.justify = "right"
     for name, value in values.items():
-        if not isinstance(value, torch.Tensor):  # per-image patterns: a list of tensors
-            shapes = ", ".join(str(tuple(v.shape)) for v in value) if isinstance(value, (list, tuple)) else ""
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            shapes = ", ".join(str(tuple(v.shape)) for v in value)  # per-image patterns: a list of tensors
             add_text_row(table, name, f"[{shapes}]", "", "", "", "")
+            continue
+        if not isinstance(value, torch.Tensor):  # a plain value (input_size, a torch.Size): shown as it is
+            shown = str(tuple(value)) if isinstance(value, torch.Size) else str(value)
+            add_text_row(table, name, f"value {shown}", "", "", "", "")
             continue
         add_text_row(table, name, str(tuple(value.shape)), *value_statistics(value))
     return table

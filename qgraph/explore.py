@@ -7,7 +7,8 @@ in one ``<details>`` that collapses and expands, each other block of the kind a 
 box of a diagram (a box naming several values gets one strip per value) or a name in a list.
 Clicking one fills the element ``id="detail"`` with its name, layout, description and availability
 (from the catalogue, as ``qgraph.support`` gives it) and, when ``out`` holds it, its shape, dtype,
-statistics (mean, std, min, max) and its plot (``out.plot``, drawn into the page beforehand). The
+statistics (mean, std, min, max) and its plot (``out.plot``, drawn into the page beforehand); a value
+that is not a tensor (``input_size``, a ``torch.Size``) shows as it is, ``(2, 70)``. The
 page is self-contained: inline SVG, CSS and a few lines of JavaScript, nothing fetched.
 """
 from __future__ import annotations
@@ -75,6 +76,8 @@ _SCRIPT = """(function () {
       row(table, "shape", value.shape); row(table, "dtype", value.dtype);
       var stats = value.stats || {};
       ["mean", "std", "min", "max"].forEach(function (k) { if (k in stats) { row(table, k, stats[k]); } });
+    } else if ("value" in value) {
+      row(table, "value", value.value); row(table, "type", value.dtype);
     } else {
       row(table, "in out", "not captured by this call" + (data.__out__ ? "" : " (no out= given)"));
     }
@@ -312,8 +315,11 @@ def _add_captured(data: dict, out, plots: int) -> None:
     for name, value in out.values.items():
         if name not in data:
             continue
-        tensors = list(value) if isinstance(value, (list, tuple)) else [value]
         facts = data[name]
+        tensors = _tensors(value)
+        if tensors is None:  # a plain value (input_size, a torch.Size): shown as it is, no statistics
+            facts["value"], facts["dtype"] = _plain(value), type(value).__name__
+            continue
         facts["shape"] = " ".join(f"[{' '.join(map(str, t.shape))}]" for t in tensors)
         facts["dtype"] = str(tensors[0].dtype).replace("torch.", "")
         facts["stats"] = _stats(tensors)
@@ -328,6 +334,21 @@ def _add_captured(data: dict, out, plots: int) -> None:
             budget -= 1
         except QgraphError as why:
             facts["noplot"] = f"no plot: {why}"
+
+
+def _tensors(value) -> list | None:
+    """The tensors a captured value holds (a tensor, or a list of them: per-image patterns), or None
+    for a value that is not tensors (``input_size``, a ``torch.Size``; an int)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    return None
+
+
+def _plain(value) -> str:
+    """A value that is not a tensor, as the page shows it: ``(1, 9)`` for a ``torch.Size``."""
+    return str(tuple(value)) if isinstance(value, torch.Size) else str(value)
 
 
 def _stats(tensors) -> dict:

@@ -9,9 +9,9 @@ __all__ = ["LogitLens", "logit_lens"]
 
 
 class LogitLens(dict):
-    """``{block: (token ids, probabilities)}``, each ``[batch, len(positions), top]``, as ``ig.logit_lens``
-    returns it (a dict, so every use of one keeps working), with ``positions`` (as asked, non-negative),
-    the call's ``input_ids`` and ``plot``."""
+    """``{block: (token ids, probabilities)}``, each ``[batch, len(positions), top]`` and detached, as
+    ``ig.logit_lens`` returns it (a dict, so every use of one keeps working), with ``positions`` (as asked,
+    non-negative), the call's ``input_ids`` and ``plot``."""
 
     def __init__(self, tops: dict, positions: list[int], input_ids: torch.Tensor, source=None):
         super().__init__(tops)
@@ -42,9 +42,10 @@ def logit_lens(ig, input_ids, attention_mask=None, positions=(-1,), top: int = 5
         raise InvalidArgument(f"logit_lens positions {bad or positions} are not token positions of a {seq}-token call "
                               f"(give ints in [-{seq}, {seq}))")
     result = {}
-    for block in range(len(ig.family.block_mixers(ig.config))):
-        hidden = out[f"layers.{block}.layer_output"][:, list(positions)]
-        probs = ig.project_on_vocab(hidden).float().softmax(-1).topk(top, dim=-1)
-        result[block] = (probs.indices, probs.values)
+    with torch.no_grad():  # results, not a graph through the model's norm and head (they are parameters)
+        for block in range(len(ig.family.block_mixers(ig.config))):
+            hidden = out[f"layers.{block}.layer_output"][:, list(positions)]
+            probs = ig.project_on_vocab(hidden).float().softmax(-1).topk(top, dim=-1)
+            result[block] = (probs.indices, probs.values)
     return LogitLens(result, [p % seq for p in positions], out.input_ids, ig)
 

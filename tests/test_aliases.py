@@ -127,3 +127,35 @@ def test_unknown_hooks_and_blocks_are_named(ig):
         ig.resolve("blocks.4.hook_resid_post")
     with pytest.raises(qgraph.UnknownValue, match=r"blocks\.\{i\}\.hook_resid_post"):
         ig.resolve("blocks.3.hook_resid_posts")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_hook_post_on_a_moe_block_names_the_way_out_and_the_way_out_works(sparse_model, name):
+    """The dense MLP's ``mlp.hook_post`` has no one value on the MoE block: the refusal names the block's
+    neurons instead, and those names are values that capture what forward hooks see."""
+    model = sparse_model(name)
+    with pytest.raises(qgraph.UnknownValue) as refused:
+        qgraph.instrument(model, values=["blocks.1.mlp.hook_post"])
+    message = str(refused.value)
+    assert "mlp_neurons" in message and "do not have" in message  # the problem
+    assert "layers.1.mlp.experts_neurons" in message and "layers.1.mlp.shared_expert.mlp_neurons" in message
+    assert "blocks.1.hook_mlp_out" in message and "layers.1.mlp.mlp_output" in message
+    with pytest.raises(qgraph.UnknownValue, match=r"layers\.\*\.mlp\.experts_neurons"):  # a glob: the glob's names
+        qgraph.instrument(model, values=["blocks.*.mlp.hook_post"])
+
+    ig = qgraph.instrument(model, values=["layers.1.mlp.experts_neurons", "layers.1.mlp.shared_expert.mlp_neurons"],
+                           logits=False)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    seen = {}
+    handle = model.model.layers[1].mlp.shared_expert.down_proj.register_forward_hook(
+        lambda module, args, output: seen.update(neurons=args[0]))  # returns None: the output stays
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        handle.remove()
+    out = ig(ids)
+    neurons = seen["neurons"].reshape(1, 6, -1)  # the HF block runs its shared expert on the tokens flattened
+    torch.testing.assert_close(out["layers.1.mlp.shared_expert.mlp_neurons"], neurons, rtol=1e-6, atol=1e-6)
+    text = model.config.get_text_config()
+    assert out["layers.1.mlp.experts_neurons"].shape == (1, 6, text.num_experts_per_tok, text.moe_intermediate_size)

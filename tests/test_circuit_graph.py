@@ -194,14 +194,14 @@ def test_json_follows_circuit_tracers_scheme(tmp_path):
 
     pruned = graph.prune(0.995, 0.98)
     by_id = {node["node_id"]: node for node in data["nodes"]}
-    expected_ids = {A: "0_5_0", C: "1_3_1", E01: "0_0_1", T0: "E_11_0", T1: "E_12_1", L20: "3_20_1", L21: "3_21_1"}
+    expected_ids = {A: "0_5_0", C: "1_3_1", E01: "0_-1_1", T0: "E_11_0", T1: "E_12_1", L20: "3_20_1", L21: "3_21_1"}
     assert [node["node_id"] for node in data["nodes"]] == [expected_ids[i] for i in pruned.kept.tolist()]
     assert {node["feature_type"] for node in data["nodes"]} == set(FEATURE_TYPES.values())
     assert by_id["1_3_1"] | {"influence": 0} == dict(
         node_id="1_3_1", feature=(1 + 3) * (1 + 3 + 1) // 2 + 3, layer="1", ctx_idx=1,
         feature_type="cross layer transcoder", token_prob=0.0, is_target_logit=False, run_idx=0, reverse_ctx_idx=0,
         jsNodeId="1_3-0", clerp="sitting", influence=0, activation=1.5)
-    assert (by_id["0_0_1"]["feature"], by_id["0_0_1"]["layer"], by_id["0_0_1"]["jsNodeId"]) == (-1, "0", "0_1-0")
+    assert (by_id["0_-1_1"]["feature"], by_id["0_-1_1"]["layer"], by_id["0_-1_1"]["jsNodeId"]) == (-1, "0", "0_1-0")
     assert (by_id["E_12_1"]["feature"], by_id["E_12_1"]["layer"], by_id["E_12_1"]["jsNodeId"]) == (1, "E", "E_12-1")
     top = by_id["3_20_1"]
     assert (top["feature"], top["layer"], top["ctx_idx"], top["is_target_logit"], top["jsNodeId"]) == \
@@ -259,12 +259,23 @@ def random_graph(seed: int, n_layers: int = 3, seq: int = 4, n_logits: int = 3) 
                             scan="random")
 
 
+def fixed_error_ids(monkeypatch, models):
+    """circuit-tracer 0.5.0's ``Node.error_node`` with its later fix of the error node's id (issue 78:
+    ``{layer}_-1_{pos}``, not ``0_{layer}_{pos}``, the id of layer-0 feature ``layer`` too); the rest its own."""
+    made = models.Node.error_node.__func__
+
+    def error_node(cls, layer, pos, influence=None):
+        return made(cls, layer, pos, influence=influence).model_copy(update={"node_id": f"{layer}_-1_{pos}"})
+    monkeypatch.setattr(models.Node, "error_node", classmethod(error_node))
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_prune_and_json_match_circuit_tracer_itself(seed):
+def test_prune_and_json_match_circuit_tracer_itself(seed, monkeypatch):
     """circuit-tracer's own prune_graph, create_nodes, create_used_nodes_and_edges and build_model, run on
-    the same graph, write the same file."""
+    the same graph, write the same file (with its fixed error node ids)."""
     graph_module = pytest.importorskip("circuit_tracer.graph")
     files = pytest.importorskip("circuit_tracer.utils.create_graph_files")
+    fixed_error_ids(monkeypatch, pytest.importorskip("circuit_tracer.frontend.graph_models"))
     graph = random_graph(seed)
     features = [n for n in graph.nodes if n.kind == "feature"]
     vocabulary = {n.feature: graph.tokens[n.position] for n in graph.nodes if n.kind == "embedding"}
@@ -288,6 +299,60 @@ def test_prune_and_json_match_circuit_tracer_itself(seed):
         assert ours["nodes"] == theirs["nodes"], (node_threshold, edge_threshold)
         assert ours["links"] == theirs["links"] and ours["metadata"] == theirs["metadata"]
         assert len(ours["links"]) > 0
+
+
+def colliding_graph() -> AttributionGraph:
+    """2 blocks, 2 positions, where circuit-tracer 0.5.0's ids collide: layer-0 feature 0 at position 0 and
+    error (0, 0) were both ``0_0_0``, layer-0 feature 1 at position 1 and error (1, 1) both ``0_1_1``."""
+    nodes = [Node("feature", 0, 0, 0, activation=1.0), Node("feature", 0, 1, 1, activation=2.0),
+             Node("feature", 1, 1, 3, activation=0.5)]
+    nodes += [Node("error", layer, position, None) for layer in range(2) for position in range(2)]
+    nodes += [Node("embedding", None, p, t) for p, t in enumerate([11, 12])]
+    nodes += [Node("logit", 2, 1, 20, probability=0.6), Node("logit", 2, 1, 21, probability=0.3)]
+    x, y, z, e00, e01, e10, e11, t0, t1, l20, l21 = range(11)
+    edges = {(t0, x): 2.0, (t1, y): 1.0, (x, z): 1.0, (y, z): 1.5, (e00, z): 0.4, (e01, z): -0.3, (z, l20): 3.0,
+             (z, l21): -1.0, (y, l20): 0.8, (e11, l20): 0.5, (e10, l21): 0.3, (x, l21): 0.6, (t1, l20): 0.2}
+    adjacency = torch.zeros(11, 11)
+    for (source, target), weight in edges.items():
+        adjacency[target, source] = weight
+    return AttributionGraph(nodes, adjacency, torch.zeros(11), torch.zeros(11), torch.tensor([11, 12]),
+                            torch.tensor([0.6, 0.3]), tokens=["a", "b"], logit_tokens=["c", "d"], scan="s")
+
+
+def test_json_ids_are_unique_where_circuit_tracer_050s_collide(tmp_path):
+    models = pytest.importorskip("circuit_tracer.frontend.graph_models")
+    decode = pytest.importorskip("circuit_tracer.utils.decode_url_features").decode_url_features
+    graph = colliding_graph().prune(1.0, 1.0)
+    assert len(graph.nodes) == 11  # every node kept, every edge too
+    # the collisions, as circuit-tracer 0.5.0 itself names these nodes
+    assert models.Node.feature_node(0, 0, 0).node_id == models.Node.error_node(0, 0).node_id == "0_0_0"
+    assert models.Node.feature_node(0, 1, 1).node_id == models.Node.error_node(1, 1).node_id == "0_1_1"
+
+    data = json.loads(graph.to_json(tmp_path / "g.json").read_text(encoding="utf-8"))
+    ids = [node["node_id"] for node in data["nodes"]]
+    assert len(set(ids)) == len(ids) == 11
+    assert [i for i, n in zip(ids, graph.nodes) if n.kind == "error"] == ["0_-1_0", "0_-1_1", "1_-1_0", "1_-1_1"]
+    assert {"0_0_0", "0_1_1"} <= set(ids)  # the features keep circuit-tracer's ids
+    model = models.Model.model_validate(data)  # circuit-tracer's own models read it
+    assert [n.node_id for n in model.nodes] == ids
+    # every link names two nodes of the file, and its weight is the adjacency between those two nodes
+    index = {node_id: i for i, node_id in enumerate(ids)}
+    assert len(data["links"]) == int(graph.edge_mask.sum()) == 13
+    for link in data["links"]:
+        assert link["source"] in index and link["target"] in index
+        assert link["weight"] == graph.adjacency[index[link["target"]], index[link["source"]]].item() != 0
+    # circuit-tracer's own parser reads an error id as its layer, feature -1, position
+    _, pinned = decode(f"https://x/graph?pinnedIds={','.join(ids[3:7])}")
+    assert [tuple(f) for f in pinned] == [(0, 0, -1), (0, 1, -1), (1, 0, -1), (1, 1, -1)]  # (layer, pos, feature)
+
+
+def test_json_refuses_a_graph_holding_a_node_twice():
+    graph = chain_graph()
+    again = [A, *range(11)]  # feature a twice, with its edges
+    twice = AttributionGraph([graph.nodes[i] for i in again], graph.adjacency[again][:, again], torch.zeros(12),
+                             torch.zeros(12), graph.input_ids, graph.logit_probabilities)
+    with pytest.raises(InvalidArgument, match="more than once"):
+        twice.json_data(node_threshold=1.0, edge_threshold=1.0)
 
 
 # -- the views ------------------------------------------------------------------------------------------

@@ -180,6 +180,25 @@ def test_a_pruned_graph_writes_circuit_tracers_json(dense, tmp_path):
     models.Model.model_validate(data)
 
 
+def test_every_node_of_a_whole_graph_has_its_own_id(dense, tmp_path):
+    """Everything kept (prune(1.0, 1.0)): where circuit-tracer 0.5.0's ids name an error node and a layer-0
+    feature alike, the file's ids are still one node's each, and every link names two of them."""
+    models = pytest.importorskip("circuit_tracer.frontend.graph_models")
+    graph = dense[2].prune(1.0, 1.0)
+    old = [models.Node.error_node(n.layer, n.position).node_id if n.kind == "error" else n.node_id for n in graph.nodes]
+    assert len(set(old)) < len(old)  # 0.5.0's scheme collides on this graph
+    data = json.loads(graph.to_json(tmp_path / "whole.json").read_text())
+    ids = [node["node_id"] for node in data["nodes"]]
+    assert len(set(ids)) == len(ids) == len(graph.nodes)
+    index = {node_id: i for i, node_id in enumerate(ids)}
+    assert len(data["links"]) == int(graph.edge_mask.sum())
+    for link in data["links"][::97]:
+        t, s = index[link["target"]], index[link["source"]]
+        assert link["weight"] == pytest.approx(float(graph.adjacency[t, s]), rel=1e-6)
+    assert all(link["source"] in index and link["target"] in index for link in data["links"])
+    assert [n.node_id for n in models.Model.model_validate(data).nodes] == ids
+
+
 def test_fewer_feature_nodes_keep_the_most_influential(dense):
     model, transcoders, graph = dense
     few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8)
@@ -201,3 +220,32 @@ def test_bad_requests_are_named(dense):
         qgraph.attribution_graph(model, torch.stack([PROMPT, PROMPT]), transcoders)
     with pytest.raises(qgraph.InvalidArgument, match="desired_logit_prob"):
         qgraph.attribution_graph(model, PROMPT, transcoders, desired_logit_prob=0)
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_ids_outside_the_vocabulary_are_refused_as_an_instrumented_call_refuses_them(sdpa_model, monkeypatch, bad):
+    """An id past the vocabulary or -1: the error an instrumented call gives for the same ids (its type and
+    message, naming the id and the embedding's rows), raised before any work (nothing exported or run, not
+    even the transcoders looked at)."""
+    from qgraph.circuits import attribute
+
+    vocab = sdpa_model.get_input_embeddings().num_embeddings
+    bad = vocab if bad == "vocab" else bad
+    ids = PROMPT.clone()
+    ids[3] = bad
+    ig = qgraph.instrument(sdpa_model, values=["layers.0.layer_output"], logits=False)
+    with pytest.raises(qgraph.QgraphError) as from_call:
+        ig(ids[None])
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the replacement model ran before the ids were checked")
+    monkeypatch.setattr(attribute, "replacement_run", no_work)
+    for given in (ids, ids[None]):
+        with pytest.raises(qgraph.InvalidArgument) as from_graph:
+            qgraph.attribution_graph(sdpa_model, given, transcoders={})
+        assert type(from_graph.value) is type(from_call.value)
+        assert str(from_graph.value) == str(from_call.value)
+        message = str(from_graph.value)
+        assert f"hold {bad}," in message and f"{vocab} rows" in message and f"0 to {vocab - 1}" in message
+    with pytest.raises(IndexError):  # what the embedding itself says for the same id, with no check before it
+        sdpa_model.get_input_embeddings()(ids)

@@ -186,6 +186,28 @@ def test_demo_counts_masked_scores(capsys):
     assert len(next_tokens) == 5 and 0 < float(next_tokens[0].rsplit(" ", 1)[1]) <= 1
 
 
+def test_demo_shows_a_plain_value_as_it_is(capsys):
+    """``input_size`` (a torch.Size, as ``--values '**'`` captures it) is a row with its value, not a traceback."""
+    status, out, err = run(capsys, "demo", "--prompt", "Hi there", "--values", "input_size", "layers.0.layer_output")
+    assert status == 0 and "Traceback" not in err
+    values = out[out.index("== captured for"):]
+    tokens = int(values.split("(")[1].split(" tokens")[0])
+    assert tokens == len("Hi there")  # the tiny tokenizer: one token per byte
+    row = next(line for line in values.splitlines() if line.startswith("input_size "))
+    assert row.split()[1:] == ["value", "(1,", f"{tokens})"]
+    stream = next(line for line in values.splitlines() if line.startswith("layers.0.layer_output "))
+    assert f"(1, {tokens}, 64)" in stream
+    table = cli.value_table({"input_size": torch.Size([2, 7]), "x": torch.ones(2, 3)})
+    assert [cell.plain for cell in table.columns[1].cells] == ["value (2, 7)", "(2, 3)"]
+
+
+def test_hook_post_on_a_moe_checkpoint_is_one_line_with_the_way_out(capsys, sparse_model):
+    status, _, err = run(capsys, "demo", "--model", sparse_model("qwen3_5_moe").name_or_path, "--values",
+                         "blocks.1.mlp.hook_post")
+    assert_one_line_error(status, err, "blocks.1.mlp.hook_post", "do not have", "layers.1.mlp.experts_neurons",
+                          "layers.1.mlp.shared_expert.mlp_neurons")
+
+
 def test_value_statistics_skip_masked_entries():
     low = torch.finfo(torch.float32).min
     x = torch.tensor([1.0, 3.0, -float("inf"), low, float("nan"), -2.0])

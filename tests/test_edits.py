@@ -116,6 +116,22 @@ def test_logit_lens_top_tokens_match_the_projection(edited, ids, baseline):
     assert torch.equal(lens[3][0], probs.topk(3, dim=-1).indices)
 
 
+def test_logit_lens_results_are_detached_and_the_softmax_of_the_hf_blocks_outputs(edited, eager_model, ids):
+    """Under grad mode (as a notebook runs it): ids and probabilities hold no autograd graph, and equal the
+    softmax of the model's own norm and head on each block's output, as forward hooks see it."""
+    assert torch.is_grad_enabled()
+    lens = edited.logit_lens(ids, positions=[0, -1], top=4)
+    _, blocks = hooked_blocks(eager_model, ids, {i: lambda out: out for i in range(4)})
+    for block, (top_ids, probabilities) in lens.items():
+        for tensor in (top_ids, probabilities):
+            assert tensor.grad_fn is None and not tensor.requires_grad
+        with torch.no_grad():
+            logits = eager_model.lm_head(eager_model.model.norm(blocks[block][:, [0, -1]]))
+        want = logits.float().softmax(-1).topk(4, dim=-1)
+        assert torch.equal(top_ids, want.indices)
+        torch.testing.assert_close(probabilities, want.values, rtol=1e-5, atol=1e-7)
+
+
 def test_edits_do_not_leak_and_the_model_is_unchanged(edited, eager_model, ids, baseline):
     before = {name: tensor.clone() for name, tensor in eager_model.state_dict().items()}
     edited(ids, edits={"layers.0.layer_output": Scale(3.0), f"{ATTN}.attention_gate": Zero()})

@@ -123,3 +123,20 @@ def test_a_box_naming_several_values_gets_one_strip_each():
     (y0, h0, _), (y1, h1, _) = strips
     assert float(h0) > 0 and float(h0) == pytest.approx(float(h1)) and float(y0) + float(h0) == pytest.approx(float(y1))
     assert re.search(r'<g id="layers.0.c" class="node qg-value" data-value="layers.0.c"', svg)
+
+
+def test_every_value_of_a_call_with_every_value_and_a_plain_one_shown_as_it_is(ig, out, ids):
+    """``instrument(model, values=["**"])`` captures ``input_size``, a ``torch.Size``: the page shows it as it
+    is (no statistics), and every tensor value its shape and statistics, as plain torch computes them."""
+    data = data_of(qgraph.explore(ig, out, plots=0)._repr_html_())
+    assert isinstance(out["input_size"], torch.Size)
+    assert data["input_size"]["value"] == str(tuple(ids.shape)) == "(2, 70)"
+    assert data["input_size"]["dtype"] == "Size" and "shape" not in data["input_size"]
+    assert "stats" not in data["input_size"]
+    for name, value in out.values.items():
+        if isinstance(value, torch.Tensor):
+            assert data[name]["shape"] == "[" + " ".join(map(str, value.shape)) + "]", name
+            if value.is_floating_point() and torch.isfinite(value).all():
+                assert data[name]["stats"]["max"] == f"{value.detach().float().max().item():.6g}", name
+    residual = out["layers.3.layer_output"].detach()
+    assert data["layers.3.layer_output"]["stats"]["mean"] == f"{residual.mean().item():.6g}"

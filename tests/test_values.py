@@ -404,3 +404,71 @@ def test_parameters_are_shared_not_copied(ig, sdpa_model):
     model_ptrs = {t.data_ptr() for t in list(sdpa_model.parameters()) + list(sdpa_model.buffers())}
     for name, tensor in list(ig.program.named_parameters()) + list(ig.program.named_buffers()):
         assert tensor.data_ptr() in model_ptrs, name
+
+
+# -- the catalogue's shapes --------------------------------------------------------------------------
+def _numeric_text(size) -> bool:
+    return isinstance(size, str) and size.lstrip("-").isdigit()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5 image-text", "qwen3_5_moe", "qwen3_next"])
+def test_every_catalogue_shape_is_ints_and_dim_names(request, family, tmp_path_factory):
+    """Every shape entry of every family's catalogue (values and ports) is an int or a dim's name or
+    expression (``batch``, ``4*batch*seq``), never a number as a string (the projector port's ``'128'``);
+    the sizes are the config's."""
+    if family == "qwen3_5":
+        model = request.getfixturevalue("sdpa_model")
+    elif family == "qwen3_5 image-text":
+        from transformers import AutoModelForImageTextToText
+
+        from qgraph.testing import tiny_qwen3_5_vl
+        model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5_vl(tmp_path_factory.mktemp("vl"))).eval()
+    else:
+        model = request.getfixturevalue("sparse_model")(family)
+    catalogue = qgraph.support(model).catalogue
+    text = model.config.get_text_config()
+    for name, entry in catalogue.items():
+        for size in entry.shape:
+            assert type(size) in (int, str) and not _numeric_text(size), (name, entry.shape)
+    assert catalogue["layers.0.layer_output"].shape == ("batch", "seq", text.hidden_size)
+    assert catalogue["layers.0.mlp.output"].shape == ("batch", "seq", text.hidden_size)
+    assert catalogue["input_size"].shape == (2,)
+    if family == "qwen3_5 image-text":
+        vision = model.config.vision_config
+        assert catalogue["projector.input"].shape[-1] == vision.hidden_size
+        merged = catalogue["projector.linear_fc1.input"].shape[-1]  # four patches side by side: 128
+        assert merged == vision.hidden_size * vision.spatial_merge_size ** 2 and type(merged) is int
+
+
+def test_every_shape_of_a_call_is_the_catalogues(ig, out, ids):
+    """The catalogue's shapes against the tensors a call returns: each int the tensor's size, each dim name
+    the call's (batch 2; seq, query, key and positions 70)."""
+    sizes = {"batch": ids.shape[0], "seq": ids.shape[1], "query": ids.shape[1], "key": ids.shape[1],
+             "positions": ids.shape[1]}
+    checked = 0
+    for name, value in out.values.items():
+        entry = ig.catalogue.get(name)
+        if entry is None or not isinstance(value, torch.Tensor) or not entry.shape:
+            continue
+        want = tuple(size if isinstance(size, int) else eval(size, {"__builtins__": {}}, dict(sizes))
+                     for size in entry.shape)
+        assert tuple(value.shape) == want, (name, entry.shape)
+        checked += 1
+    assert checked > 150
+
+
+def test_a_symbolic_size_that_is_one_number_is_an_int():
+    """A traced size that is a SymInt holding one number prints as ``'128'``: it is the int 128."""
+    import sympy
+    from torch.fx.experimental.sym_node import SymNode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from qgraph.values.catalogue import port_size
+    env = ShapeEnv()
+    specialised = torch.SymInt(SymNode(sympy.Integer(128), env, int, 128))
+    assert str(specialised) == "128" and not isinstance(specialised, int)
+    assert port_size(specialised, str) == 128 and type(port_size(specialised, str)) is int
+    symbol = env.create_symintnode(env.create_symbol(5, torch._dynamo.source.ConstantSource("x")), hint=5)
+    named = port_size(4 * symbol, lambda text: text.replace(str(symbol), "seq"))
+    assert named == "4*seq"
+    assert port_size(7, str) == 7

@@ -33,7 +33,7 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
     from ..instrument import InstrumentedModel
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
-    ids = _prompt(input_ids)
+    ids = _prompt(input_ids, model)
     _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size)
     run = replacement_run(model, ids, transcoders, batch_size)
     logit_ids, probabilities = _salient_logits(run.logits[0, -1].detach(), max_n_logits, desired_logit_prob)
@@ -97,7 +97,11 @@ def _most_influential(run, active, logit_rows, probabilities, limit: int):
     return active[sorted(done)], {name: part[order] for name, part in rows.items()}
 
 
-def _prompt(input_ids) -> torch.Tensor:
+def _prompt(input_ids, model) -> torch.Tensor:
+    """The prompt's ids ``[seq]``, checked as an instrumented call checks them (every id a row of the
+    model's embedding: ``inputs.check_text``), before any work."""
+    from ..inputs import check_text
+
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int):
         raise InvalidType(f"input_ids takes a LongTensor of token ids, not {type(input_ids).__name__}")
     if input_ids.dim() == 2 and input_ids.shape[0] == 1:
@@ -105,6 +109,8 @@ def _prompt(input_ids) -> torch.Tensor:
     if input_ids.dim() != 1 or input_ids.shape[0] == 0:
         raise InvalidArgument(f"an attribution graph is of one prompt: input_ids [seq] or [1, seq], not "
                               f"{list(input_ids.shape)}")
+    # the ids' own device: the run moves them to the model's
+    check_text(input_ids[None], None, model.get_input_embeddings().num_embeddings, input_ids.device)
     return input_ids.long()
 
 

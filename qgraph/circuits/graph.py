@@ -11,7 +11,8 @@ compares with the reference implementation and opens in its viewer and in Neuron
   nodes kept up to a share of the total influence, then edges by their share of edge influence; every
   embedding and logit node is kept;
 - the JSON file (``circuit_tracer/utils/create_graph_files.py`` and the pydantic models of
-  ``circuit_tracer/frontend/graph_models.py``): node ids, ``feature_type`` strings, metadata, links.
+  ``circuit_tracer/frontend/graph_models.py``): node ids (an error node's as circuit-tracer fixed them
+  after 0.5.0, one node's each: ``Node.node_id``), ``feature_type`` strings, metadata, links.
 
 The views (``to_json``, ``plot``, ``to_graphviz``) show a pruned graph: one not yet pruned is pruned
 first, with the thresholds given (circuit-tracer's defaults, 0.8 and 0.98, otherwise).
@@ -71,12 +72,12 @@ class Node:
 
     @property
     def node_id(self) -> str:
-        """circuit-tracer's ``node_id`` (its Node.feature_node ... logit_node). Note that its scheme gives a
-        layer-0 feature ``f`` and the error node of layer ``f`` at one position the same id."""
+        """circuit-tracer's ``node_id`` (Node.feature_node ... logit_node), one node's each: an error node's is
+        ``{layer}_-1_{position}``, as circuit-tracer fixed it (0.5.0's ``0_{layer}_{position}`` was a feature's too)."""
         if self.kind == "feature":
             return f"{self.layer}_{self.feature}_{self.position}"
         if self.kind == "error":
-            return f"0_{self.layer}_{self.position}"
+            return f"{self.layer}_-1_{self.position}"
         if self.kind == "embedding":
             return f"E_{self.feature}_{self.position}"
         return f"{self.layer + 1}_{self.feature}_{self.position}"  # circuit-tracer draws logits at n_layers + 1
@@ -279,6 +280,9 @@ class AttributionGraph:
         qparams = dict(pinnedIds=[], supernodes=[], linkType="both", clickedId="", sg_pos="")
         nodes = [_json_node(graph, i, labels or {}) for i in range(len(graph.nodes))]
         ids = [node["node_id"] for node in nodes]
+        if len(set(ids)) != len(ids):  # links name their nodes by id: two nodes of one id would merge
+            raise InvalidArgument(f"nodes {sorted({i for i in ids if ids.count(i) > 1})[:5]} are in the graph "
+                                  f"more than once: build it with each (kind, layer, position, feature) once")
         targets, sources = graph.edge_mask.nonzero(as_tuple=True)
         weights = graph.adjacency[targets, sources].tolist()
         links = [dict(source=ids[s], target=ids[t], weight=w)

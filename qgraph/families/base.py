@@ -138,6 +138,9 @@ class Family:
     # value name}, the value of the first host kind the block carries (a mixer's only on blocks with it);
     # values.names resolves them (HF module paths need none: module_renames renames them)
     aliases: dict[str, dict[str, str]] = field(default_factory=dict)
+    # an alias this family's blocks lack -> what to use instead ({i}: the block, or the glob asked), ending
+    # the message that refuses it (the MoE block's neurons for the dense MLP's hook_post)
+    alias_instead: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         part = self.images

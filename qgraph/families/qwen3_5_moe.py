@@ -21,4 +21,5 @@ QWEN3_5_MOE = register_family(replace(
     kernels=replace(QWEN3_5.kernels, module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"),
     export_patches=qwen_moe.patches,
     forward_kwargs=qwen_moe.FORWARD_KWARGS,
+    alias_instead=qwen_moe.ALIAS_INSTEAD,
 ))

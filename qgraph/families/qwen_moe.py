@@ -72,6 +72,16 @@ VALUES = (
 )
 
 
+# The dense MLP's TransformerLens hooks the MoE block has no one value for, and what it has instead
+ALIAS_INSTEAD = {
+    "blocks.{i}.mlp.hook_post": (
+        "The MoE block has no single layer of neurons: ask for layers.{i}.mlp.experts_neurons (what each of a "
+        "token's top-k routed experts' down projection receives, [batch seq top_k expert_intermediate_size]) or "
+        "layers.{i}.mlp.shared_expert.mlp_neurons (the shared expert's, [batch seq shared_intermediate_size]); "
+        "blocks.{i}.hook_mlp_out is the block's output, layers.{i}.mlp.mlp_output"),
+}
+
+
 def is_block(module: torch.nn.Module) -> bool:
     return all(hasattr(module, name) for name in ("gate", "experts", "shared_expert", "shared_expert_gate"))
 

@@ -21,7 +21,7 @@ class Entry:
     name: str  # "layers.3.self_attn.attention_gate", "layers.3.mlp.down_proj.input"
     host: str  # the module that hosts it ("" for the model itself)
     layout: str  # "HeadOutputs [batch seq num_heads head_dim]"
-    shape: tuple  # the layout's dims with the config's sizes filled in: ("batch", "seq", 4, 32)
+    shape: tuple  # the layout's dims with the config's sizes filled in, ints or names: ("batch", "seq", 4, 32)
     description: str
     location: Found | OnRequest | Missing
     spec: ValueSpec | None = None  # None for a module port
@@ -57,7 +57,7 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
     for order, spec in enumerate(family.values):
         for host in family.hosts_of(spec.host, config):
             name = f"{host}.{spec.name}" if host else spec.name
-            shape = tuple(int(dim) if dim.isdigit() else family.dim(config, dim) or dim for dim in spec.dims)
+            shape = tuple(_spec_size(family, config, dim) for dim in spec.dims)
             location = Missing("derived") if spec.rule.derived else locator.locate(host, spec.rule)
             block = re.search(r"layers\.(\d+)", host)
             section = 2 if family.of_images(spec.host) else (1 if block else 0)
@@ -75,11 +75,29 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
                     f"module '{module}' is never called as a module in the forward (its weights are used "
                     f"directly), so it has no {side}"))
                 continue
-            shape = tuple(size if isinstance(size, int) else symbols(str(size))
-                          for size in marker.meta["val"].shape)
+            shape = tuple(port_size(size, symbols) for size in marker.meta["val"].shape)
             layout = "[" + " ".join(str(size) for size in shape) + "]"
             entries[name] = Entry(name, module, layout, shape, f"the {side} of {module}", Found(marker))
     return entries
+
+
+def _spec_size(family: Family, config, dim: str) -> int | str:
+    """A layout dim's size on this model: an int (a number in the layout, or the config's size), or the
+    dim's name where the call sets it (``batch``, ``seq``)."""
+    if dim.isdigit():
+        return int(dim)
+    size = family.dim(config, dim)
+    return dim if size is None else int(size)
+
+
+def port_size(size, symbols) -> int | str:
+    """One size of a port's traced tensor: an int, also where the trace holds a symbol that is one number
+    (a SymInt specialised to ``128`` prints as ``'128'``), else its expression in the call's dims
+    (``symbols``: ``4*s43*s53`` -> ``4*batch*seq``)."""
+    if isinstance(size, int):
+        return size
+    text = str(size)
+    return int(text) if re.fullmatch(r"-?\d+", text) else symbols(text)
 
 
 def _symbol_names(locator: Locator):

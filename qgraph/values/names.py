@@ -65,11 +65,13 @@ def standard(raw: str, family, config) -> list[str]:
                 raise UnknownValue(f"'{raw}': there is no block {index}; the model has blocks 0 to {blocks - 1}.")
             found = _alias_value(family, config, hosts, index % blocks)
             if found is None:
-                raise UnknownValue(_lacking(raw, template, hosts, index % blocks, family, config))
+                raise UnknownValue(_lacking(raw, template, hosts, index % blocks, family, config)
+                                   + _instead(family, template, str(index % blocks)))
             return [found + rest]
         found = [_alias_value(family, config, hosts, i) for i in range(blocks) if _glob(block).match(str(i))]
         if not any(found):
-            raise UnknownValue(f"'{raw}' selects no value: {_meaning(template, hosts, family, config)}")
+            raise UnknownValue(f"'{raw}' selects no value: {_meaning(template, hosts, family, config)}"
+                               + _instead(family, template, block))
         return [value + rest for value in found if value]
     return [canonical(name, blocks)]
 
@@ -98,6 +100,13 @@ def _meaning(template: str, hosts: dict[str, str], family, config) -> str:
     means = " or ".join(".".join(filter(None, (family.hosts[host], value))) for host, value in hosts.items())
     return (f"{template} is {means}, which blocks {blocks} have." if blocks else
             f"{template} is {means}, which {family.classes} models do not have.")
+
+
+def _instead(family, template: str, block: str) -> str:
+    """`` <what to use instead>`` of an alias the family's blocks lack (``family.alias_instead``), for
+    ``block`` (a number, or the glob asked); "" where the family names nothing."""
+    instead = family.alias_instead.get(template)
+    return f" {instead.format(i=block).rstrip('.')}." if instead else ""
 
 
 def _lacking(raw: str, template: str, hosts: dict[str, str], block: int, family, config) -> str:
