@@ -18,6 +18,7 @@ Every refusal is a ``SavedProgramError`` naming the node and why.
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import os
@@ -150,12 +151,12 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
             raise SavedProgramError(f"{where}: its input {node.name} is {shape} at the sandbox's sizes, more than "
                                     f"any input a saved program takes")
         fakes.append(compat.fake(mode, torch.empty(shape, dtype=dtype, device=on), dynamic=True))
-    symbols = {}
+    made = _propagate(module, mode, fakes, where)
+    symbols = {}  # read after the run: what it found equal (the mask's sizes and the ids') is one symbol
     for size, (index, dim) in dims.items():
         value = fakes[index].shape[dim]
         if isinstance(value, torch.SymInt):
             symbols[compat.size_expression(value)] = (index, dim, limits[size])
-    made = _propagate(module, mode, fakes, where)
     found: dict = {}  # bytes expression -> (node, device)
     for node, value in made:
         for tensor in (value if isinstance(value, (list, tuple)) else [value]):
@@ -195,8 +196,13 @@ def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
             made.append((node, value))
             return value
 
-    with mode:
-        Fake(module).run(*fakes)
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # the refusal says it: no log of torch's too
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        with mode:
+            Fake(module).run(*fakes)
+    finally:
+        quiet.setLevel(level)
     return made
 
 
