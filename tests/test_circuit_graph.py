@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
@@ -18,6 +17,7 @@ from qgraph.circuits.graph import FEATURE_TYPES, AttributionGraph, Node
 from qgraph.circuits.render import NEGATIVE, POSITIVE
 from qgraph.errors import InvalidArgument, OutOfRange
 from qgraph.figure import Figure
+from qgraph.render.engine import available
 
 # -- a hand-made graph ----------------------------------------------------------------------------------
 # 2 blocks, 2 positions. Features a (L0 p0), b (L0 p1), c (L1 p1); errors (0,0) (0,1) (1,0) (1,1);
@@ -400,5 +400,5 @@ def test_graphviz_has_one_node_per_graph_node_ranked_by_layer():
     rows = {"embedding": lambda n: 0, "logit": lambda n: 3, "feature": lambda n: n.layer + 1,
             "error": lambda n: n.layer + 1}
     assert layer_of == {i: rows[n.kind](n) for i, n in enumerate(pruned.nodes)}
-    if shutil.which("dot"):
+    if available():
         assert b"<svg" in dot.pipe("svg")

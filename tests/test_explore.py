@@ -15,8 +15,9 @@ import torch
 
 import qgraph
 from qgraph.errors import InvalidArgument, InvalidType, OutOfRange
+from qgraph.render.engine import Digraph, available
 
-pytestmark = pytest.mark.skipif(shutil.which("dot") is None, reason="the diagrams need Graphviz's dot")
+pytestmark = pytest.mark.skipif(available() is None, reason="the diagrams need Graphviz (dot or pygraphviz)")
 
 HELD = ["layers.0.linear_attn.decays", "layers.3.layer_output"]
 
@@ -110,10 +111,8 @@ def test_a_model_without_out_and_chosen_blocks(sdpa_model):
 
 
 def test_a_box_naming_several_values_gets_one_strip_each():
-    import graphviz
-
     from qgraph.explore import tag_values
-    g = graphviz.Digraph()
+    g = Digraph()
     g.node("t0", "<a<BR/>b>", id="layers.0.a+layers.0.b", shape="box", style="rounded")  # as a tap box is drawn
     g.node("t1", "c", id="layers.0.c")
     svg, names = tag_values(g.pipe(format="svg", encoding="utf-8"), {"layers.0.a", "layers.0.b", "layers.0.c"})

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -11,8 +13,9 @@ from qgraph.families import family_for
 from qgraph.render import GraphvizNotFound, NoVisionEncoder, diagram, render
 from qgraph.render import dot as dot_module
 from qgraph.render.dot import EDIT_FILL, TAP_FILL, VALUE_FILL
+from qgraph.render.engine import available
 
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+needs_dot = pytest.mark.skipif(available() is None, reason="neither Graphviz's dot nor pygraphviz is installed")
 
 
 def _standard(model, block: int, mixer: str) -> list[str]:
@@ -118,9 +121,31 @@ def test_instrumented_and_edited_values_have_their_own_colour(sdpa_model):
     assert "3 captured" in model and "1 edited" in model
 
 
+def test_without_dot_pygraphviz_draws_the_same_diagram(sdpa_model, tmp_path, monkeypatch):
+    """With no ``dot`` on PATH, pygraphviz's bundled Graphviz draws svg and png: the same nodes, texts
+    (HTML labels) and clusters as the system's ``dot`` gives for that DOT."""
+    pytest.importorskip("pygraphviz", reason="pygraphviz is not installed on this platform")
+    source = render(sdpa_model, layer=3).source
+    with_dot = None
+    if shutil.which("dot") is not None:
+        with_dot = subprocess.run(["dot", "-Tsvg"], input=source.encode(), capture_output=True, check=True).stdout
+    monkeypatch.setenv("PATH", str(tmp_path))
+    svg = render(sdpa_model, layer=3, path=tmp_path / "block3.svg").read_text()
+    png = render(sdpa_model, layer=3, path=tmp_path / "block3.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and 'id="layers.3.layer_mid"' in svg
+    texts = sorted(re.findall(r"<text[^>]*>(.*?)</text>", svg))
+    assert "Linear 64 → 256" in texts or any("Linear" in t for t in texts)
+    if with_dot is not None:
+        reference = with_dot.decode()
+        assert texts == sorted(re.findall(r"<text[^>]*>(.*?)</text>", reference))
+        assert set(re.findall(r"<title>(.*?)</title>", svg)) == set(re.findall(r"<title>(.*?)</title>", reference))
+        assert svg.count('class="cluster"') == reference.count('class="cluster"')
+
+
 def test_without_dot_the_source_is_written_and_the_error_says_how_to_install(sdpa_model, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no dot on it: graphviz raises ExecutableNotFound
-    with pytest.raises(GraphvizNotFound, match="apt-get install graphviz") as error:
+    monkeypatch.setitem(sys.modules, "pygraphviz", None)  # and no pygraphviz: import fails
+    with pytest.raises(GraphvizNotFound, match="pip install pygraphviz") as error:
         render(sdpa_model, layer=3, path=tmp_path / "block3.svg")
     written = tmp_path / "block3.dot"
     assert written.exists() and written.read_text().startswith("digraph")
@@ -157,9 +182,10 @@ def test_a_diagram_shows_itself_in_a_notebook(sdpa_model, tmp_path, monkeypatch)
     import graphviz
 
     drawn = diagram(sdpa_model, "block", 3)
-    if shutil.which("dot") is not None:
+    if available() is not None:
         svg = drawn._repr_svg_()
         assert "<svg" in svg and 'id="layers.3.layer_mid"' in svg
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert drawn._repr_svg_() is None  # without dot the notebook falls back to the repr
+    monkeypatch.setitem(sys.modules, "pygraphviz", None)
+    assert drawn._repr_svg_() is None  # without any Graphviz the notebook falls back to the repr
     assert issubclass(GraphvizNotFound, graphviz.ExecutableNotFound) and issubclass(GraphvizNotFound, RuntimeError)

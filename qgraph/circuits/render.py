@@ -170,9 +170,9 @@ def figure(graph, labels, top_logits) -> Figure:
 def digraph(graph, labels):
     """The graph as a ``graphviz.Digraph``: node ``n{i}`` for node ``i``, one rank per row (embeddings at
     the bottom, logits on top, kept in order by invisible anchors), edges coloured and sized by weight."""
-    import graphviz
+    from ..render.engine import Digraph  # the system's dot, else pygraphviz's bundled Graphviz
 
-    g = graphviz.Digraph("attribution_graph")
+    g = Digraph("attribution_graph")
     g.attr(rankdir="BT", newrank="true", ranksep="0.45", nodesep="0.18", fontname="Helvetica")
     g.attr("node", fontname="Helvetica", fontsize="9", style="filled", margin="0.05,0.02", height="0.25")
     g.attr("edge", arrowsize="0.5")

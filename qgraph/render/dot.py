@@ -6,6 +6,8 @@ from pathlib import Path
 
 import graphviz
 
+from .engine import Digraph
+
 from ..errors import InvalidArgument, InvalidState, QgraphError
 
 FONT = "Helvetica"
@@ -82,7 +84,7 @@ class GraphvizNotFound(QgraphError, graphviz.ExecutableNotFound):
 
 def to_graphviz(diagram) -> graphviz.Digraph:
     """The ``Diagram`` as a ``graphviz.Digraph`` (its ``.source`` is the DOT text)."""
-    g = graphviz.Digraph("qgraph")
+    g = Digraph("qgraph")
     g.attr(rankdir="TB", fontname=FONT, bgcolor="white", nodesep="0.28", ranksep="0.32", newrank="true",
            pad="0.3", ordering="out", labelloc="t", labeljust="l", fontsize="15",
            label=f'<<B>{_escape(diagram.title)}</B>>', tooltip=diagram.title)
@@ -168,10 +170,10 @@ def write(diagram, path: str | Path, *, dpi: int = 110) -> Path:
         dot_path = path.with_suffix(".dot")
         dot_path.write_text(source)
         raise GraphvizNotFound(
-            f"the Graphviz 'dot' program is not on PATH, so qgraph cannot make '{path.name}'. It wrote the DOT "
-            f"source to {dot_path}. Install Graphviz (Debian/Ubuntu: `apt-get install graphviz`; macOS: "
-            f"`brew install graphviz`; conda: `conda install -c conda-forge graphviz`), then render again, or "
-            f"run `dot -T{fmt} {dot_path} -o {path}`.") from missing
+            f"neither Graphviz's 'dot' program nor pygraphviz (which bundles Graphviz) is installed, so qgraph "
+            f"cannot make '{path.name}'. It wrote the DOT source to {dot_path}. `pip install pygraphviz` (a wheel "
+            f"for Linux, macOS arm64 and Windows), or install Graphviz (Debian/Ubuntu: `apt-get install "
+            f"graphviz`; macOS: `brew install graphviz`), then render again.") from missing
     except graphviz.CalledProcessError as failed:
         stderr = failed.stderr.decode(errors="replace") if isinstance(failed.stderr, bytes) else str(failed.stderr)
         raise InvalidState(f"dot failed to render {path}: {stderr.strip()}") from failed
