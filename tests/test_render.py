@@ -134,7 +134,7 @@ def test_without_dot_pygraphviz_draws_the_same_diagram(sdpa_model, tmp_path, mon
     png = render(sdpa_model, layer=3, path=tmp_path / "block3.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and 'id="layers.3.layer_mid"' in svg
     texts = sorted(re.findall(r"<text[^>]*>(.*?)</text>", svg))
-    assert "Linear 64 → 256" in texts or any("Linear" in t for t in texts)
+    assert any("Linear" in text for text in texts)  # the HTML labels are drawn
     if with_dot is not None:
         reference = with_dot.decode()
         assert texts == sorted(re.findall(r"<text[^>]*>(.*?)</text>", reference))

@@ -204,7 +204,7 @@ def drop_submodule(module: torch.nn.Module, target: str) -> None:
 def free_name(module: torch.nn.Module, name: str) -> str:
     """``name`` made a flat identifier that ``module`` does not use yet, not starting with ``_`` and not an
     attribute of a graph module (what a saved program's held tensors are named: ``fxdata.held_name``)."""
-    stem = "".join(c if c.isalnum() or c == "_" else "_" for c in name).lstrip("_") or "held"
+    stem = "".join(c if (c.isascii() and c.isalnum()) or c == "_" else "_" for c in name).lstrip("_") or "held"
     stem = f"t{stem}" if stem[0].isdigit() else stem
     name, index = stem, 1
     while hasattr(module, name) or hasattr(torch.fx.GraphModule, name):

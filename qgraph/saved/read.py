@@ -187,8 +187,8 @@ class LoadedProgram:
         self._inputs = inputs  # per graph input: {"parameter": name} or {"input": index} (checked: saved.schema)
         # the messages of the graph's assertions of a fixed edit's needs (saved.inline): a call they refuse
         # is an EditError, as the instrumented model's own refusal is
-        self._needs = {node.args[1] for node in module.graph.find_nodes(
-            op="call_function", target=torch.ops.aten._assert_scalar.default) if isinstance(node.args[1], str)}
+        asserts = module.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default)
+        self._needs = {node.args[1] for node in asserts if isinstance(node.args[1], str) and node.args[1]}
         self._model = model  # weights=model: followed (see _follow)
         self._use(weights)
         self.config = _config(path, meta)

@@ -197,7 +197,8 @@ def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
             return value
 
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # the refusal says it: no log of torch's too
-    level, quiet.level = quiet.level, logging.CRITICAL
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         with mode:
             Fake(module).run(*fakes)
@@ -237,36 +238,36 @@ class Bounds:
         self.sizes = found
         self._seen: set = set()
         low = {symbol: max(1, int(limits["min"])) for symbol, (_, _, limits) in symbols.items()}
-        for size, (node, device) in found.items():
+        for size, (node, on) in found.items():
             unknown = size.free_symbols - set(symbols)
             if unknown:
                 raise SavedProgramError(f"{where}: node {node.name} makes a tensor whose size depends on its data "
                                         f"({size} bytes), which a saved program cannot bound")
             _degree(size, list(symbols), node, where)
             least = int(size.xreplace(low))
-            if least > memory_limit(device):
+            if least > memory_limit(on):
                 raise SavedProgramError(f"{where}: node {node.name} makes a tensor of {least:,} bytes at the smallest "
                                         f"call, more than this machine's memory")
 
     def check(self, args: list) -> None:
         """Refuse a call (its arguments ``args``) whose sizes are out of the graph's range, or for which the
         graph would make a tensor larger than the memory of its device."""
-        sizes = tuple(tuple(arg.shape) if isinstance(arg, torch.Tensor) else () for arg in args)
-        if sizes in self._seen:
-            return
-        values = {}
+        values = {}  # the call's size for each symbol: all the sizes depend on (the weights' are fixed)
         for symbol, (index, dim, limits) in self.symbols.items():
-            value = sizes[index][dim]
+            value = args[index].shape[dim]
             if limits["max"] is not None and value > limits["max"]:
                 raise InvalidArgument(f"this program takes at most {limits['max']} along dim {dim} of its input "
                                       f"{index}; the call has {value}")
             values[symbol] = value
-        for size, (node, device) in self.sizes.items():
+        key = tuple(values.values())
+        if key in self._seen:
+            return
+        for size, (node, on) in self.sizes.items():
             needed = int(size.xreplace(values)) if size.free_symbols else int(size)
-            if needed > memory_limit(device):
+            if needed > memory_limit(on):
                 raise InvalidArgument(f"this call would make a tensor of {needed / 2**30:,.1f} GiB (node {node.name}), "
-                                      f"more than the memory of {device}: call with fewer or shorter prompts")
-        self._seen.add(sizes)
+                                      f"more than the memory of {on}: call with fewer or shorter prompts")
+        self._seen.add(key)
 
 
 def _degree(size, symbols: list, node: Node, where: str) -> None:

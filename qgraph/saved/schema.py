@@ -55,6 +55,7 @@ def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> byte
 
 
 def parse(data: bytes, name: str, path: Path) -> dict:
+    """The JSON object of member ``name`` (its bytes ``data``), or a ``SavedProgramError`` saying why not."""
     try:
         value = json.loads(data)
     except (ValueError, RecursionError) as error:
