@@ -51,7 +51,7 @@ _checked = False
 
 def _check_versions() -> None:
     """``compat.check_versions`` once, at the first use of a public name: qgraph's private calls
-    (qgraph/compat.py) were written for a range of torch and transformers releases."""
+    (qgraph/compat/) were written for a range of torch and transformers releases."""
     global _checked
     if not _checked:
         from .compat import check_versions

@@ -308,7 +308,7 @@ def test_an_experts_implementation_qgraph_cannot_run_is_refused_and_no_interface
     biased = SimpleNamespace(**{**vars(experts), "has_bias": True})
     with pytest.raises(qgraph.UnsupportedModel, match="'has_bias': True"):
         compat.experts_implementation_run(biased)
-    monkeypatch.setattr(compat, "_experts_functions", lambda: None)  # a transformers without the interface
+    monkeypatch.setattr(compat.transformers_internals, "_experts_functions", lambda: None)  # a transformers without the interface
     with pytest.warns(UserWarning, match="no experts interface.*'grouped_mm' runs as 'eager'"):
         assert compat.experts_implementation_run(experts) == "eager"
 

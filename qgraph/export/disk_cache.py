@@ -43,7 +43,7 @@ from .fingerprint import structure
 _READS = "qgraph-reads.json"  # the extra file holding the export's reads and their values
 
 # The qgraph sources whose changes change what export produces (markers, ops, example inputs).
-_EXPORT_SOURCES = ("export", "kernels/ops.py", "kernels/experts.py", "inputs.py", "compat.py", "families")
+_EXPORT_SOURCES = ("export", "kernels/ops.py", "kernels/experts.py", "inputs.py", "compat", "families")
 
 
 def enabled() -> bool:

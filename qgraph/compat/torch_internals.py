@@ -1,0 +1,195 @@
+"""torch's private internals that qgraph relies on, each with its reason (see ``qgraph.compat``)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch._C import DispatchKey
+from torch.export import ExportedProgram
+from torch.nn.modules import module as _module
+
+
+# nn.Module keeps its hooks in these dicts, and torch the global module hooks in module-level dicts;
+# torch has no public way to list or set hooks aside. Export must not trace the user's hooks (they
+# would be baked into the program and copied to every repeated block), so they are set aside while
+# it traces and put back after.
+_MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                      "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+                      "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+                      "_global_forward_hooks_always_called", "_global_forward_pre_hooks",
+                      "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def _hook_dicts(model: torch.nn.Module):
+    for module in model.modules():
+        for attribute in _MODULE_HOOK_DICTS:
+            hooks = getattr(module, attribute, None)
+            if hooks:
+                yield hooks
+    for attribute in _GLOBAL_HOOK_DICTS:
+        hooks = getattr(_module, attribute, None)
+        if hooks:
+            yield hooks
+
+
+def hooked_modules(model: torch.nn.Module) -> list[str]:
+    """The paths of ``model``'s modules that carry forward or backward hooks ("<global>" for
+    torch's global module hooks)."""
+    paths = [path or type(model).__name__ for path, module in model.named_modules()
+             if any(getattr(module, attribute, None) for attribute in _MODULE_HOOK_DICTS
+                    if attribute != "_forward_hooks_always_called")]
+    if any(getattr(_module, attribute, None) for attribute in _GLOBAL_HOOK_DICTS):
+        paths.append("<global>")
+    return paths
+
+
+@contextlib.contextmanager
+def hooks_set_aside(model: torch.nn.Module):
+    """Empty every hook dict of ``model`` (and the global ones) in place for the block, then put
+    each hook back where it was (same dicts, same order, so the user's handles stay valid). The
+    dicts are emptied in place because twins made with ``copy.copy`` share them."""
+    saved = [(hooks, dict(hooks)) for hooks in _hook_dicts(model)]
+    for hooks, _ in saved:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            ours = dict(hooks)  # hooks registered inside the block and not removed: keep them after the user's
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(ours)
+
+
+# -- autograd inside a custom op (qgraph.kernels.grad) ---------------------------------------------
+# A custom op's backward recomputes its forward under autograd. The dispatcher runs a custom op's
+# kernel with the autograd keys excluded, and torch has no public way to record autograd there, so
+# the exclusion is lifted with its private TLS guard.
+
+# The keys a custom op's implementation runs without (it is called below the autograd layer).
+_AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor,
+                  DispatchKey.ADInplaceOrView)
+
+
+@contextlib.contextmanager
+def autograd_enabled():
+    """Record autograd inside a custom op's implementation.
+
+    The dispatcher calls a custom op's kernel with the autograd keys excluded (and grad mode off in
+    a backward), so plain ``torch.enable_grad()`` records nothing there; this lifts the exclusion
+    for the block as well.
+    """
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
+
+
+# -- torch.compile with grad enabled (qgraph.compile) --------------------------------------------
+def inductor_symbolic_strides_fix() -> None:
+    """Let inductor order symbolic strides with the graph's shape env (pytorch/pytorch#185510).
+
+    With grad enabled, the forward graph returns the activations the backward reads, some of them
+    views with symbolic strides (``64 * seq`` and ``64``); the inductor of torch 2.13 and 2.14 sorts those
+    without its shape env and fails with "cannot determine truth value of Relational: 1 < s53". This does
+    what the upstream fix (pytorch/pytorch#185871) does: sort them with the active graph's shape env.
+    """
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    original = ir.get_fill_order
+    if getattr(original, "qgraph_fix", False):
+        return
+
+    def get_fill_order(seq, shape_env=None):
+        if shape_env is None and not all(isinstance(s, int) or getattr(s, "is_Integer", False) for s in seq):
+            try:
+                shape_env = V.graph.sizevars.shape_env
+            except (AttributeError, AssertionError):
+                pass  # no graph being lowered: as before
+        return original(seq, shape_env)
+
+    get_fill_order.qgraph_fix = True
+    ir.get_fill_order = get_fill_order
+
+
+# -- building programs (qgraph.export.repeat, qgraph.export.disk_cache) -------------------------------------------------
+# Alike in torch 2.13 and 2.14. torch.export has no public way to make an ExportedProgram from
+# an edited graph with a new signature, state dict or constants (repeated blocks; weights swapped
+# for placeholders before saving), so we call its constructor, which is not a documented entry
+# point and whose keywords have changed between releases (one ``verifier`` became ``verifiers``).
+def exported_program(root, graph: torch.fx.Graph, signature, state_dict: dict, range_constraints: dict,
+                     module_call_graph: list, constants: dict, verifier) -> ExportedProgram:
+    """An ExportedProgram of ``graph`` (owned by ``root``, a GraphModule) with no example inputs."""
+    return ExportedProgram(root=root, graph=graph, graph_signature=signature, state_dict=state_dict,
+                           range_constraints=range_constraints, module_call_graph=module_call_graph,
+                           example_inputs=None, constants=constants, verifiers=[verifier])
+
+
+# -- shallow twins of a model (qgraph.export.repeat) --------------------------------------------------------
+# Alike in torch 2.13 and 2.14. The seed export traces a twin of the model whose layer list
+# holds only the seed blocks, without touching the model. ``copy.copy`` of a module shares its child
+# dict (``nn.Module._modules``), and torch has no public way to give a copy its own; children are
+# put in that dict directly, as ``setattr`` would also run torch's global module registration hooks.
+def own_children(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` (a shallow copy) given its own child dict, so replacing a child leaves the original's."""
+    module._modules = dict(module._modules)
+    return module
+
+
+def shallow_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` with its own child dict (its children are the module's)."""
+    return own_children(copy.copy(module))
+
+
+def replace_child(parent: torch.nn.Module, name: str, replace) -> torch.nn.Module:
+    """Set ``parent``'s child ``name`` to ``replace(child)`` in its child dict; returns the new child."""
+    child = parent._modules[name] = replace(parent._modules[name])
+    return child
+
+
+# -- reading and running ops (qgraph.render.labels, qgraph.compile) ---------------------------------
+# Alike in torch 2.13 and 2.14. An op's argument names are only on its schema (``_schema``,
+# public in practice but underscored); and a compiled program's dynamic dims are marked with dynamo's
+# ``maybe_mark_dynamic`` (``torch.compiler`` has no public counterpart), so the first call with a new
+# batch or length does not recompile.
+def op_argument_names(op) -> list[str]:
+    """The names of an ATen or custom op's arguments, in order."""
+    return [argument.name for argument in op._schema.arguments]
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Tell torch.compile that ``tensor``'s ``dim`` varies between calls (no recompile when it does)."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+
+# -- symbolic sizes (qgraph.distributed.engine) --------------------------------------------------------
+# Alike in torch 2.13 and 2.14. torch's pipeline stages take the shapes of what crosses between
+# processes before they run; qgraph computes them, for each call's batch and length, from the sizes the
+# exported graph records (SymInts), whose expression (sympy) is only reachable as ``SymInt.node.expr``.
+def size_expression(size):
+    """The sympy expression of a symbolic size (a plain int stays an int)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+# -- fake tensors with symbolic sizes (qgraph.saved.sandbox) -----------------------------------------
+# Alike in torch 2.13 and 2.14. The sandbox runs an untrusted graph on fake tensors (shapes, no data) to
+# know every tensor it can make before anything real runs; FakeTensorMode is only in torch._subclasses.
+def fake_mode():
+    """A fake-tensor mode over a fresh shape environment (every size symbolic where asked)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def fake(mode, tensor: torch.Tensor, dynamic: bool):
+    """``tensor`` as a fake of ``mode``: every dim a fresh symbol (equal sizes one symbol) if ``dynamic``."""
+    if not dynamic:
+        return mode.from_tensor(tensor, static_shapes=True)
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * tensor.dim())
+    return mode.from_tensor(tensor, symbolic_context=context)

@@ -1,0 +1,34 @@
+"""The releases qgraph was tested with, and the check ``import qgraph`` runs against them."""
+from __future__ import annotations
+
+import re
+import warnings
+from importlib import metadata
+
+# The releases the tests ran on: (floor, newest tested), as major.minor. Below the floor qgraph
+# does not import (an ImportError names the floor); past the newest it imports with a warning.
+# transformers' floor is 5.23, the first whose gated DeltaNet hands its kernel the queries and keys
+# num_k_heads wide (the kernel repeats them to the value heads): before, the module repeats them
+# first, so the kernel's arguments, which qgraph's attention_queries / attention_keys are, would be
+# num_v_heads wide. Older releases differ further (README "Supported versions").
+TESTED = {"torch": ("2.13", "2.14"), "transformers": ("5.23", "5.24")}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string ("2.14.1+cu130" -> (2, 14, 1))."""
+    return tuple(int(part) for part in re.findall(r"\d+", re.match(r"[\d.]*", version).group()))
+
+
+def check_versions() -> None:
+    """Raise ImportError naming the floor if torch or transformers is older than the tested range;
+    warn (one line naming the tested ranges) if either is newer."""
+    ranges = ", ".join(f"{package} {low}-{high}" for package, (low, high) in TESTED.items())
+    for package, (low, high) in TESTED.items():
+        installed = metadata.version(package)
+        release = _release(installed)
+        if release[:2] < _release(low):
+            raise ImportError(f"qgraph needs {package} >= {low} (it uses {package} internals listed in "
+                              f"qgraph/compat/); {installed} is installed: pip install '{package}>={low}'")
+        if release[:2] > _release(high):
+            warnings.warn(f"qgraph was tested with {ranges}; {package} {installed} is newer and untested",
+                          UserWarning, stacklevel=2)
