@@ -5,6 +5,7 @@ ever downloaded.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -171,12 +172,18 @@ def _save(model_class, config, path, seed: int, tokenizer, image_processor: bool
 def load_processor(path: str | os.PathLike):
     """The checkpoint's processor: ``AutoProcessor.from_pretrained``, or where that cannot load (its
     video processor needs torchvision), ``ImageTextProcessor`` over the checkpoint's own image
-    processor and tokenizer, both loaded with ``from_pretrained``."""
+    processor (the slow one where the fast needs torchvision) and tokenizer, loaded with ``from_pretrained``."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     try:
         return AutoProcessor.from_pretrained(path)
     except (ImportError, ValueError, AttributeError, OSError):
-        return ImageTextProcessor(AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path))
+        try:
+            images = AutoImageProcessor.from_pretrained(path)
+        except ImportError:  # transformers before 5.15 maps the checkpoint's class to its torchvision backend
+            import transformers
+            named = json.loads((Path(path) / "preprocessor_config.json").read_text())["image_processor_type"]
+            images = getattr(transformers, f"{named}Pil").from_pretrained(path)
+        return ImageTextProcessor(images, AutoTokenizer.from_pretrained(path))
 
 
 class ImageTextProcessor:

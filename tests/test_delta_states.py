@@ -6,7 +6,7 @@ import torch
 
 from qgraph.kernels.delta_states import chunk_gated_delta_rule_with_states
 from qgraph.kernels.ops import STATES_OP
-from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as _transformers_kernel
 
 BATCH, K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 2, 4, 16, 16
 SEQS = [1, 7, 63, 64, 65, 130]
@@ -22,6 +22,14 @@ def make_inputs(seq, batch=BATCH, initial=True, seed=0):
     beta = torch.rand(batch, seq, V_HEADS, generator=gen)
     state = rand(batch, V_HEADS, K_DIM, V_DIM) if initial else None
     return query, key, value, g, beta, state
+
+
+def torch_chunk_gated_delta_rule(query, key, value, *args, **kwargs):
+    """transformers' chunked kernel, handed queries and keys repeated to the value heads: from 5.23 it
+    repeats them itself (a ratio of 1 repeats nothing), before it the DeltaNet did."""
+    ratio = value.shape[2] // key.shape[2]
+    return _transformers_kernel(query.repeat_interleave(ratio, dim=2), key.repeat_interleave(ratio, dim=2), value,
+                                *args, **kwargs)
 
 
 def reference_states(query, key, value, g, beta, initial_state):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 from torch._C import DispatchKey
@@ -186,6 +187,28 @@ def fake_mode():
     return FakeTensorMode(shape_env=ShapeEnv())
 
 
+def fake_call(target, args, kwargs):
+    """``target(*args, **kwargs)`` on fake tensors. torch up to 2.12 runs ``aten.linear`` through its
+    C++ ``matmul``, which calls ``numel()`` on an input of symbolic sizes and fails ("Cannot call numel()
+    on tensor with symbolic sizes"); there it runs as the same product through ``mm``, whose
+    shape rules are written for symbolic sizes (an input that does not fit fails as before)."""
+    try:
+        return target(*args, **kwargs)
+    except RuntimeError as error:
+        if target is not torch.ops.aten.linear.default or "symbolic sizes" not in str(error):
+            raise
+        try:
+            return _linear_through_mm(*args, **kwargs)
+        except Exception:  # noqa: BLE001 (it does not fit: the first error says so)
+            raise error from None
+
+
+def _linear_through_mm(input, weight, bias=None):
+    flat = torch.ops.aten.mm.default(input.reshape(-1, input.shape[-1]), weight.t())
+    output = flat.reshape(*input.shape[:-1], weight.shape[0])
+    return output if bias is None else output + bias
+
+
 def fake(mode, tensor: torch.Tensor, dynamic: bool):
     """``tensor`` as a fake of ``mode``: every dim a fresh symbol (equal sizes one symbol) if ``dynamic``."""
     if not dynamic:
@@ -193,3 +216,37 @@ def fake(mode, tensor: torch.Tensor, dynamic: bool):
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * tensor.dim())
     return mode.from_tensor(tensor, symbolic_context=context)
+
+
+# -- dims that export can solve (qgraph.export.trace) ------------------------------------------------
+# torch up to 2.12 cannot prove ``min(16*s, 32*s) == 16*s`` for a named Dim ``s >= 1``, a guard that
+# reshaping a repeated tensor (``repeat_kv``'s expand + reshape, in every attention) adds, and export
+# refuses the dims ("Constraints violated"); 2.13 proves it. Told by exporting that reshape once: where
+# it fails, each named dim becomes ``Dim.DYNAMIC`` with the same bounds (export then keeps the guard
+# without asking it to hold for every size; the sizes stay symbolic, equal ones one symbol).
+@functools.lru_cache(maxsize=None)
+def _named_dims_solve_repeats() -> bool:
+    class Repeat(torch.nn.Module):
+        def forward(self, x):
+            batch, heads, seq, dim = x.shape
+            return x[:, :, None].expand(batch, heads, 2, seq, dim).reshape(batch, heads * 2, seq, dim)
+
+    from torch._dynamo.exc import UserError
+    try:
+        torch.export.export(Repeat(), (torch.zeros(2, 2, 5, 16),), strict=False,
+                            dynamic_shapes=({0: torch.export.Dim("b", min=1), 2: torch.export.Dim("s", min=1)},))
+    except UserError:
+        return False
+    return True
+
+
+def export_dims(dynamic_shapes):
+    """``dynamic_shapes`` as this torch's export can take them (see above): unchanged, or each named
+    Dim a ``Dim.DYNAMIC`` with its bounds."""
+    if _named_dims_solve_repeats():
+        return dynamic_shapes
+    named = type(torch.export.Dim("named"))  # what ``Dim(name)`` makes (``Dim.DYNAMIC`` is a hint, not one)
+
+    def dynamic(dim):
+        return torch.export.Dim.DYNAMIC(min=dim.min, max=dim.max) if isinstance(dim, named) else dim
+    return torch.utils._pytree.tree_map(dynamic, dynamic_shapes, is_leaf=lambda dim: isinstance(dim, named))

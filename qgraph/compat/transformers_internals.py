@@ -67,7 +67,8 @@ def experts_implementation_run(experts: torch.nn.Module) -> str:
         warnings.warn(f"qgraph: this transformers has no experts interface (integrations.moe.ALL_EXPERTS_FUNCTIONS): "
                       f"the experts implementation {name!r} runs as 'eager'", stacklevel=3)
         return "eager"
-    layout = {flag: getattr(experts, flag, None) for flag in _EXPERTS_LAYOUT}
+    # a flag an older release does not set is a feature it does not have: as the layout wants it
+    layout = {flag: getattr(experts, flag, wanted) for flag, wanted in _EXPERTS_LAYOUT.items()}
     if name != "eager" and (name not in functions or layout != _EXPERTS_LAYOUT):
         raise UnsupportedModel(f"qgraph's experts op cannot run the experts implementation {name!r} (registered: "
                                f"{', '.join(functions)}) of experts with {layout} (it runs {_EXPERTS_LAYOUT}): "
@@ -154,20 +155,38 @@ def computed_buffers(module: torch.nn.Module, device) -> dict[str, torch.Tensor]
 # resample its learned position table to each grid; its forward takes each one precomputed instead,
 # popped from its keyword arguments under these names. The image-text program takes them as inputs,
 # computed before each call by the functions that forward calls (``transformers.vision_utils``), so
-# they are its own values. (transformers 5.9 to 5.14 took the resampling as ``bilinear_*`` [4,
-# patches] and 5.2 to 5.8 took nothing precomputed: both are below the floor, see ``TESTED``.)
+# they are its own values. transformers 5.9 to 5.14 take the resampling as ``bilinear_indices`` /
+# ``bilinear_weights`` ``[4, patches]`` (told by ``vision_utils`` lacking the ``interp`` function): the
+# program keeps 5.15's ``interp_*`` ``[patches, 4]`` (the patches first, as every image input) and the
+# ViT is handed their transposes, the same numbers (5.2 to 5.8 took nothing precomputed).
 def vision_inputs(visual: torch.nn.Module, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
     """The ViT ``visual``'s grid-dependent inputs for ``grid_thw``, as its forward computes them:
     ``cu_seqlens``, ``position_ids``, ``interp_indices`` and ``interp_weights`` (``[patches, taps]``)."""
     from transformers import vision_utils
 
     merge = visual.config.spatial_merge_size
-    indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
-        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
-        align_corners=visual.interpolation_align_corners, spatial_merge_size=merge)
+    if hasattr(vision_utils, "get_vision_interpolation_indices_and_weights"):
+        indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+            grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=merge)
+    else:
+        indices, weights = (tensor.T.contiguous() for tensor in vision_utils.get_vision_bilinear_indices_and_weights(
+            grid_thw, num_grid_per_side=visual.num_grid_per_side, spatial_merge_size=merge))
     return {"cu_seqlens": vision_utils.get_vision_cu_seqlens(grid_thw),
             "position_ids": vision_utils.get_vision_position_ids(grid_thw, merge),
             "interp_indices": indices, "interp_weights": weights}
+
+
+def vision_forward_kwargs(kwargs: dict) -> dict:
+    """``vision_inputs``' tensors as this transformers' ViT forward takes them (see above)."""
+    from transformers import vision_utils
+
+    if hasattr(vision_utils, "get_vision_interpolation_indices_and_weights") or "interp_indices" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    kwargs["bilinear_indices"] = kwargs.pop("interp_indices").T
+    kwargs["bilinear_weights"] = kwargs.pop("interp_weights").T
+    return kwargs
 
 
 # -- forwards transformers runs under torch.no_grad (qgraph.export.trace) ---------------------------
@@ -197,17 +216,25 @@ def _cell(cell):
 @contextlib.contextmanager
 def export_patches(model: torch.nn.Module):
     """While exporting ``model``: the forwards of its module classes that transformers decorates with
-    ``@torch.no_grad()`` run undecorated, their returned tensors detached (the classes' forwards are
-    restored afterwards)."""
+    ``@torch.no_grad()`` run undecorated, their returned tensors detached, and an older DeltaNet padding
+    mask is kept as given (see below); the classes' functions are restored afterwards."""
     owners = {next(klass for klass in type(module).__mro__ if "forward" in vars(klass)) for module in model.modules()}
-    saved = {cls: vars(cls)["forward"] for cls in owners if _under_no_grad(vars(cls)["forward"]) is not None}
-    for cls, forward in saved.items():
-        cls.forward = _detached(_under_no_grad(forward))
+    patched = {cls: {"forward": _detached(_under_no_grad(vars(cls)["forward"]))} for cls in owners
+               if _under_no_grad(vars(cls)["forward"]) is not None}
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            if _mask_patched(cls):
+                patched.setdefault(cls, {}).update(_mask_patched(cls))
+    saved = {cls: {name: vars(cls)[name] for name in functions} for cls, functions in patched.items()}
+    for cls, functions in patched.items():
+        for name, function in functions.items():
+            setattr(cls, name, function)
     try:
         yield
     finally:
-        for cls, forward in saved.items():
-            cls.forward = forward
+        for cls, functions in saved.items():
+            for name, function in functions.items():
+                setattr(cls, name, function)
 
 
 def _detached(forward):
@@ -216,3 +243,46 @@ def _detached(forward):
         return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, forward(*args, **kwargs))
     return detached
 
+
+
+# -- kernels bound to each module (qgraph.export.trace) ---------------------------------------------
+# transformers 5.9 to 5.14 bind the gated DeltaNet's kernels to each module when it is built
+# (``self.chunk_gated_delta_rule = ... or torch_chunk_gated_delta_rule``); from 5.15 the forward calls
+# the module-level functions. A bound kernel is found by identity (an instance attribute that is the
+# function) and routed, while exporting, through the same op as the module-level one.
+@contextlib.contextmanager
+def kernels_bound(model: torch.nn.Module, routes: dict):
+    """For the block, each instance attribute of ``model``'s modules that is a key of ``routes`` (a
+    kernel function) is its value (the op it runs through); the attributes are put back after."""
+    bound = [(module, name, value) for module in model.modules() for name, value in list(vars(module).items())
+             if callable(value) and not isinstance(value, torch.nn.Module) and _routed(routes, value)]
+    for module, name, value in bound:
+        vars(module)[name] = routes[value]
+    try:
+        yield
+    finally:
+        for module, name, value in bound:
+            vars(module)[name] = value
+
+
+def _routed(routes: dict, value) -> bool:
+    try:
+        return value in routes
+    except TypeError:  # an unhashable callable
+        return False
+
+
+# -- the DeltaNet's padding mask (qgraph.export.trace) ------------------------------------------------
+# transformers before 5.23 (5.9 among them) chooses the DeltaNet's padding mask in ``_update_linear_attn_mask`` with
+# ``torch.all(attention_mask == 1)`` in Python (None when every token is real), which export cannot
+# follow (it would depend on the data); 5.23 builds it with ``create_recurrent_attention_mask``. While
+# exporting, the mask is kept as given: the DeltaNet multiplies its inputs by it, and by ones is the
+# same number, so the values are those of the skipped mask.
+def _linear_attn_mask(self, attention_mask, past_key_values):
+    if past_key_values is not None and past_key_values.has_previous_state():
+        return None
+    return attention_mask
+
+
+def _mask_patched(cls) -> dict:
+    return {"_update_linear_attn_mask": _linear_attn_mask} if "_update_linear_attn_mask" in vars(cls) else {}

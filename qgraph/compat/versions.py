@@ -7,11 +7,10 @@ from importlib import metadata
 
 # The releases the tests ran on: (floor, newest tested), as major.minor. Below the floor qgraph
 # does not import (an ImportError names the floor); past the newest it imports with a warning.
-# transformers' floor is 5.23, the first whose gated DeltaNet hands its kernel the queries and keys
-# num_k_heads wide (the kernel repeats them to the value heads): before, the module repeats them
-# first, so the kernel's arguments, which qgraph's attention_queries / attention_keys are, would be
-# num_v_heads wide. Older releases differ further (README "Supported versions").
-TESTED = {"torch": ("2.13", "2.14"), "transformers": ("5.23", "5.24")}
+# transformers' floor is 5.9 (TransformerLens 4's): 5.2 to 5.8 compute the ViT's position embeddings
+# from the image grids with Python loops that export cannot follow. torch's floor is 2.10; older
+# releases are not tested. What differs inside the ranges: README "Supported versions".
+TESTED = {"torch": ("2.10", "2.14"), "transformers": ("5.9", "5.24")}
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from torch.export import Dim, ExportedProgram
 
 from . import constants, disk_cache
 from ..kernels import ops
+from .. import compat
 from ..compat import export_patches, hooks_set_aside
 from ..families import Family, family_for
 from ..progress import progress, stages
@@ -173,10 +174,10 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)
     patches = family.images.patches(model) if images else contextlib.nullcontext()
     family_patches = family.export_patches(model) if family.export_patches else contextlib.nullcontext()
-    with hooks_set_aside(model), export_patches(model), _delta_rule_ops(family), _port_markers(model, family), \
+    with hooks_set_aside(model), export_patches(model), _delta_rule_ops(model, family), _port_markers(model, family), \
             family_patches, patches, \
             constants.recording(twin) as reads:
-        program = torch.export.export(twin, (), example, dynamic_shapes=dynamic, strict=False)
+        program = torch.export.export(twin, (), example, dynamic_shapes=compat.export_dims(dynamic), strict=False)
     return program, frozenset(reads)
 
 
@@ -206,7 +207,7 @@ def text_example(model):
 
 
 @contextlib.contextmanager
-def _delta_rule_ops(family: Family):
+def _delta_rule_ops(model: torch.nn.Module, family: Family):
     """Route the family's delta-rule kernels (module-level functions) through the custom ops, each
     op naming the kernels it runs (``ops.register_kernels``), so the program carries them."""
     module = importlib.import_module(family.kernels.module)
@@ -215,7 +216,8 @@ def _delta_rule_ops(family: Family):
     for kind, name in family.kernels.functions.items():
         setattr(module, name, _as_op(kind, kernels))
     try:
-        yield
+        with compat.kernels_bound(model, {saved[kind]: _as_op(kind, kernels) for kind in saved}):
+            yield
     finally:
         for kind, name in family.kernels.functions.items():
             setattr(module, name, saved[kind])

@@ -18,7 +18,7 @@ import torch
 from torch.export import Dim
 
 from ..errors import InvalidArgument, InvalidType
-from ..compat import attn_implementation_set, vision_inputs
+from ..compat import attn_implementation_set, vision_forward_kwargs, vision_inputs
 from ..inputs import as_tensor
 from ..inputs import prepare as prepare_inputs
 from .base import Images, RepeatedBlocks
@@ -100,7 +100,7 @@ def _packed_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
     arguments: the ``image_*`` ones (the precomputed inputs) reach the ViT without the prefix, as
     transformers' own get_image_features takes them; ``video_*`` ones are not for it."""
     kwargs = {name.removeprefix("image_"): value for name, value in kwargs.items() if not name.startswith("video_")}
-    outputs = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw, **kwargs)
+    outputs = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw, **vision_forward_kwargs(kwargs))
     outputs.pooler_output = (outputs.pooler_output,)  # one packed tensor: the caller concatenates
     return outputs
 

@@ -133,7 +133,10 @@ def _delta_rule(locator: Locator, host: str, rule: DeltaRule) -> Found | Missing
     if kernel is None:
         return Missing(f"no gated delta-rule kernel call under '{host}'")
     if rule.part in DeltaRule.ARGUMENTS:
-        return Found(kernel.args[DeltaRule.ARGUMENTS.index(rule.part)])
+        argument = kernel.args[DeltaRule.ARGUMENTS.index(rule.part)]
+        if rule.part in ("queries", "keys") and argument.target is aten.repeat_interleave.self_int:
+            argument = argument.args[0]  # repeated to the value heads before the kernel (transformers < 5.23)
+        return Found(argument)
     # (output, final state), or (output, states, final state) once swapped for states
     index = {"head_outputs": 0, "state_output": 2 if kernel.target is STATES_OP else 1}[rule.part]
     return Found(_output_item(locator.graph, kernel, index))

@@ -37,7 +37,10 @@ def open_conv_context(graph: Graph, conv: Node) -> tuple[Node, Node]:
     and the last ``w`` columns of ``cat(context, x)`` (the next call's context)."""
     x, weight, _, stride, _, dilation, groups = conv.args
     width = weight.meta["val"].shape[-1] - 1
-    trimmed = next(u for u in conv.users if u.target is torch.ops.aten.slice.Tensor)  # conv(...)[..., :seq]
+    output = conv
+    while len(output.users) == 1 and next(iter(output.users)).target is torch.ops.qgraph.mark.default:
+        output = next(iter(output.users))  # the conv called as a module (nn.Conv1d): its output port
+    trimmed = next(u for u in output.users if u.target is torch.ops.aten.slice.Tensor)  # conv(...)[..., :seq]
     emit = emitter(graph, conv)
     aten = torch.ops.aten
     with graph.inserting_before(trimmed.next):

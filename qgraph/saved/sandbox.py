@@ -179,9 +179,9 @@ def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
             # the blocks of a model repeat their ops, so each kind runs once (a fake result holds no data)
             key = _kind((target, args, kwargs))
             if key is None:
-                return super().call_function(target, args, kwargs)
+                return compat.fake_call(target, args, kwargs)
             if key not in seen:
-                seen[key] = super().call_function(target, args, kwargs)
+                seen[key] = compat.fake_call(target, args, kwargs)
             return seen[key]
 
         def run_node(self, node):
