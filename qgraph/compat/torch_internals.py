@@ -240,13 +240,33 @@ def _named_dims_solve_repeats() -> bool:
     return True
 
 
-def export_dims(dynamic_shapes):
+def export_dims(dynamic_shapes, named: bool | None = None):
     """``dynamic_shapes`` as this torch's export can take them (see above): unchanged, or each named
-    Dim a ``Dim.DYNAMIC`` with its bounds."""
-    if _named_dims_solve_repeats():
+    Dim a ``Dim.DYNAMIC`` with its bounds (``named=False`` asks for that whatever the probe says)."""
+    if named is None:
+        named = _named_dims_solve_repeats()
+    if named:
         return dynamic_shapes
-    named = type(torch.export.Dim("named"))  # what ``Dim(name)`` makes (``Dim.DYNAMIC`` is a hint, not one)
+    kind = type(torch.export.Dim("named"))  # what ``Dim(name)`` makes (``Dim.DYNAMIC`` is a hint, not one)
 
     def dynamic(dim):
-        return torch.export.Dim.DYNAMIC(min=dim.min, max=dim.max) if isinstance(dim, named) else dim
-    return torch.utils._pytree.tree_map(dynamic, dynamic_shapes, is_leaf=lambda dim: isinstance(dim, named))
+        return torch.export.Dim.DYNAMIC(min=dim.min, max=dim.max) if isinstance(dim, kind) else dim
+    return torch.utils._pytree.tree_map(dynamic, dynamic_shapes, is_leaf=lambda dim: isinstance(dim, kind))
+
+
+def export(module: torch.nn.Module, kwargs: dict, dynamic_shapes) -> ExportedProgram:
+    """``torch.export.export(module, (), kwargs, strict=False)`` over ``dynamic_shapes`` (``export_dims``).
+    Where named dims fail for another reason the probe cannot see (torch 2.13 with transformers 5.9:
+    the ViT's derived patch dims fail export's range check, "tgt_bound ... not a subset of src_bound"),
+    the export runs once more with ``Dim.DYNAMIC`` dims; if that fails too, the first error is raised."""
+    named = _named_dims_solve_repeats()
+    try:
+        return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, named), strict=False)
+    except Exception as error:
+        if not named:
+            raise
+        try:
+            return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, False),
+                                       strict=False)
+        except Exception:  # noqa: BLE001 (the named dims' error says more)
+            raise error from None

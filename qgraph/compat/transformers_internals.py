@@ -214,17 +214,19 @@ def _cell(cell):
 
 
 @contextlib.contextmanager
-def export_patches(model: torch.nn.Module):
+def export_patches(model: torch.nn.Module, methods: dict):
     """While exporting ``model``: the forwards of its module classes that transformers decorates with
-    ``@torch.no_grad()`` run undecorated, their returned tensors detached, and an older DeltaNet padding
-    mask is kept as given (see below); the classes' functions are restored afterwards."""
+    ``@torch.no_grad()`` run undecorated, their returned tensors detached, and each class that defines a
+    method named in ``methods`` (a family's ``export_methods``: what some releases define and export
+    cannot follow) runs the function given instead; the classes' functions are restored afterwards."""
     owners = {next(klass for klass in type(module).__mro__ if "forward" in vars(klass)) for module in model.modules()}
     patched = {cls: {"forward": _detached(_under_no_grad(vars(cls)["forward"]))} for cls in owners
                if _under_no_grad(vars(cls)["forward"]) is not None}
     for module in model.modules():
         for cls in type(module).__mro__:
-            if _mask_patched(cls):
-                patched.setdefault(cls, {}).update(_mask_patched(cls))
+            for name, function in methods.items():
+                if name in vars(cls):
+                    patched.setdefault(cls, {})[name] = function
     saved = {cls: {name: vars(cls)[name] for name in functions} for cls, functions in patched.items()}
     for cls, functions in patched.items():
         for name, function in functions.items():
@@ -270,19 +272,3 @@ def _routed(routes: dict, value) -> bool:
         return value in routes
     except TypeError:  # an unhashable callable
         return False
-
-
-# -- the DeltaNet's padding mask (qgraph.export.trace) ------------------------------------------------
-# transformers before 5.23 (5.9 among them) chooses the DeltaNet's padding mask in ``_update_linear_attn_mask`` with
-# ``torch.all(attention_mask == 1)`` in Python (None when every token is real), which export cannot
-# follow (it would depend on the data); 5.23 builds it with ``create_recurrent_attention_mask``. While
-# exporting, the mask is kept as given: the DeltaNet multiplies its inputs by it, and by ones is the
-# same number, so the values are those of the skipped mask.
-def _linear_attn_mask(self, attention_mask, past_key_values):
-    if past_key_values is not None and past_key_values.has_previous_state():
-        return None
-    return attention_mask
-
-
-def _mask_patched(cls) -> dict:
-    return {"_update_linear_attn_mask": _linear_attn_mask} if "_update_linear_attn_mask" in vars(cls) else {}

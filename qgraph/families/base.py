@@ -132,6 +132,9 @@ class Family:
     repeated_blocks: tuple[RepeatedBlocks, ...] = ()
     images: Images | None = None  # the image part, added by with_images
     export_patches: ExportPatches | None = None  # active while any program is exported
+    # methods some transformers releases define on the model's classes that export cannot follow: while
+    # exporting, a class that defines one runs the function given instead (compat.export_patches)
+    export_methods: dict[str, Callable] = field(default_factory=dict)
     forward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every exported forward
     check: Check | None = None
     # names other libraries give its values: a TransformerLens hook name ({i}: a text block) -> {host kind:

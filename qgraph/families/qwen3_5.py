@@ -182,6 +182,17 @@ ALIASES = {
 }
 
 
+# transformers before 5.23 (5.9 among them) chooses the DeltaNet's padding mask in the text model's
+# ``_update_linear_attn_mask`` with ``torch.all(attention_mask == 1)`` in Python (None when every token
+# is real), which export cannot follow; 5.23 builds it with ``create_recurrent_attention_mask``. While
+# exporting, the mask is kept as given: the DeltaNet multiplies its inputs by it, and by ones is the
+# same number, so the values are those of the skipped mask.
+def _padding_mask_as_given(self, attention_mask, past_key_values):
+    if past_key_values is not None and past_key_values.has_previous_state():
+        return None
+    return attention_mask
+
+
 QWEN3_5 = register_family(Family(
     name="qwen3_5_text",
     model_types=("qwen3_5_text",),
@@ -201,4 +212,5 @@ QWEN3_5 = register_family(Family(
     repeated_blocks=(RepeatedBlocks("model.layers", "layer_types"),
                      RepeatedBlocks("model.language_model.layers", "layer_types")),
     aliases=ALIASES,
+    export_methods={"_update_linear_attn_mask": _padding_mask_as_given},
 ).with_images(IMAGES))
