@@ -26,8 +26,25 @@ def kernels():
     return ops.register_kernels(module.__name__, functions), functions
 
 
-def delta_inputs(seq=70, batch=2, k_heads=2, v_heads=4, dim=8, seed=0, requires_grad=True):
-    """Random delta-rule arguments: query, key, value, g (log decay <= 0), beta, initial state."""
+def _kernel_repeats() -> bool:
+    """Whether transformers' kernel repeats narrower queries and keys to the value heads itself (from
+    5.23; before, the DeltaNet repeats them first and the kernel takes them as wide as the values)."""
+    module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    try:
+        module.torch_recurrent_gated_delta_rule(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 2, 4),
+                                                torch.zeros(1, 1, 2), torch.zeros(1, 1, 2), initial_state=None,
+                                                output_final_state=False)
+    except RuntimeError:
+        return False
+    return True
+
+
+K_HEADS = 2 if _kernel_repeats() else 4
+
+
+def delta_inputs(seq=70, batch=2, k_heads=K_HEADS, v_heads=4, dim=8, seed=0, requires_grad=True):
+    """Random delta-rule arguments: query, key, value, g (log decay <= 0), beta, initial state (q/k
+    narrower than the values where the model's kernel repeats them)."""
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     tensors = [rand(batch, seq, k_heads, dim), rand(batch, seq, k_heads, dim), rand(batch, seq, v_heads, dim),
