@@ -43,6 +43,9 @@ HOSTILE = {
     "not JSON": (struct.pack("<Q", 3) + b"{x}", "not JSON"),
     "not UTF-8": (struct.pack("<Q", 2) + b"\xff\xfe", "not JSON"),
     "a list": (_body([]), "not a JSON object"),  # type: ignore[arg-type]
+    "nested 100,000 deep": (struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+    "an int of 10,000 digits": (struct.pack("<Q", 10_000) + b"9" * 10_000, "not JSON"),
+    "metadata nested deep": (_body({"__metadata__": {"qgraph": "[" * 100_000 + "]" * 100_000}}), "is not JSON"),
     "no metadata": (_body({}), "no __metadata__"),
     "metadata not JSON": (_body({"__metadata__": {"qgraph": "{"}}), "is not JSON"),
     "metadata a list": (_body({"__metadata__": {"qgraph": "[]"}}), "not a JSON object"),

@@ -10,6 +10,8 @@ from torch._C import DispatchKey
 from torch.export import ExportedProgram
 from torch.nn.modules import module as _module
 
+from ..errors import QgraphError
+
 
 # nn.Module keeps its hooks in these dicts, and torch the global module hooks in module-level dicts;
 # torch has no public way to list or set hooks aside. Export must not trace the user's hooks (they
@@ -262,6 +264,8 @@ def export(module: torch.nn.Module, kwargs: dict, dynamic_shapes) -> ExportedPro
     named = _named_dims_solve_repeats()
     try:
         return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, named), strict=False)
+    except QgraphError:
+        raise  # qgraph's own refusal while tracing: not a matter of dims
     except Exception as error:
         if not named:
             raise

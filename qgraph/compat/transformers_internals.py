@@ -256,19 +256,13 @@ def _detached(forward):
 def kernels_bound(model: torch.nn.Module, routes: dict):
     """For the block, each instance attribute of ``model``'s modules that is a key of ``routes`` (a
     kernel function) is its value (the op it runs through); the attributes are put back after."""
+    by_identity = {id(kernel): op for kernel, op in routes.items()}
     bound = [(module, name, value) for module in model.modules() for name, value in list(vars(module).items())
-             if callable(value) and not isinstance(value, torch.nn.Module) and _routed(routes, value)]
+             if id(value) in by_identity]
     for module, name, value in bound:
-        vars(module)[name] = routes[value]
+        vars(module)[name] = by_identity[id(value)]
     try:
         yield
     finally:
         for module, name, value in bound:
             vars(module)[name] = value
-
-
-def _routed(routes: dict, value) -> bool:
-    try:
-        return value in routes
-    except TypeError:  # an unhashable callable
-        return False

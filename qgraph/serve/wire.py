@@ -63,8 +63,8 @@ def parse(body: bytes, bounds: Bounds = Bounds()) -> tuple[dict, dict[str, torch
                         f"safetensors)")
     try:
         header = json.loads(body[8:8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise WireError(f"the body's header is not JSON ({error})") from None
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, an int past Python's digits, too deep
+        raise WireError(f"the body's header is not JSON ({str(error)[:200]})") from None
     if not isinstance(header, dict):
         raise WireError("the body's header is not a JSON object")
     call = _call(header.pop("__metadata__", None))
@@ -97,8 +97,8 @@ def _call(metadata) -> dict:
         raise WireError(f"the body's __metadata__ holds {sorted(set(metadata) - {'qgraph'})}; it holds only 'qgraph'")
     try:
         call = json.loads(metadata["qgraph"])
-    except json.JSONDecodeError as error:
-        raise WireError(f'__metadata__["qgraph"] is not JSON ({error})') from None
+    except (ValueError, RecursionError) as error:
+        raise WireError(f'__metadata__["qgraph"] is not JSON ({str(error)[:200]})') from None
     if not isinstance(call, dict):
         raise WireError('__metadata__["qgraph"] is not a JSON object')
     return call
