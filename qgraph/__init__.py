@@ -31,6 +31,7 @@ _PUBLIC = {
     "SAE": "saes", "Transcoder": "saes",
     "AttributionGraph": "circuits", "attribution_graph": "circuits",
     "LoadedProgram": "saved", "load": "saved",
+    "remote": "serve.client", "RemoteError": "serve.client",
     "Stages": "distributed",
     "register_family": "families",
     "render": "render",
@@ -44,7 +45,7 @@ __all__ = ["Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMism
            "skip_layers", "steer", "support", "Transcoder", "AttributionGraph", "attribution_graph",
            "QgraphError", "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",
            "InvalidState", "NotCaptured", "NoVisionEncoder", "WeightsMismatch", "GraphvizNotFound", "UsageError",
-           "register_family", "Figure", "explore"]
+           "register_family", "Figure", "explore", "remote", "RemoteError"]
 
 _checked = False
 

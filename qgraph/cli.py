@@ -79,6 +79,14 @@ def build_parser() -> Parser:
     from .capture.cli import add_arguments, main as run_capture
     add_arguments(capture)
     capture.set_defaults(handler=run_capture)
+    serve = commands.add_parser(
+        "serve", help="serve a model over HTTP to many researchers (values, edits as data, generate)",
+        description="Serve MODEL over HTTP (GET /v1/health, GET /v1/info, POST /v1/run; docs/serving.md): clients "
+                    "call it with qgraph.remote(url, api_key). Prints 'qgraph serve: listening on http://HOST:PORT' "
+                    "when ready; SIGTERM ends it cleanly.", formatter_class=HelpFormatter)
+    from .serve.cli import add_arguments as add_serve_arguments, main as run_serve
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=run_serve)
     return parser
 
 

@@ -55,6 +55,9 @@ def patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], obj
     clean, corrupt = _pair(clean, corrupt, metric)
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise InvalidArgument(f"batch_size= takes a positive int (locations per pass), not {batch_size!r}")
+    if getattr(instrumented, "remote", False):  # qgraph.remote(...).instrument(...): each location on the server
+        from .serve.recipes import patch as remote_patch
+        return remote_patch(instrumented, clean, corrupt, instrumented.resolve(at), metric, positions, heads)
     from .sweep import sweep
     return sweep(instrumented, clean, corrupt, instrumented.resolve(at), metric, positions, heads, batch_size)
 

@@ -1,0 +1,212 @@
+"""``qgraph.remote(url, api_key)``: a served model with the local API's shape.
+
+    remote = qgraph.remote("http://127.0.0.1:8808", api_key=key)
+    ig = remote.instrument(values=["layers.*.layer_output"], edits=["layers.1.layer_output"])
+    out = ig(input_ids=ids, attention_mask=mask, edits={"layers.1.layer_output": qgraph.Zero(positions=[-1])})
+    out.logits, out["layers.3.layer_output"]
+    gen = ig.generate(ids, max_new_tokens=8)
+
+Edits travel as data (``serve/edits.py``); a function edit is exported here and refused here if it cannot
+be. A call whose values ask for ``{"grad": True}``, made with gradients on, returns logits that require
+grad: ``out.gradients(loss)`` (and ``out.grad(name)`` after ``loss.backward()``) send d loss / d logits
+to the server, which runs the backward and returns the values' gradients.
+"""
+from __future__ import annotations
+
+import fnmatch
+from types import SimpleNamespace
+
+import torch
+
+from ..errors import InvalidArgument, QgraphError
+from ..output import Output
+from ..values.names import canonical
+from .edits import encode
+from .wire import parse, pack
+
+MEDIA_TYPE = "application/vnd.qgraph.safetensors"
+
+
+class RemoteError(QgraphError):
+    """The server refused or failed a call: ``status`` is its HTTP status, the message its reason."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"the server answered {status}: {message}")
+        self.status = status
+
+
+def remote(url: str, api_key: str | None = None, *, timeout: float = 300.0) -> "Remote":
+    """The model served at ``url`` (``qgraph serve``), called with ``api_key``."""
+    return Remote(url, api_key, timeout)
+
+
+class Remote:
+    """A served model: ``info()``, ``instrument(values, edits)``."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float):
+        import httpx
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._info = None
+
+    def __repr__(self) -> str:
+        model = (self._info or {}).get("model", {})
+        return f"Remote({self.url}{', ' + model.get('model_type', '') if model else ''})"
+
+    def info(self) -> dict:
+        """The model (model type, family, blocks, dtype) and its value catalogue ``{name: layout}``."""
+        if self._info is None:
+            self._info = self._answer(self._http.get("/v1/info")).json()
+        return self._info
+
+    def instrument(self, values=(), *, edits=(), logits: bool = True) -> "RemoteInstrument":
+        """A remote instrument reading ``values`` (names, globs, or ``{name: {"grad": True}}``)."""
+        return RemoteInstrument(self, values, edits, logits)
+
+    def run(self, call: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """One ``POST /v1/run``: the reply's ``(call, tensors)``."""
+        response = self._http.post("/v1/run", content=pack(call, tensors), headers={"Content-Type": MEDIA_TYPE})
+        return parse(self._answer(response).content)
+
+    @staticmethod
+    def _answer(response):
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]
+            except Exception:  # noqa: BLE001 — not our server's JSON
+                message = response.text[:300]
+            raise RemoteError(response.status_code, message)
+        return response
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class RemoteInstrument:
+    """``remote.instrument(...)``: calls, ``generate``, and what ``patch``, ``attribution_patch`` and
+    ``logit_lens`` read (``resolve``, ``catalogue``, ``variant``)."""
+
+    remote = True
+
+    def __init__(self, server: Remote, values, edits, logits: bool):
+        self.server, self._values, self._edits, self._logits = server, values, tuple(edits), logits
+        info = server.info()
+        self.blocks = info["model"]["blocks"]
+        self.catalogue = {name: SimpleNamespace(spec=None, shape=tuple(entry["dims"]), layout=entry["layout"])
+                          for name, entry in info["values"].items()}
+        self.values = self.resolve(list(values) if not isinstance(values, dict) else list(values))
+
+    def __repr__(self) -> str:
+        return f"RemoteInstrument({self.server.url}, {len(self.values)} values)"
+
+    def resolve(self, patterns) -> list[str]:
+        """The value names ``patterns`` select in the server's catalogue (names, globs, ``layers[-1]`` forms)."""
+        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        names = []
+        for pattern in patterns:
+            if any(c in pattern for c in "*?["):
+                found = [n for n in self.catalogue if fnmatch.fnmatchcase(n, pattern)] if "[-" not in pattern else []
+                if not found:
+                    key = canonical(pattern, self.blocks)
+                    found = [key] if key in self.catalogue else []
+            else:
+                found = [canonical(pattern, self.blocks)]
+            missing = [n for n in found if n not in self.catalogue]
+            if not found or missing:
+                raise InvalidArgument(f"'{pattern}' selects no value of the served model: remote.info()['values'] "
+                                      f"lists them")
+            names += [n for n in found if n not in names]
+        return names
+
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> "RemoteInstrument":
+        return RemoteInstrument(self.server, values, edits, logits)
+
+    # -- calls ---------------------------------------------------------------------------------------------
+    def _call(self, input_ids, attention_mask, edits) -> tuple[dict, dict]:
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        tensors = {"input_ids": ids.long()}
+        if attention_mask is not None:
+            tensors["attention_mask"] = torch.as_tensor(attention_mask).long()
+        call = {"values": self._values if isinstance(self._values, dict) else list(self._values), "logits": self._logits}
+        if edits:
+            specs = {}
+            for index, (pattern, edit) in enumerate(self._edit_items(edits)):
+                spec, held = encode(pattern, edit, f"edit.{index}", self.server.info()["values"].get(pattern))
+                specs[pattern] = spec
+                tensors.update(held)
+            call["edits"] = specs
+        return call, tensors
+
+    def _edit_items(self, edits: dict):
+        """``(pattern, edit)``; a function edit's pattern is expanded, each name exported over its own layout."""
+        for pattern, edit in edits.items():
+            if callable(edit) and not hasattr(edit, "apply"):
+                yield from ((name, edit) for name in self.resolve(pattern))
+            else:
+                yield pattern, edit
+
+    def __call__(self, input_ids=None, attention_mask=None, *, edits=None) -> Output:
+        call, tensors = self._call(input_ids, attention_mask, edits)
+        reply, got = self.server.run(call, tensors)
+        logits = got.get("logits")
+        watched = {}
+        grads = [name for name, options in self._values.items() if options.get("grad")] \
+            if isinstance(self._values, dict) else []
+        if grads and logits is not None and torch.is_grad_enabled():
+            logits = logits.requires_grad_()
+            watched = {name: (got[f"value.{name}"], ()) for name in self.resolve(grads)}
+        values = {name: got[f"value.{name}"] for name in reply["values"]}
+        return RemoteOutput(logits, values, reply["blocks"], watched, input_ids=tensors["input_ids"],
+                            request=(self.server, call, tensors))
+
+    def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens: int | None = None, edits=None,
+                 steps=None, **settings):
+        """Generate on the server (greedy, or ``do_sample=True`` with ``seed=``): a local ``GenerateOutput``."""
+        from ..generate import GenerateOutput, Step
+        call, tensors = self._call(input_ids, attention_mask, edits)
+        settings = {key: value for key, value in settings.items() if value is not None}
+        if max_new_tokens is not None:
+            settings["max_new_tokens"] = max_new_tokens
+        if steps is not None:
+            settings["steps"] = list(steps)
+        call["generate"] = settings
+        reply, got = self.server.run(call, tensors)
+        out = GenerateOutput(got["sequences"])
+        for step in range(reply["steps"]):
+            prefix = f"step.{step}.value."
+            values = {key[len(prefix):]: tensor for key, tensor in got.items() if key.startswith(prefix)}
+            out.steps.append(Step(values, got[f"step.{step}.logits"], self.blocks))
+            out.logits.append(got[f"step.{step}.logits"])
+        return out
+
+    def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5):
+        from .recipes import logit_lens
+        return logit_lens(self, input_ids, attention_mask, positions, top)
+
+
+class RemoteOutput(Output):
+    """A remote call's ``Output``; its gradients come from the server (one more request, with d loss / d logits)."""
+
+    def __init__(self, logits, values, blocks, watched, *, input_ids, request):
+        super().__init__(logits, values, blocks, watched, input_ids=input_ids)
+        self._request = request
+
+    def gradients(self, loss: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
+        keys = [self._watched(name) for name in (names if names is not None else self.watched)]
+        (grad,) = torch.autograd.grad(loss, [self.logits], materialize_grads=True)
+        return self._server_grads(grad, keys)
+
+    def grad(self, name: str) -> torch.Tensor:
+        key = self._watched(name)
+        if self.logits.grad is None:
+            raise InvalidArgument(f"no gradient has reached the logits yet: call backward() on a loss computed from "
+                                  f"out.logits first, then out.grad('{name}')")
+        return self._server_grads(self.logits.grad, [key])[key]
+
+    def _server_grads(self, grad: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
+        server, call, tensors = self._request
+        reply, got = server.run({**call, "backward": "logits.grad"}, {**tensors, "logits.grad": grad.detach()})
+        return {key: got[f"grad.{key}"] for key in keys}

@@ -1,0 +1,110 @@
+"""Edits as data: ``Replace``, ``Add``, ``Scale`` and ``Zero`` with their regions travel as a JSON object
+and the tensors it names; a function edit travels as the graph ``serve.function`` exports on the client.
+
+``encode`` (the client) turns an edit into ``(spec, tensors)``; ``decode`` (the server) turns an untrusted
+spec back into an edit, every field checked against a positive list, or raises ``EditError`` (422).
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ..edits import _AXES, Add, Edit, Replace, Scale, Zero
+from ..errors import EditError
+
+KINDS = {"Replace": Replace, "Add": Add, "Scale": Scale, "Zero": Zero}
+_NUMBERS = {"Add": ("scale",), "Scale": ("factor",)}  # a number field, or (Scale) a tensor by name
+_TENSORS = {"Replace": "tensor", "Add": "tensor"}
+_MAX_INDICES = 4096  # indices of one region selector
+
+
+def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(spec, tensors)`` for the edit at ``name``; its tensors are named ``{prefix}.*``. A function
+    edit is exported here, on the client, over ``layout`` (the value's ``{"dims", "shape", "dtype"}``
+    from the server's catalogue): one that cannot be exported is refused here, with the reason."""
+    if isinstance(edit, Edit):
+        kind = type(edit).__name__
+        if kind not in KINDS:
+            raise EditError(f"the edit at '{name}' is a {kind}; a remote call takes Replace, Add, Scale, Zero or a "
+                            f"function edit")
+        spec, tensors = {"kind": kind}, {}
+        for selector in _AXES:
+            if getattr(edit, selector) is not None:
+                spec[selector] = list(getattr(edit, selector))
+        field = _TENSORS.get(kind)
+        if field is not None:
+            tensors[f"{prefix}.{field}"] = _as_tensor(getattr(edit, field))
+            spec[field] = f"{prefix}.{field}"
+        for number in _NUMBERS.get(kind, ()):
+            value = getattr(edit, number)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                spec[number] = float(value)
+            else:
+                tensors[f"{prefix}.{number}"] = _as_tensor(value)
+                spec[number] = f"{prefix}.{number}"
+        return spec, tensors
+    if callable(edit):
+        if layout is None:
+            raise EditError(f"the function edit at '{name}': the server's catalogue gives no layout for it")
+        from .function import export_function
+        dims, shape, dtype = layout["dims"], layout["shape"], getattr(torch, layout["dtype"])
+        example = torch.zeros([2 if d == "batch" else 3 if isinstance(s, str) else s for d, s in zip(dims, shape)],
+                              dtype=dtype)
+        data, held = export_function(edit, example, tuple(dims), name)
+        return {"kind": "function", "graph": data}, {f"{prefix}.{key}": tensor for key, tensor in held.items()}
+    raise EditError(f"the edit at '{name}' is {edit!r}: give Replace, Add, Scale, Zero or a function tensor -> tensor")
+
+
+def _as_tensor(value) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=torch.float32)
+
+
+def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used: set):
+    """The edit of an untrusted ``spec`` for the value ``name``; ``tensors`` are the request's, of which
+    those named ``{prefix}.*`` are this edit's (their names go into ``used``)."""
+    where = f"the edit at '{name}'"
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
+        raise EditError(f"{where} is not an object with a kind (one of {', '.join(KINDS)}, function)")
+    kind = spec["kind"]
+    if kind == "function":
+        if set(spec) != {"kind", "graph"}:
+            raise EditError(f"{where}: a function edit holds kind and graph only, not {sorted(set(spec) - {'kind'})}")
+        from .function import load_function
+        held = {key[len(prefix) + 1:]: tensor for key, tensor in tensors.items() if key.startswith(prefix + ".")}
+        used.update(f"{prefix}.{key}" for key in held)
+        return load_function(spec["graph"], held, name)
+    if kind not in KINDS:
+        raise EditError(f"{where} is of kind {kind[:40]!r}; the kinds are {', '.join(KINDS)} and function")
+    allowed = {"kind", *_AXES, *([_TENSORS[kind]] if kind in _TENSORS else []), *_NUMBERS.get(kind, ())}
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise EditError(f"{where}: a {kind} takes {', '.join(sorted(allowed - {'kind'}))}, not {unknown}")
+    fields = {}
+    for selector in _AXES:
+        if selector in spec:
+            chosen = spec[selector]
+            if not isinstance(chosen, list) or not 0 < len(chosen) <= _MAX_INDICES or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and abs(i) < 2**31 for i in chosen):
+                raise EditError(f"{where}: {selector} takes a list of 1 to {_MAX_INDICES} ints, not {str(chosen)[:60]}")
+            fields[selector] = chosen
+    if kind in _TENSORS:
+        fields[_TENSORS[kind]] = _tensor(spec.get(_TENSORS[kind]), tensors, prefix, used, where)
+    for number in _NUMBERS.get(kind, ()):
+        value = spec.get(number, 1.0 if kind == "Add" else None)
+        if isinstance(value, str):
+            value = _tensor(value, tensors, prefix, used, where)
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or abs(value) == float("inf"):
+            raise EditError(f"{where}: {number} takes a finite number or a tensor's name, not {str(value)[:40]}")
+        fields[number] = value
+    return KINDS[kind](**fields)
+
+
+def _tensor(key, tensors: dict, prefix: str, used: set, where: str) -> torch.Tensor:
+    if not isinstance(key, str) or not key.startswith(prefix + ".") or key not in tensors:
+        raise EditError(f"{where} names the tensor {str(key)[:60]!r}, which the body does not hold as {prefix}.*")
+    tensor = tensors[key]
+    if not tensor.is_floating_point():
+        raise EditError(f"{where}: its tensor {key} is {tensor.dtype}; an edit's tensor is floating")
+    used.add(key)
+    return tensor

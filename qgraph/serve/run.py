@@ -1,0 +1,195 @@
+"""What the server runs: the hosted model's instruments (one per program, a bounded few kept), and one
+forward for several requests, each with its own edits on its own rows.
+
+Requests of one program (the same values and edit names) are left-padded to the longest and stacked
+along the batch. Positions follow the attention mask, so each row computes what it would alone. An
+edit applies to its request's rows, cropped to that request's own positions (``positions=[0]`` is its
+first token, not a pad), and each reply takes its rows back, cropped the same way. A batch that fails
+runs again one request at a time, so one request's bad edit fails that request alone.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ..edits import apply_edit
+from .request import Request, Unprocessable
+
+SEQUENCE_DIMS = ("seq", "query", "key")  # the axes of a value that run along the tokens
+PROGRAMS = 16  # instruments kept (one per program asked), least recently used dropped
+
+
+class Runner:
+    """Runs requests on ``model`` (in the batcher's one thread)."""
+
+    def __init__(self, model: torch.nn.Module, name: str = ""):
+        import qgraph
+        self.model, self.name = model, name
+        self.base = qgraph.instrument(model)
+        self._instruments: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def info(self) -> dict:
+        """What ``GET /v1/info`` answers: the model and its value catalogue."""
+        config, ig = self.model.config, self.base
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        catalogue = {name: {"layout": entry.layout, "dims": _dims(entry), "shape": [s if isinstance(s, int) else str(s)
+                                                                                    for s in entry.shape],
+                            "dtype": dtype, "description": entry.description}
+                     for name, entry in ig.catalogue.items() if entry.available}
+        return {"model": {"name": self.name, "model_type": config.model_type, "class": type(self.model).__name__,
+                          "family": ig.family.name, "blocks": len(ig.family.block_mixers(ig.config)), "dtype": dtype,
+                          "vocab_size": self.model.get_input_embeddings().num_embeddings},
+                "values": catalogue}
+
+    def instrument(self, request: Request):
+        """The instrument of the request's program (made once, kept among the last ``PROGRAMS``)."""
+        import qgraph
+        key = request.key
+        with self._lock:
+            if key in self._instruments:
+                self._instruments.move_to_end(key)
+                return self._instruments[key]
+        names = [name for pattern in request.edits for name in self.base.resolve(pattern)]
+        ig = qgraph.instrument(self.model, request.values, edits=list(dict.fromkeys(names)), logits=request.logits)
+        with self._lock:
+            self._instruments[key] = ig
+            while len(self._instruments) > PROGRAMS:
+                self._instruments.popitem(last=False)
+        return ig
+
+    # -- running -----------------------------------------------------------------------------------------
+    def run(self, requests: list[Request]) -> list:
+        """Each request's reply ``(call, tensors)``, or the exception that request alone raises."""
+        if len(requests) > 1:
+            try:
+                return self._batch(requests)
+            except Exception:  # one request's edit (or function) failed: each runs alone, to fail alone
+                pass
+        replies = []
+        for request in requests:
+            try:
+                replies.append(self._alone(request))
+            except Exception as error:
+                replies.append(error)
+        return replies
+
+    def _alone(self, request: Request):
+        ig = self.instrument(request)
+        if request.generate is not None:
+            return self._generate(ig, request)
+        if request.backward is not None:
+            return self._backward(ig, request)
+        if request.lens is not None:
+            return self._lens(ig, request)
+        with torch.no_grad():
+            out = ig(request.input_ids, request.attention_mask, edits=request.edits or None)
+        return _reply(ig, out.logits if request.logits else None, out.values)
+
+    def _backward(self, ig, request: Request):
+        grads = [name for name, options in request.values.items() if options.get("grad")]
+        with torch.enable_grad():
+            out = ig(request.input_ids, request.attention_mask, edits=request.edits or None)
+            if out.logits is None or request.backward.shape != out.logits.shape:
+                raise Unprocessable(f"backward's tensor is {list(request.backward.shape)}; it is d loss / d logits, "
+                                    f"of the logits' shape {list(out.logits.shape) if out.logits is not None else '?'}")
+            loss = (out.logits * request.backward.to(out.logits.dtype)).sum()
+            gradients = out.gradients(loss, ig.resolve(grads))
+        reply = _reply(ig, out.logits.detach(), out.values)
+        reply[1].update({f"grad.{name}": tensor for name, tensor in gradients.items()})
+        reply[0]["grads"] = list(gradients)
+        return reply
+
+    def _lens(self, ig, request: Request):
+        lens = ig.logit_lens(request.input_ids, request.attention_mask, **request.lens)
+        tensors = {f"lens.{block}.{part}": tensor for block, pair in lens.items()
+                   for part, tensor in zip(("ids", "probabilities"), pair)}
+        return {"blocks": len(lens), "positions": lens.positions}, tensors
+
+    def _generate(self, ig, request: Request):
+        settings = dict(request.generate)
+        out = ig.generate(request.input_ids, request.attention_mask, edits=request.edits or None, **settings)
+        tensors = {"sequences": out.sequences}
+        for step, values in enumerate(out.steps):
+            tensors[f"step.{step}.logits"] = out.logits[step]
+            tensors.update({f"step.{step}.value.{name}": tensor for name, tensor in values.items()})
+        return {"steps": len(out.steps), "values": list(ig.values)}, tensors
+
+    def _batch(self, requests: list[Request]):
+        ig = self.instrument(requests[0])
+        length = max(request.input_ids.shape[1] for request in requests)
+        ids, mask, rows = [], [], []
+        for request in requests:
+            pad = length - request.input_ids.shape[1]
+            ids.append(torch.nn.functional.pad(request.input_ids, (pad, 0)))
+            mask.append(torch.nn.functional.pad(request.attention_mask, (pad, 0)))
+            start = sum(len(part) for part in ids[:-1])
+            rows.append((start, start + len(request.input_ids), request.input_ids.shape[1]))
+        edits = {}
+        for name in dict.fromkeys(n for pattern in requests[0].edits for n in ig.resolve(pattern)):
+            target = ig.slot(name).target
+            parts = [(row, own[name]) for row, own in zip(rows, (_by_name(ig, r.edits) for r in requests))
+                     if name in own]
+            edits[name] = RowEdits(target, parts, length)
+        with torch.no_grad():
+            out = ig(torch.cat(ids), torch.cat(mask), edits=edits or None)
+        replies = []
+        for request, row in zip(requests, rows):
+            logits = _rows(out.logits, ("batch", "seq", "vocab"), row, length) if request.logits else None
+            values = {name: _rows(tensor, _dims(ig.catalogue[name]), row, length) for name, tensor in out.values.items()}
+            replies.append(_reply(ig, logits, values))
+        return replies
+
+    def batchable(self, request: Request) -> bool:
+        """Whether the request's values and edited values all lie along the batch (and, if at all, the tokens)."""
+        if not request.batchable:
+            return False
+        try:
+            ig = self.instrument(request)
+            names = [*ig.values, *(n for pattern in request.edits for n in ig.resolve(pattern))]
+        except Exception:
+            return False  # it fails alone, with its own error
+        return all("batch" in _dims(ig.catalogue[name]) and "positions" not in _dims(ig.catalogue[name])
+                   for name in names)
+
+
+class RowEdits:
+    """One batched forward's edit at one value: each request's edit on its own rows and positions."""
+
+    def __init__(self, target, parts: list, length: int):
+        self.target, self.parts, self.length = target, parts, length
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        for row, edit in self.parts:
+            index = _index(self.target.dims, row, self.length)
+            out[index] = apply_edit(edit, x[index], self.target)
+        return out
+
+
+def _by_name(ig, edits: dict) -> dict:
+    """``{name: edit}`` of a request's ``{pattern: edit}`` (a later pattern wins at a name)."""
+    return {name: edit for pattern, edit in edits.items() for name in ig.resolve(pattern)}
+
+
+def _index(dims, row: tuple, length: int) -> tuple:
+    start, stop, own = row
+    return tuple(slice(start, stop) if dim == "batch" else slice(length - own, None) if dim in SEQUENCE_DIMS
+                 else slice(None) for dim in dims)
+
+
+def _rows(tensor: torch.Tensor, dims, row: tuple, length: int) -> torch.Tensor:
+    return tensor[_index(dims, row, length)].clone()
+
+
+def _dims(entry) -> list[str]:
+    return [str(d) for d in (entry.spec.dims if entry.spec else entry.shape)]
+
+
+def _reply(ig, logits, values: dict) -> tuple[dict, dict]:
+    tensors = {f"value.{name}": tensor.detach() for name, tensor in values.items()}
+    if logits is not None:
+        tensors["logits"] = logits.detach()
+    return {"values": list(values), "blocks": len(ig.family.block_mixers(ig.config))}, tensors
