@@ -211,12 +211,15 @@ def _linear_through_mm(input, weight, bias=None):
     return output if bias is None else output + bias
 
 
-def fake(mode, tensor: torch.Tensor, dynamic: bool):
-    """``tensor`` as a fake of ``mode``: every dim a fresh symbol (equal sizes one symbol) if ``dynamic``."""
-    if not dynamic:
+def fake(mode, tensor: torch.Tensor, dynamic):
+    """``tensor`` as a fake of ``mode``: every dim a fresh symbol (equal sizes one symbol) if ``dynamic``
+    is True, none if False; a list of flags, one per dim, makes only those dims symbols."""
+    flags = [bool(dynamic)] * tensor.dim() if isinstance(dynamic, bool) else list(dynamic)
+    if not any(flags):
         return mode.from_tensor(tensor, static_shapes=True)
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
-    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * tensor.dim())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if flag else DimDynamic.STATIC
+                                                      for flag in flags])
     return mode.from_tensor(tensor, symbolic_context=context)
 
 

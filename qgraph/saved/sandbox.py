@@ -150,7 +150,9 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
         if math.prod(shape) > 2**24:  # a call's inputs (ids, a mask, positions): small at the sandbox's sizes
             raise SavedProgramError(f"{where}: its input {node.name} is {shape} at the sandbox's sizes, more than "
                                     f"any input a saved program takes")
-        fakes.append(compat.fake(mode, torch.empty(shape, dtype=dtype, device=on), dynamic=True))
+        # the symbols' dims symbolic, the sizes given as ints fixed (a function edit's [batch seq hidden_size])
+        fakes.append(compat.fake(mode, torch.empty(shape, dtype=dtype, device=on),
+                                 dynamic=[isinstance(size, str) for size in spec["shape"]]))
     made = _propagate(module, mode, fakes, where)
     symbols = {}  # read after the run: what it found equal (the mask's sizes and the ids') is one symbol
     for size, (index, dim) in dims.items():
