@@ -203,3 +203,28 @@ def sparse_model(tmp_path_factory):
             built[name] = AutoModelForCausalLM.from_pretrained(build(tmp_path_factory.mktemp(name))).eval()
         return built[name]
     return get
+
+
+# -- qgraph serve: one server for the session's serving tests (tests/serving.py) ------------------------------
+@pytest.fixture(scope="session")
+def server(checkpoint, tmp_path_factory):
+    from tests.serving import start_server
+    process, url = start_server(checkpoint, tmp_path_factory.mktemp("serve"))
+    yield process, url
+    if process.poll() is None:
+        process.kill()
+    process.wait(30)
+
+
+@pytest.fixture(scope="session")
+def url(server):
+    return server[1]
+
+
+@pytest.fixture(scope="session")
+def remote(url):
+    import qgraph
+    from tests.serving import KEY
+    return qgraph.remote(url, api_key=KEY)
+
+

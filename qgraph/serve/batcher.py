@@ -37,7 +37,7 @@ class Batcher:
         self._waiting: deque[tuple[Request, Future, float]] = deque()
         self._ready = threading.Condition()
         self._closed = False
-        self.forwards = 0  # forwards run (a batch counts once), for the tests and the benchmark
+        self.forwards = self.requests = 0  # forwards run (a batch counts once) and requests answered: /v1/health
         self._thread = threading.Thread(target=self._loop, name="qgraph-serve-batcher", daemon=True)
         self._thread.start()
 
@@ -52,6 +52,9 @@ class Batcher:
             self._waiting.append((request, future, time.monotonic() + self.limits.timeout_s))
             self._ready.notify()
         return future
+
+    def stats(self) -> dict:
+        return {"waiting": len(self._waiting), "requests": self.requests, "forwards": self.forwards}
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new requests, refuse those still waiting, and end the thread once the forward it runs ends."""
@@ -115,6 +118,7 @@ class Batcher:
                 except BaseException as error:  # noqa: BLE001 — every request gets its answer
                     replies.extend([error] * len(group))
                 self.forwards += 1
+                self.requests += len(group)
             for (_, future), reply in zip(taken, replies):
                 if isinstance(reply, BaseException):
                     future.set_exception(reply)

@@ -180,6 +180,8 @@ class RemoteInstrument:
             values = {key[len(prefix):]: tensor for key, tensor in got.items() if key.startswith(prefix)}
             out.steps.append(Step(values, got[f"step.{step}.logits"], self.blocks))
             out.logits.append(got[f"step.{step}.logits"])
+            if f"step.{step}.scores" in got:
+                out.scores.append(got[f"step.{step}.scores"])
         return out
 
     def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5):

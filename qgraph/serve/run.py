@@ -114,6 +114,8 @@ class Runner:
         tensors = {"sequences": out.sequences}
         for step, values in enumerate(out.steps):
             tensors[f"step.{step}.logits"] = out.logits[step]
+            if step < len(out.scores):
+                tensors[f"step.{step}.scores"] = out.scores[step]
             tensors.update({f"step.{step}.value.{name}": tensor for name, tensor in values.items()})
         return {"steps": len(out.steps), "values": list(ig.values)}, tensors
 

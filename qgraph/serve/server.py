@@ -68,7 +68,8 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
         return None if found else _error(401, "the key is not one of this server's keys")
 
     async def health(request: HTTPRequest) -> Response:
-        return JSONResponse({"status": "ok"})
+        batcher = state.get("batcher")
+        return JSONResponse({"status": "ok", **(batcher.stats() if batcher else {})})
 
     async def describe(request: HTTPRequest) -> Response:
         return authorized(request) or JSONResponse(info)

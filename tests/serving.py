@@ -1,0 +1,26 @@
+"""The server the serving tests share: ``qgraph serve`` on the session's tiny checkpoint, in a subprocess
+on 127.0.0.1 (port 0: the one it prints), with a keys file."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+KEY = "researcher-key-7f3a"
+MEDIA = {"Content-Type": "application/vnd.qgraph.safetensors"}
+LIMITS = ["--max-batch-tokens", "256", "--max-request-bytes", "200000", "--max-new-tokens", "12", "--max-queue", "64"]
+
+
+def start_server(checkpoint, tmp_path, *extra):
+    keys = tmp_path / "keys"
+    keys.write_text(f"# the lab's keys\n{KEY}\nother-key\n")
+    command = [sys.executable, "-m", "qgraph", "serve", str(checkpoint), "--port", "0", "--api-keys", str(keys),
+               *LIMITS, *extra]
+    stderr = tmp_path / "stderr"
+    with open(stderr, "w") as sink:  # a file, not a pipe: a full pipe would stall the server
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=sink, text=True,
+                                   env={**os.environ, "QGRAPH_PROGRESS": "0"})
+    line = process.stdout.readline()  # blocks until ready (or the process ends)
+    assert line.startswith("qgraph serve: listening on http://127.0.0.1:"), (line, stderr.read_text()[-3000:])
+    return process, line.split()[-1]
