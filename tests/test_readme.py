@@ -53,7 +53,7 @@ def test_the_readme_has_the_blocks_we_run():
     headings = {heading for _, heading, _ in BLOCKS}
     assert {"Reading values", "Editing values", "DeltaNet states", "Images", "Diagrams", "Generation",
             "Capturing a dataset", "Sparse autoencoders", "Mixtures of experts",
-            "Saved programs and stages"} <= headings
+            "Saved programs and stages", "Serving a lab"} <= headings
     assert len(PYTHON) >= 8 and len(BASH) >= 2
     assert all(language in ("python", "bash") for language, _, _ in BLOCKS), "a block in an unchecked language"
 
@@ -95,6 +95,7 @@ def text_objects(request) -> dict:
         "t": lambda: 5,
         "v": lambda: torch.randn(model().config.hidden_size, generator=torch.Generator().manual_seed(3)),
         "ig": lambda: qgraph.instrument(model(), values=["layers.0.layer_output"], edits=["layers.0.mlp.mlp_output"]),
+        "key": lambda: (request.getfixturevalue("server"), __import__("tests.serving").serving.KEY)[1],
     }
 
 
@@ -275,6 +276,18 @@ def stages_with_loss(ns):
     assert torch.equal(plain.logits, placed.logits) and all(torch.equal(plain[n], placed[n]) for n in plain.values)
 
 
+def serving(ns):
+    # "as a local Output", "per-step values, as local generate", the function edit
+    local = qgraph.instrument(ns["model"], values=["layers.*.layer_output"])
+    ref = local(ns["ids"], edits={"layers.1.layer_output": qgraph.Zero(positions=[-1])})
+    torch.testing.assert_close(ns["out"].logits, ref.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ns["out"]["layers.3.layer_output"], ref["layers.3.layer_output"], rtol=0, atol=1e-5)
+    assert torch.equal(ns["gen"].sequences, local.generate(ns["ids"], max_new_tokens=8).sequences)
+    steered = local(ns["ids"], edits={"layers.2.layer_output": lambda x: x + 4.0 * ns["v"]})
+    torch.testing.assert_close(ns["steered"].logits, steered.logits, rtol=0, atol=1e-5)
+    assert not torch.allclose(ns["steered"].logits, local(ns["ids"]).logits)
+
+
 CLAIMS = {  # the section and a line of its block -> the check of what the README says it gives
     ("Reading values", "out.logits"): reading_values,
     ("Editing values", "Zero(heads=[2])"): editing_values,
@@ -289,6 +302,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("Mixtures of experts", "tiny_qwen3_5_moe("): mixtures_of_experts,
     ("Saved programs and stages", "ig.save("): saved_programs,
     ("Saved programs and stages", "loss=fn"): stages_with_loss,
+    ("Serving a lab", "qgraph.remote("): serving,
 }
 
 
@@ -300,6 +314,8 @@ def claim_for(heading: str, source: str):
 @pytest.mark.parametrize("heading, source", PYTHON)
 def test_python_block_runs(request, tmp_path, monkeypatch, heading, source):
     monkeypatch.chdir(tmp_path)  # the diagram block writes its files here
+    if "qgraph.remote(" in source:  # the serving block calls the session's server (tests/serving.py)
+        source = source.replace("http://127.0.0.1:8808", request.getfixturevalue("url"))
     ns = namespace(request, source)
     try:
         exec(compile(source, f"README.md ({heading})", "exec"), ns)  # noqa: S102 - the README's own code, as a user runs it
@@ -337,12 +353,15 @@ PRINTS = {  # a command's first word after qgraph -> what its output must show
     "support": ["layers.{i}.layer_output", "layers.{i}.self_attn.attention_scores"],
     "demo": ["checkpoint:", "layers.3.layer_output"],  # a captured value's row
     "render": ["wrote"],
+    "serve": ["qgraph serve: listening on http://127.0.0.1:"],
 }
 RESULTS: dict[tuple, tuple[int, str]] = {}  # a command already run (by an earlier block) -> (exit status, output)
 
 
 def run_once(words: list[str], cwd: Path) -> tuple[int, str]:
     """Run a command as a new process; a command that an earlier block ran is not run again."""
+    if tuple(words) not in RESULTS and words[1:2] == ["serve"]:  # a server: up, ready, then SIGTERM
+        RESULTS[tuple(words)] = _serve_once(words, cwd)
     if tuple(words) not in RESULTS:
         result = subprocess.run([qgraph_executable(), *words[1:]], cwd=cwd, capture_output=True, text=True,
                                 timeout=300)
@@ -351,6 +370,20 @@ def run_once(words: list[str], cwd: Path) -> tuple[int, str]:
             if word == "--out" and result.returncode == 0:
                 assert (cwd / after).stat().st_size > 1000, f"{shlex.join(words)}: {after} is (nearly) empty"
     return RESULTS[tuple(words)]
+
+
+def _serve_once(words: list[str], cwd: Path) -> tuple[int, str]:
+    """``qgraph serve ...`` on a free port (``--port 0``): its first line once ready, then its end on SIGTERM."""
+    import signal
+    words = [*words[1:], "--port", "0"]
+    process = subprocess.Popen([qgraph_executable(), *words], cwd=cwd, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        line = process.stdout.readline()
+    finally:
+        process.send_signal(signal.SIGTERM)
+    rest = process.communicate(timeout=120)[0]
+    return (0 if process.returncode in (0, -signal.SIGTERM) else process.returncode), line + rest
 
 
 @pytest.mark.parametrize("heading, source", BASH)
