@@ -37,7 +37,7 @@ class Batcher:
         self._waiting: deque[tuple[Request, Future, float]] = deque()
         self._ready = threading.Condition()
         self._closed = False
-        self.forwards = self.requests = 0  # forwards run (a batch counts once) and requests answered: /v1/health
+        self.requests = 0  # requests answered (/v1/health, with the runner's forwards)
         self._thread = threading.Thread(target=self._loop, name="qgraph-serve-batcher", daemon=True)
         self._thread.start()
 
@@ -54,7 +54,8 @@ class Batcher:
         return future
 
     def stats(self) -> dict:
-        return {"waiting": len(self._waiting), "requests": self.requests, "forwards": self.forwards}
+        return {"waiting": len(self._waiting), "requests": self.requests,
+                "forwards": getattr(self.runner, "forwards", 0)}
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new requests, refuse those still waiting, and end the thread once the forward it runs ends."""
@@ -107,18 +108,11 @@ class Batcher:
                     return
                 continue
             requests = [request for request, _ in taken]
-            if len(requests) > 1 and not all(self.runner.batchable(r) for r in requests[:1]):
-                groups = [[request] for request in requests]
-            else:
-                groups = [requests]
-            replies = []
-            for group in groups:
-                try:
-                    replies.extend(self.runner.run(group))
-                except BaseException as error:  # noqa: BLE001 — every request gets its answer
-                    replies.extend([error] * len(group))
-                self.forwards += 1
-                self.requests += len(group)
+            try:
+                replies = self.runner.run(requests)
+            except BaseException as error:  # noqa: BLE001 — every request gets its answer
+                replies = [error] * len(requests)
+            self.requests += len(requests)
             for (_, future), reply in zip(taken, replies):
                 if isinstance(reply, BaseException):
                     future.set_exception(reply)

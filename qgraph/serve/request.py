@@ -54,7 +54,7 @@ class Request:
     generate: dict | None = None
     backward: torch.Tensor | None = None
     lens: dict | None = None
-    done: object = field(default=None, repr=False)  # set by the batcher: the reply, or the error
+    body: bytes = field(default=b"", repr=False)  # as it came: what rank 0 hands the other stages (serve/stages.py)
 
     @property
     def key(self) -> tuple:

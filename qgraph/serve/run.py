@@ -24,12 +24,13 @@ PROGRAMS = 16  # instruments kept (one per program asked), least recently used d
 class Runner:
     """Runs requests on ``model`` (in the batcher's one thread)."""
 
-    def __init__(self, model: torch.nn.Module, name: str = ""):
+    def __init__(self, model: torch.nn.Module, name: str = "", stages=None):
         import qgraph
-        self.model, self.name = model, name
-        self.base = qgraph.instrument(model)
+        self.model, self.name, self.stages = model, name, stages  # stages: a Stages under torchrun (serve/stages.py)
+        self.base = qgraph.instrument(model, stages=stages)
         self._instruments: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
+        self.forwards = 0  # forwards run (a batch of several requests counts once): /v1/health
 
     def info(self) -> dict:
         """What ``GET /v1/info`` answers: the model and its value catalogue."""
@@ -53,7 +54,8 @@ class Runner:
                 self._instruments.move_to_end(key)
                 return self._instruments[key]
         names = [name for pattern in request.edits for name in self.base.resolve(pattern)]
-        ig = qgraph.instrument(self.model, request.values, edits=list(dict.fromkeys(names)), logits=request.logits)
+        ig = qgraph.instrument(self.model, request.values, edits=list(dict.fromkeys(names)), logits=request.logits,
+                               stages=self.stages)
         with self._lock:
             self._instruments[key] = ig
             while len(self._instruments) > PROGRAMS:
@@ -62,10 +64,12 @@ class Runner:
 
     # -- running -----------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> list:
-        """Each request's reply ``(call, tensors)``, or the exception that request alone raises."""
-        if len(requests) > 1:
+        """Each request's reply ``(call, tensors)``, or the exception that request alone raises: together in
+        one forward where they can share one, else (or where that fails) one by one."""
+        if len(requests) > 1 and all(request.batchable for request in requests):
             try:
-                return self._batch(requests)
+                if self._shares_rows(requests[0]):
+                    return self._batch(requests)
             except Exception:  # one request's edit (or function) failed: each runs alone, to fail alone
                 pass
         replies = []
@@ -77,6 +81,7 @@ class Runner:
         return replies
 
     def _alone(self, request: Request):
+        self.forwards += 1
         ig = self.instrument(request)
         if request.generate is not None:
             return self._generate(ig, request)
@@ -120,6 +125,7 @@ class Runner:
         return {"steps": len(out.steps), "values": list(ig.values)}, tensors
 
     def _batch(self, requests: list[Request]):
+        self.forwards += 1
         ig = self.instrument(requests[0])
         length = max(request.input_ids.shape[1] for request in requests)
         ids, mask, rows = [], [], []
@@ -144,15 +150,10 @@ class Runner:
             replies.append(_reply(ig, logits, values))
         return replies
 
-    def batchable(self, request: Request) -> bool:
-        """Whether the request's values and edited values all lie along the batch (and, if at all, the tokens)."""
-        if not request.batchable:
-            return False
-        try:
-            ig = self.instrument(request)
-            names = [*ig.values, *(n for pattern in request.edits for n in ig.resolve(pattern))]
-        except Exception:
-            return False  # it fails alone, with its own error
+    def _shares_rows(self, request: Request) -> bool:
+        """Whether the program's values and edited values all lie along the batch (and, if at all, the tokens)."""
+        ig = self.instrument(request)
+        names = [*ig.values, *(n for pattern in request.edits for n in ig.resolve(pattern))]
         return all("batch" in _dims(ig.catalogue[name]) and "positions" not in _dims(ig.catalogue[name])
                    for name in names)
 

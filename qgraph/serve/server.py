@@ -84,6 +84,7 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
         try:
             call, tensors = await run_in_threadpool(parse, body, Bounds())
             parsed = request_of(call, tensors, limits)
+            parsed.body = body
             future = state["batcher"].submit(parsed)
         except QgraphError as error:
             return _error(getattr(error, "status", 422), str(error))
