@@ -215,3 +215,38 @@ def _try(function):
         return function()
     except Exception as error:  # noqa: BLE001
         return error
+
+
+# -- hostile function graphs and clients that leave ---------------------------------------------------------
+@pytest.mark.parametrize("target, args", [
+    ("os.system", ["touch {canary}"]),
+    ("builtins.exec", ["open({canary!r}, 'w').write('ran')"]),
+    ("torch.ops.aten.copy_.default", [{"node": "value"}, {"node": "value"}]),
+    ("torch.ops.aten.mul.Tensor", [{"node": "value"}, "open({canary!r}, 'w')"]),
+])
+def test_a_hostile_function_graph_gets_422_and_nothing_runs(url, tmp_path, target, args):
+    canary = tmp_path / "canary"
+    args = [arg.format(canary=str(canary)) if isinstance(arg, str) else arg for arg in args]
+    graph = {"format": 1, "dims": ["batch", "seq", "hidden_size"], "graph": {"nodes": [
+        {"name": "value", "op": "placeholder"},
+        {"name": "evil", "op": "call_function", "target": target, "args": args},
+        {"name": "output", "op": "output", "args": [{"node": "value"}]}]},
+        "symbols": {"batch": {"min": 1, "max": 4096}, "seq": {"min": 1, "max": 65536}},
+        "placeholders": [{"shape": ["batch", "seq", 64], "dtype": "float32", "device": "cpu"}], "tensors": {}}
+    response = call(url, {"edits": {"layers.1.layer_output": {"kind": "function", "graph": graph}}})
+    refused(response, 422, "function edit")
+    assert not canary.exists()
+    assert httpx.get(f"{url}/v1/health").status_code == 200
+
+
+def test_a_client_that_leaves_mid_body_costs_nothing(url):
+    host, port = url.removeprefix("http://").split(":")
+    body = pack({"values": ["layers.0.layer_output"]}, {"input_ids": ids_of(1, 64)})
+    for cut in (10, len(body) // 2):
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(f"POST /v1/run HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\nContent-Length: "
+                        f"{len(body)}\r\n\r\n".encode() + body[:cut])
+    before = httpx.get(f"{url}/v1/health").json()
+    time.sleep(0.5)
+    after = httpx.get(f"{url}/v1/health").json()
+    assert after["requests"] == before["requests"] and after["waiting"] == 0
