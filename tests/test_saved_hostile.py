@@ -97,6 +97,13 @@ def sized(data):
             "args": [{"node": ids_input(data)}, 1]}
 
 
+def example_size(data, name):
+    """The size the sandbox's fake run gives the symbol ``name`` (``sandbox._hint``, in its order)."""
+    names = list(dict.fromkeys(size for spec in data["placeholders"] for size in spec["shape"] if isinstance(size, str)))
+    limits = data["symbols"][name]
+    return sandbox._hint(limits["min"], limits["max"], names.index(name))
+
+
 OPS = "torch.ops.aten"
 
 
@@ -153,6 +160,10 @@ def graph_cases(secret):
                                                           dtype={"dtype": "uint8"})),
          r"makes a tensor of 1,099,511,627,776 bytes at the smallest call"),
         ("a huge symbolic product", lazy(power), r"grows faster with the call's sizes"),
+        ("a guard fixing the call's length to the sandbox's example", lazy(lambda d: [  # then nothing would bound it
+            {"name": "hostile_row", "op": "call_function", "target": f"{OPS}.select.int", "args": [{"node": ids_input(d)}, 0, 0]},
+            call(f"{OPS}.view.default", {"node": "hostile_row"}, [example_size(d, "seq")])]),
+         r"fixes the call's size 'seq' to \d+, the sandbox's example"),
         ("a node that does not fit its op", lazy(lambda d: [call(f"{OPS}.linear.default", {"node": first_weight(d)},
                                                                  {"node": ids_input(d)})]), "does not fit its arguments"),
         ("a device this machine lacks", lazy(lambda d: [call(f"{OPS}.to.device", {"node": first_weight(d)},

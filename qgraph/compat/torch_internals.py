@@ -190,25 +190,17 @@ def fake_mode():
 
 
 def fake_call(target, args, kwargs):
-    """``target(*args, **kwargs)`` on fake tensors. torch up to 2.12 runs ``aten.linear`` through its
-    C++ ``matmul``, which calls ``numel()`` on an input of symbolic sizes and fails ("Cannot call numel()
-    on tensor with symbolic sizes"); there it runs as the same product through ``mm``, whose
-    shape rules are written for symbolic sizes (an input that does not fit fails as before)."""
-    try:
+    """``target(*args, **kwargs)`` on fake tensors, with torch's Python dispatcher on: an op torch
+    implements by composing others (``aten.matmul``, ``aten.linear``, ``aten.einsum``) runs as its Python
+    decomposition, whose shape rules are written for symbolic sizes, as export traced it. Without it the
+    C++ composite runs: torch up to 2.12's ``matmul`` there fixes every symbolic size of a 4-d product to
+    its example (a silent guard: the sandbox would bound the example call, not every call) and fails on a
+    3-d by 2-d one ("Cannot call numel() on tensor with symbolic sizes"); 2.13's keeps them symbolic, so
+    the dispatcher changes nothing there. (``torch._dispatch.python`` is private; the decompositions are
+    torch's own.)"""
+    from torch._dispatch.python import enable_python_dispatcher
+    with enable_python_dispatcher():
         return target(*args, **kwargs)
-    except RuntimeError as error:
-        if target is not torch.ops.aten.linear.default or "symbolic sizes" not in str(error):
-            raise
-        try:
-            return _linear_through_mm(*args, **kwargs)
-        except Exception:  # noqa: BLE001 (it does not fit: the first error says so)
-            raise error from None
-
-
-def _linear_through_mm(input, weight, bias=None):
-    flat = torch.ops.aten.mm.default(input.reshape(-1, input.shape[-1]), weight.t())
-    output = flat.reshape(*input.shape[:-1], weight.shape[0])
-    return output if bias is None else output + bias
 
 
 def fake(mode, tensor: torch.Tensor, dynamic):

@@ -134,10 +134,8 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
         shape = []
         for dim, size in enumerate(spec["shape"]):
             if isinstance(size, str):
-                if size not in hints:  # distinct hints: equal ones would be taken for one size
-                    low, high = limits[size]["min"], limits[size]["max"]
-                    hint = max(low, 2) + 61 + 2 * len(hints)
-                    hints[size] = hint if high is None else min(hint, high)
+                if size not in hints:
+                    hints[size] = _hint(limits[size]["min"], limits[size]["max"], len(hints))
                 dims.setdefault(size, (index, dim))
                 shape.append(hints[size])
             else:
@@ -158,7 +156,14 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
     for size, (index, dim) in dims.items():
         value = fakes[index].shape[dim]
         if isinstance(value, torch.SymInt):
-            symbols[compat.size_expression(value)] = (index, dim, limits[size])
+            expression, high = compat.size_expression(value), limits[size]["max"]
+            if not expression.free_symbols and (high is None or int(expression) < high):
+                # a guard of the graph's (or of an op's on this torch) fixed it to the example: bounds of
+                # that one call would be no bounds of the others
+                raise SavedProgramError(f"{where}: its graph fixes the call's size {size!r} to {expression}, the "
+                                        f"sandbox's example, so what it makes cannot be bounded for every call: a "
+                                        f"saved program's sizes stay symbolic")
+            symbols[expression] = (index, dim, limits[size])
     found: dict = {}  # bytes expression -> (node, device)
     for node, value in made:
         for tensor in (value if isinstance(value, (list, tuple)) else [value]):
@@ -166,6 +171,13 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
                 size = sympy.sympify(compat.size_expression(tensor.numel())) * tensor.element_size()
                 found.setdefault(size, (node, tensor.device))
     return Bounds(found, symbols, where)
+
+
+def _hint(low: int, high: int | None, taken: int) -> int:
+    """The example size the fake run gives the ``taken``-th symbol of ``[low, high]``: distinct ones (equal
+    ones would be taken for one size), above 1 where the range allows (torch fixes 0 and 1)."""
+    hint = max(low, 2) + 61 + 2 * taken
+    return hint if high is None else min(hint, high)
 
 
 def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
