@@ -89,6 +89,10 @@ def test_in_one_process_stages_give_the_single_program(model, single):
 @pytest.fixture(scope="module")
 def ranks(checkpoint, tmp_path_factory) -> list[dict]:
     """What each rank of tests/stages_worker.py got, run once under torchrun (two processes, gloo)."""
+    from qgraph import compat
+    refusal = compat.pipelining_refusal(backward=True)
+    if refusal is not None:  # what qgraph raises there (test_a_torch_whose_pipelining_cannot_serve_stages_is_named)
+        pytest.skip(f"stages across processes need torch.distributed.pipelining to serve them: {refusal}")
     folder = tmp_path_factory.mktemp("ranks")
     ids, mask = _inputs()
     torch.save({"ids": ids, "mask": mask}, folder / "inputs.pt")
@@ -291,6 +295,26 @@ def test_a_model_on_meta_runs_with_weights_read_from_the_checkpoint(model, singl
                                          r"\(\d+, 48\) float32 in"):
         from qgraph.testing import tiny_qwen3_5
         ig.load_weights(tiny_qwen3_5(checkpoint.parent / "narrow", hidden_size=48))
+
+
+def test_a_torch_whose_pipelining_cannot_serve_stages_is_named(model, monkeypatch):
+    """Under torchrun on a torch whose schedules refuse fewer micro-batches than stages (2.10), instrument
+    raises NotSupported naming it; where its stages cannot send the gradients qgraph's need, loss= does."""
+    from qgraph.compat import torch_pipelining
+    import qgraph.distributed
+    from qgraph.distributed.world import World
+    monkeypatch.setattr(qgraph.distributed, "join", lambda device: World(0, 2))  # as rank 0 of 2 would be
+    monkeypatch.setattr(torch_pipelining, "_schedules_take_fewer_microbatches_than_stages", lambda: False)
+    with pytest.raises(qgraph.NotSupported, match=r"stages across processes \(torchrun\) run on "
+                                                  r"torch.distributed.pipelining, and this torch .* refuse fewer "
+                                                  r"micro-batches than stages"):
+        qgraph.instrument(model, values=VALUES, stages=2)
+    monkeypatch.undo()
+    monkeypatch.setattr(torch_pipelining, "_schedules_take_fewer_microbatches_than_stages", lambda: True)
+    for name in ("_stages_send_only_declared_gradients", "_receive_records_carry_metadata"):
+        monkeypatch.setattr(torch_pipelining, name, lambda: False)
+    assert torch_pipelining.pipelining_refusal() is None
+    assert "want a gradient for every input they receive" in torch_pipelining.pipelining_refusal(backward=True)
 
 
 def test_stage_mistakes_are_named(model):

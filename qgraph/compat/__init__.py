@@ -8,7 +8,8 @@ tests ran on (README "Supported versions"); ``check_versions`` refuses a release
 range's floor and warns about one newer than its top.
 
 The internals are split by library: ``torch_internals`` (hooks, autograd inside custom ops, building
-ExportedPrograms, twins, fake tensors, symbolic sizes) and ``transformers_internals`` (attention and
+ExportedPrograms, twins, fake tensors, symbolic sizes), ``torch_pipelining`` (what qgraph's stages
+across processes need of torch's pipeline stages and schedules) and ``transformers_internals`` (attention and
 experts implementations, generation settings, computed buffers, the ViT's inputs, no_grad forwards).
 Callers import them from here.
 """
@@ -19,4 +20,5 @@ from .transformers_internals import (attn_implementation, attn_implementation_se
                                      experts_implementation, experts_implementation_run, export_patches,
                                      generation_config, generation_settings, kernels_bound, logits_processors, run_experts,
                                      vision_forward_kwargs, vision_inputs)
+from .torch_pipelining import pipeline_stage, pipelining_refusal  # noqa: F401
 from .versions import TESTED, check_versions  # noqa: F401

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import size_expression
-from ..errors import InvalidArgument, InvalidState
+from ..compat import pipeline_stage, pipelining_refusal, size_expression
+from ..errors import InvalidArgument, InvalidState, NotSupported
 from .split import Plan, pick
 from .world import pipe, vote
 
@@ -132,6 +132,10 @@ class Engine:
         the rank of the last stage, else None). Torch's schedules run micro-batches of one size, so an
         uneven cut (3 rows into 2) runs as one schedule step per size."""
         import torch.distributed as dist
+        refusal = pipelining_refusal(backward=True) if loss is not None else None
+        if refusal is not None:  # the same torch on every rank: each raises it here, before any message
+            raise NotSupported(f"loss= with stages across processes cannot run here: {refusal}; call without "
+                               f"loss=, or upgrade torch")
         vote(None, self.timeout, start=True)  # every rank is here (one that failed before its stage ends them all)
         group = pipe(self.timeout)
         batch = args[next(iter(self.batched))].shape[0] if self.batched else 1
@@ -155,12 +159,11 @@ class Engine:
 
     def _step(self, run: "_Run", group, args: list, rows: slice, count: int, loss, losses: list) -> None:
         """One schedule step over the batch's ``rows`` as ``count`` equal micro-batches."""
-        from torch.distributed.pipelining import PipelineStage
         device = stage_device()
         root = [torch.arange(rows.start, rows.stop, device=device)] + \
             [args[item[1]][rows].to(device) for item in self.chain.root[1:]]
         metas = self._metas(args, (rows.stop - rows.start) // count, backward=loss is not None)
-        stages = [PipelineStage(StageModule(run, s, None if metas is None else metas[s][1]), s, len(self.plan),
+        stages = [pipeline_stage(StageModule(run, s, None if metas is None else metas[s][1]), s, len(self.plan),
                                 device, group=group, input_args=None if metas is None else metas[s][0],
                                 output_args=None if metas is None else metas[s][1]) for s in self.local]
         name = "gpipe" if self.schedule == "1f1b" and count < len(self.plan) else self.schedule  # same sums, in turn

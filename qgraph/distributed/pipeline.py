@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidArgument, InvalidType
+from ..compat import pipelining_refusal
+from ..errors import InvalidArgument, InvalidType, NotSupported
 from .engine import Engine, loss_value, stage_device
 from .place import Placement
 from .split import Plan, pick
@@ -57,6 +58,11 @@ class Pipeline:
         self.placement = Placement(plan, devices, kinds, recorded) if devices is not None else None
         self.engine = None
         if world is not None:
+            refusal = pipelining_refusal()
+            if refusal is not None:
+                raise NotSupported(f"stages across processes (torchrun) run on torch.distributed.pipelining, and "
+                                   f"{refusal}: upgrade torch, or instrument without torch.distributed initialised "
+                                   f"to run every stage in this process")
             if schedule.startswith("interleaved") and len(plan) % world.size:
                 raise InvalidArgument(f"stages={len(plan)} with schedule='{schedule}' runs the same number of stages "
                                       f"in each of the {world.size} processes: make the stages a multiple of "
