@@ -44,10 +44,14 @@ def start(path: Path, log: Path):
     return process, line.split()[4]
 
 
-def load(url: str, clients: int, requests: int, prompts: list[torch.Tensor]) -> tuple[float, list[float]]:
-    """``(requests per second, each request's seconds)`` of ``clients`` threads sharing ``requests``."""
+def load(url: str, clients: int, requests: int, prompts: list[torch.Tensor], logits: bool = True):
+    """``(requests per second, each request's seconds, forwards the server ran)`` of ``clients`` threads
+    sharing ``requests``."""
+    import httpx
+
     import qgraph
-    instruments = [qgraph.remote(url).instrument(values=["layers.7.layer_output"]) for _ in range(clients)]
+    instruments = [qgraph.remote(url).instrument(values=["layers.7.layer_output"], logits=logits)
+                   for _ in range(clients)]
     for ig in instruments:  # each client's connection and the server's program, warm
         ig(prompts[0])
     latencies: list[float] = []
@@ -58,17 +62,19 @@ def load(url: str, clients: int, requests: int, prompts: list[torch.Tensor]) -> 
         for n in range(index, requests, clients):
             start = time.perf_counter()
             out = ig(prompts[n % len(prompts)])
-            assert out.logits.shape == (1, 8, MEDIUM["vocab_size"])
+            assert out["layers.7.layer_output"].shape == (1, 8, MEDIUM["hidden_size"])
             with lock:
                 latencies.append(time.perf_counter() - start)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    before = httpx.get(f"{url}/v1/health").json()["forwards"]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return requests / (time.perf_counter() - start), latencies
+    rate = requests / (time.perf_counter() - start)
+    return rate, latencies, httpx.get(f"{url}/v1/health").json()["forwards"] - before
 
 
 def forward_ratio(path: Path, prompts: list[torch.Tensor]) -> float:
@@ -88,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-logits", action="store_true", help="replies without the logits (the value only)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the clients' side: the server's process has the cores
     generator = torch.Generator().manual_seed(0)
@@ -98,27 +105,29 @@ def main() -> None:
         try:
             best = {1: 0.0, 4: 0.0, 8: 0.0}
             pooled: dict[int, list[float]] = {1: [], 4: [], 8: []}
+            forwards = {1: 0, 4: 0, 8: 0}
             for _ in range(args.rounds):
                 for clients in best:
-                    rate, latencies = load(url, clients, args.requests, prompts)
+                    rate, latencies, ran = load(url, clients, args.requests, prompts, not args.no_logits)
                     best[clients] = max(best[clients], rate)
                     pooled[clients] += latencies
-            import httpx
-            health = httpx.get(f"{url}/v1/health").json()
+                    forwards[clients] += ran
         finally:
             process.terminate()
             process.wait(60)
         ratio = forward_ratio(path, prompts)
-    print(f"`python benchmarks/bench_serve.py --requests {args.requests} --rounds {args.rounds}`, "
+    print(f"`python benchmarks/bench_serve.py --requests {args.requests} --rounds {args.rounds}"
+          f"{' --no-logits' if args.no_logits else ''}`, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, 2 cores")
-    print("\n| concurrent clients | requests/s (best round) | x one-by-one | p50 ms | p99 ms |\n|---:|---:|---:|---:|---:|")
+    print("\n| concurrent clients | requests/s (best round) | x one-by-one | p50 ms | p99 ms | requests per forward |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     for clients, rate in best.items():
         latencies = sorted(pooled[clients])
         p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
         print(f"| {clients} | {rate:.1f} | {rate / best[1]:.2f} | {statistics.median(latencies) * 1e3:.0f} | "
-              f"{p99 * 1e3:.0f} |")
-    print(f"\nserver: {health['requests']} requests in {health['forwards']} forwards; one in-process forward at "
-          f"batch 8 costs {ratio:.2f}x one at batch 1")
+              f"{p99 * 1e3:.0f} | {args.requests * args.rounds / max(1, forwards[clients]):.1f} |")
+    print(f"\none in-process forward at batch 8 costs {ratio:.2f}x one at batch 1 (so {8 / ratio:.2f}x is the most "
+          f"batching can give)")
 
 
 if __name__ == "__main__":

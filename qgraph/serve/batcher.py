@@ -17,6 +17,9 @@ from .limits import Limits
 from .request import Request
 
 
+WAIT = 0.05  # seconds the batcher may wait for more requests of a forward (see Batcher._take)
+
+
 class QueueFull(InvalidArgument):
     """The server's queue is full (429)."""
 
@@ -38,6 +41,8 @@ class Batcher:
         self._ready = threading.Condition()
         self._closed = False
         self.requests = 0  # requests answered (/v1/health, with the runner's forwards)
+        self._recent = deque([1], maxlen=4)  # how many requests the last forwards ran
+        self._last_forward = 0.0  # seconds the last forward took
         self._thread = threading.Thread(target=self._loop, name="qgraph-serve-batcher", daemon=True)
         self._thread.start()
 
@@ -69,31 +74,48 @@ class Batcher:
         self._thread.join(timeout)
 
     def _take(self) -> list[tuple[Request, Future]]:
-        """The next forward's requests (waits for one)."""
+        """The next forward's requests (waits for one). While fewer wait than the recent forwards ran, it
+        waits a little more for them (at most a quarter of the last forward's time, and ``WAIT`` s): clients
+        that got their replies together send their next requests a moment apart, and a forward started on
+        the first of them alone would leave the rest to wait for the next one."""
         with self._ready:
             while not self._waiting and not self._closed:
                 self._ready.wait()
+            taken = self._gather([])
+            if taken and taken[0][0].batchable:
+                deadline = time.monotonic() + min(WAIT, self._last_forward / 4)
+                while len(taken) < max(self._recent) and not self._closed and self._fits(
+                        [r for r, _ in taken], taken[0][0]):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._ready.wait(left):
+                        break
+                    taken += self._gather(taken)
             if self._closed:
                 return []
-            now = time.monotonic()
-            first, taken = None, []
-            for entry in list(self._waiting):
-                request, future, deadline = entry
-                if future.cancelled() or now > deadline:  # the client has gone, or its time ran out
-                    self._waiting.remove(entry)
-                    if not future.cancelled() and future.set_running_or_notify_cancel():
-                        future.set_exception(TimedOut(f"the request waited over the server's time limit of "
-                                                      f"{self.limits.timeout_s:g} s"))
-                    continue
-                if first is None:
-                    first = request
-                elif not (first.batchable and request.key == first.key and self._fits([r for r, _ in taken], request)):
-                    continue
-                self._waiting.remove(entry)
-                taken.append((request, future))
-                if not first.batchable:
-                    break
         return [(request, future) for request, future in taken if future.set_running_or_notify_cancel()]
+
+    def _gather(self, taken: list) -> list[tuple[Request, Future]]:
+        """The waiting requests that join ``taken`` (the oldest one, if it is empty), out of the queue."""
+        now, joined = time.monotonic(), []
+        first = taken[0][0] if taken else None
+        for entry in list(self._waiting):
+            request, future, deadline = entry
+            if future.cancelled() or now > deadline:  # the client has gone, or its time ran out
+                self._waiting.remove(entry)
+                if not future.cancelled() and future.set_running_or_notify_cancel():
+                    future.set_exception(TimedOut(f"the request waited over the server's time limit of "
+                                                  f"{self.limits.timeout_s:g} s"))
+                continue
+            if first is None:
+                first = request
+            elif not (first.batchable and request.key == first.key
+                      and self._fits([r for r, _ in taken + joined], request)):
+                continue
+            self._waiting.remove(entry)
+            joined.append((request, future))
+            if not first.batchable:
+                break
+        return joined
 
     def _fits(self, taken: list[Request], request: Request) -> bool:
         rows = sum(len(r.input_ids) for r in taken) + len(request.input_ids)
@@ -108,11 +130,14 @@ class Batcher:
                     return
                 continue
             requests = [request for request, _ in taken]
+            started = time.monotonic()
             try:
                 replies = self.runner.run(requests)
             except BaseException as error:  # noqa: BLE001 — every request gets its answer
                 replies = [error] * len(requests)
             self.requests += len(requests)
+            self._last_forward = time.monotonic() - started
+            self._recent.append(len(requests))
             for (_, future), reply in zip(taken, replies):
                 if isinstance(reply, BaseException):
                     future.set_exception(reply)
