@@ -250,3 +250,15 @@ def test_a_client_that_leaves_mid_body_costs_nothing(url):
     time.sleep(0.5)
     after = httpx.get(f"{url}/v1/health").json()
     assert after["requests"] == before["requests"] and after["waiting"] == 0
+
+
+def test_a_request_moves_to_the_models_device():
+    ids = ids_of()
+    request = Request([], {"a": qgraph.Replace(torch.ones(3)), "b": qgraph.Scale(torch.ones(3)), "c": qgraph.Zero(),
+                           "d": qgraph.Add(torch.ones(3), scale=2.0, positions=[0])},
+                      ids, torch.ones_like(ids), backward=torch.ones(1, 5, 7))
+    moved = request.to(torch.device("meta"))
+    assert moved.input_ids.is_meta and moved.attention_mask.is_meta and moved.backward.is_meta
+    assert moved.edits["a"].tensor.is_meta and moved.edits["b"].factor.is_meta and moved.edits["d"].tensor.is_meta
+    assert moved.edits["d"].scale == 2.0 and moved.edits["d"].positions == [0]
+    assert not request.input_ids.is_meta and not request.edits["a"].tensor.is_meta  # the request itself is kept

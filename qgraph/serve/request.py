@@ -15,6 +15,7 @@ beside the tensors ``input_ids`` and ``attention_mask`` (``[batch, seq]``, integ
 from __future__ import annotations
 
 import numbers
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ CALL_KEYS = {"values", "edits", "logits", "generate", "backward", "lens"}
 GENERATE_KEYS = {"max_new_tokens": int, "min_new_tokens": int, "do_sample": bool, "temperature": float,
                  "top_k": int, "top_p": float, "repetition_penalty": float, "seed": int, "steps": list}
 _NAME = 300  # characters of a value name or pattern
+TENSOR_FIELDS = ("tensor", "factor")  # the fields of an edit that may hold a tensor
 
 
 class TooLarge(InvalidArgument):
@@ -55,6 +57,16 @@ class Request:
     backward: torch.Tensor | None = None
     lens: dict | None = None
     body: bytes = field(default=b"", repr=False)  # as it came: what rank 0 hands the other stages (serve/stages.py)
+
+    def to(self, device: torch.device) -> "Request":
+        """The request with its tensors (inputs, edits' tensors, the backward's) on ``device``, where the
+        model is (a body's tensors arrive on the CPU); a function edit moves its own graph."""
+        moved = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        edits = {pattern: dataclasses.replace(edit, **{f.name: moved(getattr(edit, f.name))
+                                                        for f in dataclasses.fields(edit) if f.name in TENSOR_FIELDS})
+                 if dataclasses.is_dataclass(edit) else edit for pattern, edit in self.edits.items()}
+        return dataclasses.replace(self, edits=edits, input_ids=moved(self.input_ids),
+                                   attention_mask=moved(self.attention_mask), backward=moved(self.backward))
 
     @property
     def key(self) -> tuple:

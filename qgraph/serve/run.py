@@ -66,6 +66,8 @@ class Runner:
     def run(self, requests: list[Request]) -> list:
         """Each request's reply ``(call, tensors)``, or the exception that request alone raises: together in
         one forward where they can share one, else (or where that fails) one by one."""
+        device = self.model.get_input_embeddings().weight.device
+        requests = [request.to(device) for request in requests]
         if len(requests) > 1 and all(request.batchable for request in requests):
             try:
                 if self._shares_rows(requests[0]):

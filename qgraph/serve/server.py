@@ -23,7 +23,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import QgraphError
+from ..errors import InternalError, QgraphError
 from .batcher import Batcher
 from .limits import Limits
 from .request import Unprocessable, request_of
@@ -98,8 +98,8 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
                 return _error(504, f"the request ran over the server's time limit of {limits.timeout_s:g} s")
         try:
             reply = waiting.result()
-        except QgraphError as error:
-            return _error(getattr(error, "status", 422), str(error))
+        except QgraphError as error:  # a qgraph error of its own (a broken invariant of qgraph's: 500)
+            return _error(getattr(error, "status", 500 if isinstance(error, InternalError) else 422), str(error))
         except asyncio.CancelledError:
             return _error(503, "the server dropped the request")
         except Exception as error:  # noqa: BLE001 — the request's own failure (its function edit, its inputs)
