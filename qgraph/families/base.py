@@ -92,6 +92,9 @@ class Images:
     mixer: str  # the vision blocks' attention module, by its name in the block
     blocks: tuple[RepeatedBlocks, ...] = ()  # the vision blocks that trace alike (image_only)
     forward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of the exported forward
+    # (config) -> {program input: what its dim 0 is always a multiple of}: the derived dims of ``example``
+    # (patches = merge² × blocks), which the program's symbols lose where export takes them as Dim.DYNAMIC
+    multiples: Callable[[Any], dict[str, int]] | None = None
 
 
 @dataclass(frozen=True)

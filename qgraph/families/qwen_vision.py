@@ -57,12 +57,23 @@ def example(model):
     inputs = prepare_inputs(model, IMAGES, input_ids, with_images=True, pixel_values=pixel_values, image_grid_thw=grid)
     batch, seq = Dim("batch", min=1), Dim("seq", min=1)
     images, blocks = Dim("images", min=1), Dim("merge_blocks", min=1)
-    patches = merge**2 * blocks
+    patches = merge**2 * blocks  # as multiples() says
     dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq},
                "position_ids": {1: batch, 2: seq}, "pixel_values": {0: patches}, "image_grid_thw": {0: images},
                "image_cu_seqlens": {0: images + 1}, "image_position_ids": {0: patches},
                "image_interp_indices": {0: patches}, "image_interp_weights": {0: patches}}
     return inputs, dynamic
+
+
+def multiples(config) -> dict[str, int]:
+    """The image inputs whose dim 0 (the patches) is a multiple of the merge unit (merge² patches), as
+    ``example``'s derived dim says (none for a text config: the text program of an image-text family)."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return {}
+    merge = vision.spatial_merge_size
+    return dict.fromkeys(("pixel_values", "image_position_ids", "image_interp_indices", "image_interp_weights"),
+                         merge**2)
 
 
 def _patch_width(vision_config) -> int:
@@ -238,4 +249,4 @@ VALUES = (
 IMAGES = Images(keys=KEYS, inputs=INPUTS, prepare=prepare, example=example, patches=patches,
                 values=VALUES, hosts=HOSTS, dims=DIMS, mixer="self_attn",
                 blocks=(RepeatedBlocks("model.visual.blocks", None, image_only=True),),
-                forward_kwargs={"image_max_seqlen": 1})
+                forward_kwargs={"image_max_seqlen": 1}, multiples=multiples)

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import re
 
+import sympy
+
+from .. import compat
 from ..families import Family
 from ..families.rules import ProgramInput, ValueSpec
 from ..passes.locate import Found, Locator, Missing, OnRequest
@@ -65,7 +68,7 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
                            Entry(name, host, spec.layout, shape, spec.description, location, spec)))
     entries = {entry.name: entry for _, entry in sorted(placed, key=lambda item: item[0])}
 
-    symbols = _symbol_names(locator)
+    symbols, whole = _symbol_names(locator), _whole_units(family, config, locator)
     for module in module_names:
         for side in ("input", "output"):
             name = f"{module}.{side}"
@@ -75,7 +78,7 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
                     f"module '{module}' is never called as a module in the forward (its weights are used "
                     f"directly), so it has no {side}"))
                 continue
-            shape = tuple(port_size(size, symbols) for size in marker.meta["val"].shape)
+            shape = tuple(port_size(size, symbols, whole) for size in marker.meta["val"].shape)
             layout = "[" + " ".join(str(size) for size in shape) + "]"
             entries[name] = Entry(name, module, layout, shape, f"the {side} of {module}", Found(marker))
     return entries
@@ -90,12 +93,17 @@ def _spec_size(family: Family, config, dim: str) -> int | str:
     return dim if size is None else int(size)
 
 
-def port_size(size, symbols) -> int | str:
+def port_size(size, symbols, whole: dict | None = None) -> int | str:
     """One size of a port's traced tensor: an int, also where the trace holds a symbol that is one number
-    (a SymInt specialised to ``128`` prints as ``'128'``), else its expression in the call's dims
-    (``symbols``: ``4*s43*s53`` -> ``4*batch*seq``)."""
+    (a SymInt specialised to ``128`` prints as ``'128'``) or an expression that is one number once each
+    symbol of ``whole`` is the multiple it always is (``32*(s15//(s15//4))`` with ``s15`` four patches a
+    unit: 128), else its expression in the call's dims (``symbols``: ``4*s43*s53`` -> ``4*batch*seq``)."""
     if isinstance(size, int):
         return size
+    if whole:
+        value = compat.size_expression(size).xreplace(whole)
+        if getattr(value, "is_Integer", False):
+            return int(value)
     text = str(size)
     return int(text) if re.fullmatch(r"-?\d+", text) else symbols(text)
 
@@ -105,3 +113,21 @@ def _symbol_names(locator: Locator):
     batch, seq = locator.locate("", ProgramInput("input_ids")).node.meta["val"].shape
     names = {str(batch): "batch", str(seq): "seq"}
     return lambda size: re.sub(r"\bs\d+\b", lambda m: names.get(m.group(0), m.group(0)), size)
+
+
+def _whole_units(family: Family, config, locator: Locator) -> dict:
+    """Each program symbol that is a multiple of a unit (``Images.multiples``: the patches, of merge² each) ->
+    that multiple of a fresh positive symbol. The program's symbols say it where export kept the derived
+    dim (``4*s5``); where it took the dims as ``Dim.DYNAMIC`` (``compat.export_dims``: torch up to 2.12)
+    the patches are a free ``s15`` and a size such as the merged patches' width is ``32*(s15//(s15//4))``."""
+    images = family.images
+    if images is None or images.multiples is None:
+        return {}
+    whole = {}
+    for name, multiple in images.multiples(config).items():
+        found = locator.locate("", ProgramInput(name))
+        if isinstance(found, Found):
+            expression = compat.size_expression(found.node.meta["val"].shape[0])
+            if getattr(expression, "is_Symbol", False):
+                whole[expression] = multiple * sympy.Dummy(f"{name}_units", integer=True, positive=True)
+    return whole
