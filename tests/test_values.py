@@ -353,11 +353,26 @@ def test_ports_equal_forward_hooks(request, ids, load):
         torch.testing.assert_close(out[name], seen[name], rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_unavailable_ports_are_never_called(ig):
+def test_unavailable_ports_are_never_called(ig, ids):
+    """The unavailable ports are those of the modules a forward never calls, as forward hooks see it: the
+    ModuleList, and in each DeltaNet either conv1d (transformers 5.15 on pass its weight to the conv kernel)
+    or act (5.9 to 5.14 call conv1d as a module and F.silu, never their act module)."""
+    called, handles = set(), []
+    for path, module in ig.model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda module, args, path=path: called.add(path)))
+    try:
+        with torch.no_grad():
+            ig.model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    never = {ig.family.module_name(path) for path, _ in ig.model.named_modules() if path not in called}
     missing = {name: entry.reason for name, entry in ig.catalogue.items() if entry.spec is None and not entry.available}
-    # conv1d's weight is passed to the conv kernel directly; the ModuleList is never called
-    assert set(missing) == {f"layers.{b}.linear_attn.conv1d.{side}" for b in range(3) for side in ("input", "output")} \
-        | {"layers.input", "layers.output"}
+    assert set(missing) == {f"{name}.{side}" for name in never - {""} for side in ("input", "output")}
+    deltanet = {f"layers.{b}.linear_attn.{child}.{side}" for b in range(3) for side in ("input", "output")
+                for child in ("conv1d", "act")}
+    assert {"layers.input", "layers.output"} <= set(missing) <= deltanet | {"layers.input", "layers.output"}
+    assert len(set(missing) & deltanet) == 6  # one module of each of the three DeltaNets, both its ports
     assert all("never called" in reason for reason in missing.values())
 
 
