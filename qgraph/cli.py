@@ -84,10 +84,20 @@ def build_parser() -> Parser:
         description="Serve MODEL over HTTP (GET /v1/health, GET /v1/info, POST /v1/run; docs/serving.md): clients "
                     "call it with qgraph.remote(url, api_key). Prints 'qgraph serve: listening on http://HOST:PORT' "
                     "when ready; SIGTERM ends it cleanly.", formatter_class=HelpFormatter)
-    from .serve.cli import add_arguments as add_serve_arguments, main as run_serve
+    from .serve.cli import add_arguments as add_serve_arguments
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
     return parser
+
+
+def run_serve(args) -> int:
+    """``qgraph serve``: the model is loaded (after the command's own checks) here, as the other commands load it."""
+    from .serve.cli import main
+
+    def load():
+        path = checkpoint_path(args.model)
+        return path, load_model(path, args.attn_implementation).to(args.device)
+    return main(args, load)
 
 
 def run_check(args) -> int:

@@ -1,10 +1,8 @@
 """``qgraph serve [MODEL]``: host one model for many researchers over HTTP (uvicorn, starlette)."""
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import socket
-import sys
 
 from ..errors import UsageError
 from .limits import Limits
@@ -60,8 +58,8 @@ def _loopback(host: str) -> bool:
             return False
 
 
-def main(args) -> int:
-    from ..cli import checkpoint_path, load_model
+def main(args, load) -> int:
+    """``qgraph serve``: the keys (or loopback) checked first, then ``load()`` -> ``(path, model)``, then serve."""
     keys = None
     if args.api_keys is not None:
         from .server import read_keys
@@ -72,42 +70,12 @@ def main(args) -> int:
     elif not _loopback(args.host):
         raise UsageError(f"--host {args.host} without --api-keys would serve the model to anyone who can reach it: "
                          f"give --api-keys FILE, or listen on 127.0.0.1")
-    if args.stages > 1:
-        from .stages import serve_stages
-        return serve_stages(args, keys)
-    path = checkpoint_path(args.model)
-    model = load_model(path, args.attn_implementation).to(args.device)
-    from .run import Runner
     limits = Limits(args.max_batch_tokens, args.max_request_bytes, args.max_new_tokens, args.max_queue,
                     timeout_s=args.timeout)
-    runner = Runner(model, name=str(path))
-    return serve(runner, limits, keys, args.host, args.port)
-
-
-def serve(runner, limits: Limits, keys, host: str, port: int) -> int:
-    """Serve until SIGTERM or SIGINT (uvicorn's graceful shutdown: it stops listening, lets the requests in
-    flight finish, the batcher refuses those still waiting, and the process exits 0)."""
-    import uvicorn
-
-    from .server import create_app
-    app = create_app(runner, limits, keys)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=30, lifespan="on")
-    server = uvicorn.Server(config)
-
-    async def main_loop():
-        task = asyncio.create_task(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.02)
-        if server.started:
-            bound = server.servers[0].sockets[0].getsockname()
-            where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-            note = "" if keys else " (no --api-keys: loopback only, no key asked)"
-            print(f"qgraph serve: listening on http://{where}:{bound[1]}{note}", flush=True)
-        await task
-
-    asyncio.run(main_loop())
-    if not server.started:
-        print(f"qgraph serve: error: could not listen on {host}:{port}", file=sys.stderr)
-        return 2
-    return 0
+    if args.stages > 1:
+        from .stages import serve_stages
+        return serve_stages(args, keys, load, limits)
+    from .run import Runner
+    from .server import serve
+    path, model = load()
+    return serve(Runner(model, name=str(path)), limits, keys, args.host, args.port)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -138,8 +139,36 @@ async def _body(request: HTTPRequest, limit: int) -> bytes | Response:
     return b"".join(chunks)
 
 
+def serve(runner, limits: Limits, keys, host: str, port: int) -> int:
+    """Serve until SIGTERM or SIGINT (uvicorn's graceful shutdown: it stops listening, lets the requests in
+    flight finish, the batcher refuses those still waiting, and the process exits 0)."""
+    import uvicorn
+
+    app = create_app(runner, limits, keys)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=30, lifespan="on")
+    server = uvicorn.Server(config)
+
+    async def main_loop():
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            bound = server.servers[0].sockets[0].getsockname()
+            where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+            note = "" if keys else " (no --api-keys: loopback only, no key asked)"
+            print(f"qgraph serve: listening on http://{where}:{bound[1]}{note}", flush=True)
+        await task
+
+    asyncio.run(main_loop())
+    if not server.started:
+        print(f"qgraph serve: error: could not listen on {host}:{port}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-__all__ = ["create_app", "read_keys", "MEDIA_TYPE", "Unprocessable", "WireError"]
+__all__ = ["create_app", "read_keys", "serve", "MEDIA_TYPE", "Unprocessable", "WireError"]

@@ -80,17 +80,16 @@ def follow(runner, group, limits: Limits) -> None:
         runner.run([request_of(*parse(body, Bounds()), limits) for body in bodies])
 
 
-def serve_stages(args, keys) -> int:
-    """``qgraph serve --stages N`` under torchrun (N processes)."""
+def serve_stages(args, keys, load, limits: Limits) -> int:
+    """``qgraph serve --stages N`` under torchrun (N processes); ``load()`` -> ``(path, model)``."""
     import os
 
     import torch.distributed as dist
 
-    from ..cli import checkpoint_path, load_model
     from ..distributed import Stages
     from ..errors import UsageError
-    from .cli import serve
     from .run import Runner
+    from .server import serve
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size != args.stages:
         raise UsageError(f"--stages {args.stages} runs one stage per process: start it under "
@@ -99,10 +98,7 @@ def serve_stages(args, keys) -> int:
     if not dist.is_initialized():
         dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     group = dist.new_group(backend="gloo", timeout=IDLE)
-    path = checkpoint_path(args.model)
-    model = load_model(path, args.attn_implementation).to(args.device)
-    limits = Limits(args.max_batch_tokens, args.max_request_bytes, args.max_new_tokens, args.max_queue,
-                    timeout_s=args.timeout)
+    path, model = load()
     runner = Runner(model, name=str(path), stages=Stages(args.stages, gather=True))
     try:
         if dist.get_rank() != 0:
