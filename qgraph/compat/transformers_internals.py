@@ -95,8 +95,12 @@ class _Experts:
 def run_experts(name: str, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn) -> torch.Tensor:
     """transformers' experts function ``name`` on ``hidden`` [tokens hidden] and its top-k experts and weights
-    [tokens top_k]: the routed experts' weighted sum [tokens hidden], as the model's experts compute it."""
-    return _experts_functions()[name](_Experts(gate_up_proj, down_proj, act_fn), hidden, top_k_index, top_k_weights)
+    [tokens top_k]: the routed experts' weighted sum [tokens hidden], as the model's experts compute it. The
+    function gets a copy of the indices: transformers 5.9's ``batched_mm`` clamps them in place (its
+    expert-parallel sentinels; valid ids unchanged), which writes into the op's input (its schema says it
+    writes nothing: autograd's saved indices were changed, and opcheck refuses it)."""
+    return _experts_functions()[name](_Experts(gate_up_proj, down_proj, act_fn), hidden, top_k_index.clone(),
+                                      top_k_weights)
 
 
 # -- HF generation settings (qgraph.generate) -------------------------------------------------------
