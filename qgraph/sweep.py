@@ -73,14 +73,8 @@ class CorruptRun:
         """Metric values of patching each location of ``name`` with ``clean`` (``sweep``)."""
         slot = self.program.slots[name]
         dims = list(slot.target.dims)
-        axes = {what: axis_of(dims, what) for what in ("batch", "positions", "heads")}
-        chosen = {}
-        for what, given in (("positions", positions), ("heads", heads)):
-            if given is not None and axes[what] is None:
-                raise InvalidArgument(f"patch({what}={given!r}) at '{name}': its layout ({slot.target.layout}) has no "
-                                      f"{'/'.join(_AXES[what])} axis; leave {what}=None to patch the whole value")
-            chosen[what] = [None] if given is None else locations(given, clean.shape[axes[what]], what, name)
-        spots = [(p, h) for p in chosen["positions"] for h in chosen["heads"]]
+        found, chosen, spots = spots_of(dims, clean.shape, positions, heads, name, slot.target.layout)
+        axes = {"batch": axis_of(dims, "batch"), **found}
         per_pass = 1 if axes["batch"] is None or self.batch is None else \
             batch_size or max(1, LOGITS_BUDGET // self.logits_size)
         start = self._stage_of(slot)
@@ -90,11 +84,7 @@ class CorruptRun:
             with applying({slot: _PatchEdit(clean, chunk, axes, self.rows)}):
                 logits = self._logits(start, len(chunk))
             values += [metric(part) for part in logits.split(self.rows)]
-        if positions is None and heads is None:
-            return values[0]
-        scores = torch.tensor([_scalar(value, name) for value in values])
-        shape = [len(chosen[what]) for what, given in (("positions", positions), ("heads", heads)) if given is not None]
-        return scores.reshape(shape)
+        return stacked(values, chosen, positions, heads, name)
 
     def _stage_of(self, slot) -> int:
         for index, module in enumerate(self.plan.modules):
@@ -170,6 +160,29 @@ def _plan(program):
         blocks = len(program.family.block_mixers(program.model.config))
         plan = _PLANS[program] = split(program.module, blocks_of(program.family), list(range(1, blocks)))
     return plan
+
+
+def spots_of(dims: list[str], shape, positions, heads, name: str, layout: str) -> tuple[dict, dict, list]:
+    """``(axes, chosen, spots)`` of a patch at ``name`` (laid out as ``dims``, sized ``shape``): the axes of
+    its positions and heads, the indices asked along each (``[None]``: the whole axis), and every
+    ``(position, head)`` location in order."""
+    axes = {what: axis_of(dims, what) for what in ("positions", "heads")}
+    chosen = {}
+    for what, given in (("positions", positions), ("heads", heads)):
+        if given is not None and axes[what] is None:
+            raise InvalidArgument(f"patch({what}={given!r}) at '{name}': its layout ({layout}) has no "
+                                  f"{'/'.join(_AXES[what])} axis; leave {what}=None to patch the whole value")
+        chosen[what] = [None] if given is None else locations(given, shape[axes[what]], what, name)
+    return axes, chosen, [(p, h) for p in chosen["positions"] for h in chosen["heads"]]
+
+
+def stacked(values: list, chosen: dict, positions, heads, name: str):
+    """``patch``'s result of one value from each location's metric: the metric itself for the whole value,
+    else a tensor ``[positions]``, ``[heads]`` or ``[positions, heads]``."""
+    if positions is None and heads is None:
+        return values[0]
+    shape = [len(chosen[what]) for what, given in (("positions", positions), ("heads", heads)) if given is not None]
+    return torch.tensor([_scalar(value, name) for value in values]).reshape(shape)
 
 
 def axis_of(dims: list[str], what: str) -> int | None:

@@ -12,8 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..edits import Replace
-from ..errors import InvalidArgument
-from ..sweep import _scalar, axis_of, locations
+from ..sweep import spots_of, stacked
 
 CONCURRENT = 8  # requests in flight at once
 
@@ -24,16 +23,8 @@ def patch(instrumented, clean: dict, corrupt: dict, names: list[str], metric, po
         clean_values = instrumented.variant(names)(**clean).values
     results = {}
     for name in names:
-        dims = list(instrumented.catalogue[name].shape)
-        value = clean_values[name]
-        axes = {what: axis_of(dims, what) for what in ("positions", "heads")}
-        chosen = {}
-        for what, given in (("positions", positions), ("heads", heads)):
-            if given is not None and axes[what] is None:
-                raise InvalidArgument(f"patch({what}={given!r}) at '{name}': its layout has no {what} axis; leave "
-                                      f"{what}=None to patch the whole value")
-            chosen[what] = [None] if given is None else locations(given, value.shape[axes[what]], what, name)
-        spots = [(p, h) for p in chosen["positions"] for h in chosen["heads"]]
+        entry, value = instrumented.catalogue[name], clean_values[name]
+        axes, chosen, spots = spots_of(list(entry.shape), value.shape, positions, heads, name, entry.layout)
         patcher = instrumented.variant(())
 
         def one(spot):
@@ -49,12 +40,7 @@ def patch(instrumented, clean: dict, corrupt: dict, names: list[str], metric, po
                 return metric(patcher(**corrupt, edits={name: edit}).logits)
 
         with ThreadPoolExecutor(CONCURRENT) as pool:
-            values = list(pool.map(one, spots))
-        if positions is None and heads is None:
-            results[name] = values[0]
-            continue
-        shape = [len(chosen[what]) for what, given in (("positions", positions), ("heads", heads)) if given is not None]
-        results[name] = torch.tensor([_scalar(v, name) for v in values]).reshape(shape)
+            results[name] = stacked(list(pool.map(one, spots)), chosen, positions, heads, name)
     return results
 
 

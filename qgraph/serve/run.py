@@ -186,7 +186,7 @@ def _index(dims, row: tuple, length: int) -> tuple:
 
 
 def _rows(tensor: torch.Tensor, dims, row: tuple, length: int) -> torch.Tensor:
-    return tensor[_index(dims, row, length)].clone()
+    return tensor[_index(dims, row, length)]  # a view: wire.pack copies it into the reply
 
 
 def _dims(entry) -> list[str]:
