@@ -28,7 +28,7 @@ _PUBLIC = {
     "InstrumentedModel": "instrument", "Output": "instrument", "instrument": "instrument",
     "attribution_patch": "recipes", "expert_neurons": "recipes", "patch": "recipes", "skip_layers": "recipes",
     "steer": "recipes",
-    "SAE": "saes", "Transcoder": "saes",
+    "SAE": "saes", "Transcoder": "saes", "CrossLayerTranscoder": "saes.clt",
     "AttributionGraph": "circuits", "attribution_graph": "circuits",
     "LoadedProgram": "saved", "load": "saved",
     "remote": "serve.client", "RemoteError": "serve.client",
@@ -42,7 +42,7 @@ _PUBLIC = {
 
 __all__ = ["Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
            "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render",
-           "skip_layers", "steer", "support", "Transcoder", "AttributionGraph", "attribution_graph",
+           "skip_layers", "steer", "support", "Transcoder", "CrossLayerTranscoder", "AttributionGraph", "attribution_graph",
            "QgraphError", "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",
            "InvalidState", "NotCaptured", "NoVisionEncoder", "WeightsMismatch", "GraphvizNotFound", "UsageError",
            "register_family", "Figure", "explore", "remote", "RemoteError"]

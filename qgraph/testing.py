@@ -13,6 +13,7 @@ import torch
 
 from .saes.fixtures import write_qwen_scope, write_saelens, write_sparsify  # noqa: F401  (tiny random SAEs)
 from .saes.fixtures import write_transcoders  # noqa: F401  (tiny random transcoders)
+from .saes.fixtures import tiny_clt  # noqa: F401  (tiny random cross-layer transcoders)
 
 # A byte-level vocabulary: 256 byte tokens, then the specials the chat template uses.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",

@@ -1,5 +1,6 @@
 """Tiny random SAEs written in each format, for tests: ``write_qwen_scope``, ``write_saelens``,
-``write_sparsify`` (per-layer transcoders, circuit-tracer's and SAELens's: ``write_transcoders``).
+``write_sparsify`` (per-layer transcoders, circuit-tracer's and SAELens's: ``write_transcoders``;
+cross-layer transcoders, circuit-tracer's and Gemma Scope 2's: ``tiny_clt``).
 With the same ``seed`` (and sizes) they hold the same weights, each in its own layout, so they load
 to the same record tensor for tensor; what differs is each format's conventions (Qwen-Scope does not
 subtract b_dec and keeps raw top-k values; SAELens and sparsify subtract b_dec and relu them)."""
@@ -140,4 +141,61 @@ def write_transcoders(dir, d_model: int, layers, d_transcoder: int, *, format: s
             config.update(activation="topk", k=k)
         import yaml
         (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return folder
+
+
+def tiny_clt(dir, model_or_config, d_transcoder: int = 32, *, jumprelu: bool = False, reads: str = "mlp_input",
+             seed: int = 0, format: str = "circuit-tracer", skip: bool = False) -> Path:
+    """A tiny random cross-layer transcoder for the blocks of a model (or its config), written in
+    ``dir`` as the library writes it; returns ``dir``. Load it with ``CrossLayerTranscoder.load(dir)``.
+
+    * ``format="circuit-tracer"`` (``CrossLayerTranscoder.to_safetensors``'s files): ``W_enc_{i}.safetensors``
+      (``W_enc_{i} [d_transcoder, d_model]``, ``b_enc_{i}``, ``b_dec_{i}``, with ``jumprelu`` ``threshold_{i}``)
+      and ``W_dec_{i}.safetensors`` (``W_dec_{i} [d_transcoder, n - i, d_model]``); no skip path.
+    * ``format="gemma-scope-2"``: ``params_layer_{i}.safetensors`` (``w_enc [d_model, d_transcoder]``,
+      ``b_enc``, ``b_dec``, ``threshold``, ``w_dec [d_transcoder, n, d_model]`` zero before block i, with
+      ``skip`` ``affine_skip_connection [d_model, d_model]``); always JumpReLU.
+
+    With ``reads="layer_mid"`` a ``config.yaml`` beside names ``feature_input_hook: hook_resid_mid`` (and
+    ``feature_output_hook: hook_mlp_out``); ``reads="mlp_input"`` writes none (the bare folder's default)."""
+    from safetensors.torch import save_file
+    config = getattr(model_or_config, "config", model_or_config)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n, d_model = config.num_hidden_layers, config.hidden_size
+    if format not in ("circuit-tracer", "gemma-scope-2"):
+        raise InvalidArgument(f"tiny_clt: format={format!r}: 'circuit-tracer' or 'gemma-scope-2'")
+    if reads not in ("mlp_input", "layer_mid"):
+        raise InvalidArgument(f"tiny_clt: reads={reads!r}: 'mlp_input' or 'layer_mid'")
+    if format == "circuit-tracer" and skip:
+        raise InvalidArgument("tiny_clt: circuit-tracer's CLT files have no skip path: skip=True is Gemma Scope 2's")
+    if format == "gemma-scope-2" and not jumprelu:
+        raise InvalidArgument("tiny_clt: Gemma Scope 2's CLTs are JumpReLU: give jumprelu=True")
+    folder = Path(dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, scale):
+        return torch.randn(*shape, generator=generator) * scale
+
+    for i in range(n):
+        w_enc, b_enc = normal(d_model, d_transcoder, scale=d_model ** -0.5), normal(d_transcoder, scale=0.1)
+        w_dec, b_dec = normal(d_transcoder, n - i, d_model, scale=d_transcoder ** -0.5), normal(d_model, scale=0.1)
+        threshold = torch.rand(d_transcoder, generator=generator) * 0.5
+        if format == "circuit-tracer":
+            tensors = {f"W_enc_{i}": w_enc.T.contiguous(), f"b_enc_{i}": b_enc, f"b_dec_{i}": b_dec}
+            if jumprelu:
+                tensors[f"threshold_{i}"] = threshold
+            save_file(tensors, str(folder / f"W_enc_{i}.safetensors"))
+            save_file({f"W_dec_{i}": w_dec}, str(folder / f"W_dec_{i}.safetensors"))
+            continue
+        full = torch.cat([torch.zeros(d_transcoder, i, d_model), w_dec], dim=1)  # [d_transcoder, n, d_model]
+        tensors = {"w_enc": w_enc, "b_enc": b_enc, "b_dec": b_dec, "threshold": threshold, "w_dec": full}
+        if skip:
+            tensors["affine_skip_connection"] = normal(d_model, d_model, scale=0.1 * d_model ** -0.5)
+        save_file(tensors, str(folder / f"params_layer_{i}.safetensors"))
+    if reads == "layer_mid":
+        import yaml
+        settings = {"model_kind": "cross_layer_transcoder", "feature_input_hook": "hook_resid_mid",
+                    "feature_output_hook": "hook_mlp_out"}
+        (folder / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     return folder
