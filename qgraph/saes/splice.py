@@ -1,7 +1,8 @@
 """Checking ``instrument(model, saes={value: sae}, splice=...)``: which value each SAE reads, and that
 it fits there. The splice itself is a rewrite (``passes.sae.SpliceSAE``); its values are catalogued
 by ``values.saes``. Likewise ``instrument(model, transcoders={block: transcoder})``: ``check_transcoders``,
-``passes.transcoder.SpliceTranscoder``, ``values.transcoders``."""
+``passes.transcoder.SpliceTranscoder``, ``values.transcoders`` (and ``transcoders=clt``, a cross-layer
+transcoder: ``passes.clt.SpliceCLT``)."""
 from __future__ import annotations
 
 import re
@@ -60,19 +61,30 @@ def check_transcoders(request, catalogue, saes: dict) -> dict:
     """``{block: (transcoder, splice)}`` for ``request = (transcoders, splice)`` (``splice`` checked with
     the SAEs'); a named error for a key that is not a block of the model, an object that is not a
     ``Transcoder``, one trained on another block, one whose widths are not the model's, or an SAE
-    (``saes``, checked) at the tensor a transcoder reads or writes."""
-    from ..values.transcoders import inputs
+    (``saes``, checked) at the tensor a transcoder reads or writes. A ``CrossLayerTranscoder`` instead
+    of the dict splices across every block: ``{block: (its CLTBlock, splice)}`` for all of them, once
+    its count of blocks is checked against the model's."""
+    from .clt import CrossLayerTranscoder
     from .transcoder import Transcoder
     transcoders, splice = request
     blocks = sum(1 for name in catalogue if re.fullmatch(r"layers\.\d+\.layer_output", name))
+    if isinstance(transcoders, CrossLayerTranscoder):
+        if transcoders.n_layers != blocks:
+            raise InvalidArgument(f"transcoders: {transcoders.source} has {transcoders.n_layers} blocks, but the model "
+                                  f"has {blocks}: load the cross-layer transcoder trained on this model")
+        return {block: (_check_block(block, transcoders.block(block), catalogue, saes), splice)
+                for block in range(blocks)}
     if not isinstance(transcoders, Mapping):
         raise InvalidType(f"transcoders= takes a dict {{block: Transcoder}}, e.g. {{3: qgraph.Transcoder.load(path, "
-                          f"layer=3)}}, not {type(transcoders).__name__}")
+                          f"layer=3)}}, or a qgraph.CrossLayerTranscoder, not {type(transcoders).__name__}")
     checked = {}
     for block, tc in transcoders.items():
         if not isinstance(block, int) or isinstance(block, bool) or not -blocks <= block < blocks:
             raise OutOfRange(f"transcoders: block {block!r}: the model has blocks 0 to {blocks - 1}")
         block %= blocks
+        if isinstance(tc, CrossLayerTranscoder):
+            raise InvalidType(f"transcoders[{block}] is a cross-layer transcoder: it spans every block, so give it "
+                              f"alone, transcoders=clt")
         if not isinstance(tc, Transcoder):
             raise InvalidType(f"transcoders[{block}] is a {type(tc).__name__}, not a Transcoder: load one with "
                               f"qgraph.Transcoder.load(path, layer={block})")
@@ -81,18 +93,25 @@ def check_transcoders(request, catalogue, saes: dict) -> dict:
         if tc.layer is not None and tc.layer != block:
             raise InvalidArgument(f"transcoders[{block}]: {tc.source} is the transcoder of block {tc.layer}: splice it "
                                   f"at block {tc.layer}")
-        for name, width, what in zip(inputs(block, tc), (tc.d_in, tc.d_out), ("reads", "writes")):
-            entry = catalogue.get(name)
-            location = entry.location if entry is not None else None
-            if not isinstance(location, Found) or location.view:
-                raise NotSupported(f"transcoders[{block}]: the transcoder {what} '{name}', which this model's program "
-                                   f"does not hold as a node" + (f" ({entry.reason})" if entry and entry.reason else ""))
-            if entry.shape[-1] != width:
-                raise InvalidArgument(f"transcoders[{block}]: {tc.source} {what} vectors of {width}, but '{name}' has "
-                                      f"{entry.shape[-1]} (the model's d_model): load the transcoder trained on this model")
-            shared = [hook for hook in saes if getattr(catalogue[hook].location, "node", None) is location.node]
-            if shared:
-                raise InvalidArgument(f"transcoders[{block}] {what} '{name}', the tensor the SAE at '{shared[0]}' reads: "
-                                      f"splice one of them there")
-        checked[block] = (tc, splice)
+        checked[block] = (_check_block(block, tc, catalogue, saes), splice)
     return checked
+
+
+def _check_block(block: int, tc, catalogue, saes: dict):
+    """``tc`` (a block's transcoder, or a CLT's block), once the values it reads and writes are nodes
+    of the program as wide as it, with no SAE (``saes``) at either."""
+    from ..values.transcoders import inputs
+    for name, width, what in zip(inputs(block, tc), (tc.d_in, tc.d_out), ("reads", "writes")):
+        entry = catalogue.get(name)
+        location = entry.location if entry is not None else None
+        if not isinstance(location, Found) or location.view:
+            raise NotSupported(f"transcoders[{block}]: the transcoder {what} '{name}', which this model's program "
+                               f"does not hold as a node" + (f" ({entry.reason})" if entry and entry.reason else ""))
+        if entry.shape[-1] != width:
+            raise InvalidArgument(f"transcoders[{block}]: {tc.source} {what} vectors of {width}, but '{name}' has "
+                                  f"{entry.shape[-1]} (the model's d_model): load the transcoder trained on this model")
+        shared = [hook for hook in saes if getattr(catalogue[hook].location, "node", None) is location.node]
+        if shared:
+            raise InvalidArgument(f"transcoders[{block}] {what} '{name}', the tensor the SAE at '{shared[0]}' reads: "
+                                  f"splice one of them there")
+    return tc
