@@ -79,7 +79,8 @@ def read(path, dtype: torch.dtype | None = None, reads: str | None = None) -> di
         raise InvalidArgument(f"{path} holds both circuit-tracer's W_enc_{{i}} files and Gemma Scope 2's "
                               f"params_layer_{{i}} files: keep one cross-layer transcoder per folder")
     if encoders:
-        record = _circuit_tracer(path, encoders, _numbered(path, files, r"W_dec_(\d+)\.safetensors"))
+        record = _circuit_tracer(path, encoders, _numbered(path, files, r"W_dec_(\d+)\.safetensors",
+                                                                  complete=False))
     elif gemma:
         record = _gemma_scope_2(path, gemma)
     else:
@@ -149,9 +150,9 @@ def _gemma_scope_2(folder: Path, files: dict) -> dict:
     return {**record, "W_skip": record["W_skip"] or None, "source": f"Gemma Scope 2 CLT {folder}"}
 
 
-def _numbered(folder: Path, files: dict, pattern: str) -> dict[int, Path]:
-    """``{i: file}`` of the folder's files named by ``pattern``, numbered 0 to n - 1 with none missing;
-    each a plain file of the folder itself (a link out of it is refused)."""
+def _numbered(folder: Path, files: dict, pattern: str, complete: bool = True) -> dict[int, Path]:
+    """``{i: file}`` of the folder's files named by ``pattern``, numbered 0 to n - 1 with none missing
+    (where ``complete``); each a plain file of the folder itself (a link out of it is refused)."""
     found = {}
     for name, entry in files.items():
         if match := re.fullmatch(pattern, name):
@@ -162,7 +163,7 @@ def _numbered(folder: Path, files: dict, pattern: str) -> dict[int, Path]:
     if len(found) > MAX_BLOCKS:
         raise InvalidArgument(f"{folder}: {len(found)} block files; qgraph reads at most {MAX_BLOCKS} blocks")
     missing = sorted(set(range(len(found))) - set(found))
-    if missing:
+    if missing and complete:
         example = pattern.replace(r"(\d+)", str(missing[0])).replace("\\", "")
         raise MissingFile(f"{folder}: no {example}: the blocks are numbered from 0 with none missing (it holds "
                           f"{', '.join(map(str, sorted(found)))})")
