@@ -422,3 +422,43 @@ def test_what_the_splice_refuses(sdpa_model, tmp_path):
         qgraph.instrument(sdpa_model, edits=["layers.2.transcoder.error"], transcoders=clt)
     with pytest.raises(qgraph.UnavailableValue, match="a cross-layer transcoder"):
         qgraph.instrument(sdpa_model, values=["layers.2.transcoder.indices"], transcoders=clt)
+
+
+def test_a_clt_across_the_moe_blocks(sparse_model, tmp_path):
+    model = sparse_model("qwen3_5_moe")
+    folder = tiny_clt(tmp_path, model, 64, jumprelu=True, seed=9)
+    clt, files = CrossLayerTranscoder.load(folder), FileMath(folder, "circuit-tracer")
+    ig = qgraph.instrument(model, values=names(), edits=["layers.0.transcoder.features"], transcoders=clt)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    out = ig(ids)
+    assert torch.equal(out.logits, hf_logits(model, ids))
+    _, seen = hf_run(model, ids, "mlp_input")
+    features = [files.encode(i, seen[i]["x"]) for i in range(BLOCKS)]
+    for j in range(BLOCKS):
+        recon = files.decode(j, features)
+        torch.testing.assert_close(out[f"layers.{j}.transcoder.features"], features[j], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[f"layers.{j}.transcoder.reconstruction"], recon, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[f"layers.{j}.transcoder.error"], seen[j]["m"] - recon, rtol=1e-5, atol=1e-5)
+    zeroed = ig(ids, edits={"layers.0.transcoder.features": qgraph.Zero()})
+
+    def change(j, seen):
+        return seen[j]["m"] - (files.decode(j, [features[0]] + [torch.zeros_like(features[0])] * j) - files.blocks[j]["b_dec"])
+
+    expected, _ = hf_run(model, ids, "mlp_input", change=change)
+    torch.testing.assert_close(zeroed.logits, expected, rtol=1e-5, atol=1e-5)
+    assert (zeroed.logits - out.logits).abs().max() > 1e-2
+
+
+def test_a_saved_program_keeps_the_clt(sdpa_model, ids, tmp_path):
+    clt = CrossLayerTranscoder.load(tiny_clt(tmp_path / "clt", sdpa_model, 64, jumprelu=True, seed=3,
+                                             format="gemma-scope-2", skip=True))
+    ig = qgraph.instrument(sdpa_model, values=names(), edits=["layers.0.transcoder.features"], transcoders=clt)
+    edit = {"layers.0.transcoder.features": qgraph.Scale(0.0, neurons=[1, 2, 3])}
+    out, edited = ig(ids), ig(ids, edits=edit)
+    ig.save(tmp_path / "clt.qgraph")
+    loaded = qgraph.load(tmp_path / "clt.qgraph", weights=sdpa_model)
+    again, again_edited = loaded(ids), loaded(ids, edits=edit)
+    assert torch.equal(again.logits, out.logits) and torch.equal(again_edited.logits, edited.logits)
+    assert (edited.logits - out.logits).abs().max() > 1e-3
+    for name in names():
+        torch.testing.assert_close(again[name], out[name], rtol=0, atol=1e-6)
