@@ -11,12 +11,15 @@
   ``feature_input_hook`` and ``feature_output_hook``; without one the CLT reads ``mlp_input``
   (circuit-tracer's ``load_clt`` itself defaults to ``hook_resid_mid``: give ``reads="layer_mid"``
   for such a folder). circuit-tracer's format has no skip path.
-* **Gemma Scope 2** (``google/gemma-scope-2-*/clt/width_*``, the layout circuit-tracer's
-  ``load_gemma_scope_2_clt`` reads, followed here): per block i, ``params_layer_{i}.safetensors``
-  holding ``w_enc [d_model, d_transcoder]`` (``x @ w_enc``), ``b_enc``, ``b_dec``, ``threshold`` (JumpReLU),
-  ``w_dec [d_transcoder, n, d_model]`` (every block's decoder: its ``[:, i:]`` is kept, as circuit-tracer
-  keeps it) and, in the ``_affine`` sets, ``affine_skip_connection [d_model, d_model]`` (``x @ it``).
-  A ``config.yaml`` beside, where there is one, is read as circuit-tracer's.
+* **Gemma Scope 2** (``google/gemma-scope-2-{270m,1b}-{pt,it}``, folders ``clt/width_262k_l0_medium``
+  and ``..._affine``): per block i, ``params_layer_{i}.safetensors`` holding ``w_enc [d_model,
+  d_transcoder]`` (``x @ w_enc``), ``b_enc``, ``b_dec``, ``threshold`` (JumpReLU), ``w_dec [d_transcoder,
+  n, d_model]`` (a decoder to every block: its ``[:, i:]`` is kept, the rest dropped, as circuit-tracer
+  drops it) and, in the ``_affine`` sets, ``affine_skip_connection [d_model, d_model]`` (``x @ it``).
+  The keys, shapes and conventions follow circuit-tracer 0.5's ``load_gemma_scope_2_clt`` (which is
+  given one file per block from a config's ``transcoders`` list); the file names are those public
+  scripts read from the Hub. The ``config.json`` beside is not read (its fields are not documented
+  where qgraph could check them); a ``config.yaml`` beside, where there is one, is read as circuit-tracer's.
 
 Both are untrusted data: safetensors only (never a pickle), each file one of the folder's own (a link
 out of the folder is refused), the tensors named above and no others read, each tensor's shape and
