@@ -7,7 +7,7 @@ clients, then again); throughput is the best round's, latencies (p50, p99) are p
 The batcher's goal: 8 concurrent clients get at least 2x the requests per second of one client sending
 the same requests one after another. For scale, one in-process forward at batch 8 against batch 1.
 
-    python benchmarks/bench_serve.py [--requests 48] [--rounds 3]
+    python benchmarks/bench_serve.py [--requests 96] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def forward_ratio(path: Path, prompts: list[torch.Tensor]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-logits", action="store_true", help="replies without the logits (the value only)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the clients' side: the server's process has the cores

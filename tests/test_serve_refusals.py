@@ -266,3 +266,40 @@ def test_a_request_moves_to_the_models_device():
     assert moved.edits["a"].tensor.is_meta and moved.edits["b"].factor.is_meta and moved.edits["d"].tensor.is_meta
     assert moved.edits["d"].scale == 2.0 and moved.edits["d"].positions == [0]
     assert not request.input_ids.is_meta and not request.edits["a"].tensor.is_meta  # the request itself is kept
+
+
+def test_a_client_that_leaves_while_its_request_waits_is_dropped_unrun():
+    import uvicorn
+
+    from qgraph.serve.server import create_app
+    runner = _SlowRunner()
+    runner.info = lambda: {"model": {}, "values": {}}
+    server = uvicorn.Server(uvicorn.Config(create_app(runner, Limits(timeout_s=30)), host="127.0.0.1", port=0,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(post, url, pack({"values": []}, {"input_ids": ids_of()}), MEDIA)
+            time.sleep(0.3)  # the runner holds it
+            body = pack({"values": []}, {"input_ids": ids_of(seed=1)})
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                raw.sendall(f"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                time.sleep(0.3)
+                assert httpx.get(f"{url}/v1/health").json()["waiting"] == 1  # it waits behind the first
+            time.sleep(0.3)  # its client has gone: the server dropped it
+            runner.release.set()
+            assert first.result(10).status_code == 200
+        time.sleep(0.3)
+        assert len(runner.ran) == 1 and torch.equal(runner.ran[0].input_ids, ids_of())
+        assert httpx.get(f"{url}/v1/health").json() == {"status": "ok", "waiting": 0, "requests": 1, "forwards": 0}
+    finally:
+        runner.release.set()
+        server.should_exit = True
+        thread.join(30)

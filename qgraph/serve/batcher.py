@@ -18,6 +18,7 @@ from .request import Request
 
 
 WAIT = 0.05  # seconds the batcher may wait for more requests of a forward (see Batcher._take)
+PATIENCE = 0.5  # and at most this part of the last forward's time
 
 
 class QueueFull(InvalidArgument):
@@ -75,7 +76,7 @@ class Batcher:
 
     def _take(self) -> list[tuple[Request, Future]]:
         """The next forward's requests (waits for one). While fewer wait than the recent forwards ran, it
-        waits a little more for them (at most a quarter of the last forward's time, and ``WAIT`` s): clients
+        waits a little more for them (at most ``PATIENCE`` of the last forward's time, and ``WAIT`` s): clients
         that got their replies together send their next requests a moment apart, and a forward started on
         the first of them alone would leave the rest to wait for the next one."""
         with self._ready:
@@ -83,7 +84,7 @@ class Batcher:
                 self._ready.wait()
             taken = self._gather([])
             if taken and taken[0][0].batchable:
-                deadline = time.monotonic() + min(WAIT, self._last_forward / 4)
+                deadline = time.monotonic() + min(WAIT, self._last_forward * PATIENCE)
                 while len(taken) < max(self._recent) and not self._closed and self._fits(
                         [r for r, _ in taken], taken[0][0]):
                     left = deadline - time.monotonic()

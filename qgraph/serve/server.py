@@ -89,14 +89,15 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
             future = state["batcher"].submit(parsed)
         except QgraphError as error:
             return _error(getattr(error, "status", 422), str(error))
-        waiting = asyncio.wrap_future(future)
-        deadline = asyncio.get_running_loop().time() + limits.timeout_s
-        while not waiting.done():
-            await asyncio.wait([waiting], timeout=0.05)
-            if not waiting.done() and (await request.is_disconnected() or asyncio.get_running_loop().time() > deadline):
-                future.cancel()  # dropped unless it runs already
-                waiting.cancel()
-                return _error(504, f"the request ran over the server's time limit of {limits.timeout_s:g} s")
+        waiting, gone = asyncio.wrap_future(future), asyncio.ensure_future(_disconnected(request))
+        # woken by the reply, the client's going or the time limit: no polling (a wake-up during a forward
+        # would take a core from the model's threads)
+        await asyncio.wait([waiting, gone], timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not waiting.done():
+            future.cancel()  # dropped unless it runs already
+            waiting.cancel()
+            return _error(504, f"the request ran over the server's time limit of {limits.timeout_s:g} s")
         try:
             reply = waiting.result()
         except QgraphError as error:  # a qgraph error of its own (a broken invariant of qgraph's: 500)
@@ -137,6 +138,12 @@ async def _body(request: HTTPRequest, limit: int) -> bytes | Response:
             return _error(413, f"the body is over this server's --max-request-bytes {limit:,} (refused as it came)")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    """Returns once the client has gone (the server's next message after the body is ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def serve(runner, limits: Limits, keys, host: str, port: int) -> int:
