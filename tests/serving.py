@@ -9,7 +9,7 @@ import sys
 
 KEY = "researcher-key-7f3a"
 MEDIA = {"Content-Type": "application/vnd.qgraph.safetensors"}
-LIMITS = ["--max-batch-tokens", "256", "--max-request-bytes", "200000", "--max-new-tokens", "12", "--max-queue", "64"]
+LIMITS = ["--max-batch-tokens", "256", "--max-request-bytes", "200000", "--max-reply-bytes", "2000000", "--max-new-tokens", "12", "--max-queue", "64"]
 
 
 def start_server(checkpoint, tmp_path, *extra):

@@ -94,6 +94,16 @@ def test_requests_that_cannot_run_get_422(url, bad, words):
     refused(call(url, bad, tensors), 422, *words)
 
 
+def test_a_reply_over_the_limit_gets_413_before_the_forward(url):
+    before = httpx.get(f"{url}/v1/health").json()["forwards"]
+    body = pack({"values": ["layers.*.linear_attn.states"]}, {"input_ids": ids_of(4, 64)})  # 3 blocks x 1 MiB
+    message = refused(post(url, body), 413, "--max-reply-bytes 2,000,000", "fewer values")
+    assert "about 3,424,256 bytes" in message  # 3 x 4 x 64 x 4 x 16 x 16 x 4 of states, 4 x 64 x 272 x 4 of logits
+    assert httpx.get(f"{url}/v1/health").json()["forwards"] == before  # refused unrun
+    small = pack({"values": ["layers.*.linear_attn.states"]}, {"input_ids": ids_of(1, 64)})
+    assert post(url, small).status_code == 200
+
+
 def test_stray_tensors_get_422(url):
     refused(call(url, {}, {"payload": torch.zeros(3)}), 422, "payload")
 

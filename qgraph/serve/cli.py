@@ -21,6 +21,9 @@ def add_arguments(parser) -> None:
                              "it gets 413")
     parser.add_argument("--max-request-bytes", type=_positive, default=defaults.max_request_bytes, metavar="N",
                         help="the largest request body (413 beyond it)")
+    parser.add_argument("--max-reply-bytes", type=_positive, default=defaults.max_reply_bytes, metavar="N",
+                        help="the largest reply, estimated from the values' layouts before the forward (413 beyond "
+                             "it): bounds what a request for every value at a long length may make the server hold")
     parser.add_argument("--max-new-tokens", type=_positive, default=defaults.max_new_tokens, metavar="N",
                         help="the most new tokens one request may generate (422 beyond it)")
     parser.add_argument("--max-queue", type=_positive, default=defaults.max_queue, metavar="N",
@@ -71,11 +74,11 @@ def main(args, load) -> int:
         raise UsageError(f"--host {args.host} without --api-keys would serve the model to anyone who can reach it: "
                          f"give --api-keys FILE, or listen on 127.0.0.1")
     limits = Limits(args.max_batch_tokens, args.max_request_bytes, args.max_new_tokens, args.max_queue,
-                    timeout_s=args.timeout)
+                    max_reply_bytes=args.max_reply_bytes, timeout_s=args.timeout)
     if args.stages > 1:
         from .stages import serve_stages
         return serve_stages(args, keys, load, limits)
     from .run import Runner
     from .server import serve
     path, model = load()
-    return serve(Runner(model, name=str(path)), limits, keys, args.host, args.port)
+    return serve(Runner(model, name=str(path), limits=limits), limits, keys, args.host, args.port)

@@ -13,4 +13,5 @@ class Limits:
     max_new_tokens: int = 256
     max_queue: int = 64
     max_values: int = 512  # names a request may capture
+    max_reply_bytes: int = 1 << 30  # what one reply may hold, estimated before the forward (413 beyond it)
     timeout_s: float = 120.0  # from arrival to reply

@@ -15,7 +15,8 @@ from collections import OrderedDict
 import torch
 
 from ..edits import apply_edit
-from .request import Request, Unprocessable
+from .limits import Limits
+from .request import Request, TooLarge, Unprocessable
 
 SEQUENCE_DIMS = ("seq", "query", "key")  # the axes of a value that run along the tokens
 PROGRAMS = 16  # instruments kept (one per program asked), least recently used dropped
@@ -24,9 +25,10 @@ PROGRAMS = 16  # instruments kept (one per program asked), least recently used d
 class Runner:
     """Runs requests on ``model`` (in the batcher's one thread)."""
 
-    def __init__(self, model: torch.nn.Module, name: str = "", stages=None):
+    def __init__(self, model: torch.nn.Module, name: str = "", stages=None, limits: Limits = Limits()):
         import qgraph
         self.model, self.name, self.stages = model, name, stages  # stages: a Stages under torchrun (serve/stages.py)
+        self.limits = limits
         self.base = qgraph.instrument(model, stages=stages)
         self._instruments: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -83,8 +85,9 @@ class Runner:
         return replies
 
     def _alone(self, request: Request):
-        self.forwards += 1
         ig = self.instrument(request)
+        self._check_reply(ig, request)
+        self.forwards += 1
         if request.generate is not None:
             return self._generate(ig, request)
         if request.backward is not None:
@@ -127,8 +130,10 @@ class Runner:
         return {"steps": len(out.steps), "values": list(ig.values)}, tensors
 
     def _batch(self, requests: list[Request]):
-        self.forwards += 1
         ig = self.instrument(requests[0])
+        for request in requests:
+            self._check_reply(ig, request)
+        self.forwards += 1
         length = max(request.input_ids.shape[1] for request in requests)
         ids, mask, rows = [], [], []
         for request in requests:
@@ -151,6 +156,24 @@ class Runner:
             values = {name: _rows(tensor, _dims(ig.catalogue[name]), row, length) for name, tensor in out.values.items()}
             replies.append(_reply(ig, logits, values))
         return replies
+
+    def _check_reply(self, ig, request: Request) -> None:
+        """``TooLarge`` (413) before the forward if the reply would hold more than ``--max-reply-bytes``
+        (estimated from the values' layouts: an attention pattern grows as the length squared)."""
+        rows, length = request.input_ids.shape
+        new = (request.generate or {}).get("max_new_tokens", 0)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        names = list(ig.values) * (2 if request.backward is not None else 1)  # and their gradients
+
+        def reply(query: int, key: int) -> int:
+            sizes = {"batch": rows, "seq": query, "query": query, "positions": query, "key": key}
+            total = sum(_elements(ig.catalogue[name].shape, sizes, key) for name in names)
+            return 4 * (total + (rows * query * vocab if request.logits or new else 0))
+        estimate = reply(length, length) + new * reply(1, length + new)
+        if estimate > self.limits.max_reply_bytes:
+            raise TooLarge(f"the reply would hold about {estimate:,} bytes, more than this server's --max-reply-bytes "
+                           f"{self.limits.max_reply_bytes:,}: ask for fewer values (attention patterns grow as the "
+                           f"length squared), fewer rows or a shorter prompt")
 
     def _shares_rows(self, request: Request) -> bool:
         """Whether the program's values and edited values all lie along the batch (and, if at all, the tokens)."""
@@ -187,6 +210,16 @@ def _index(dims, row: tuple, length: int) -> tuple:
 
 def _rows(tensor: torch.Tensor, dims, row: tuple, length: int) -> torch.Tensor:
     return tensor[_index(dims, row, length)]  # a view: wire.pack copies it into the reply
+
+
+def _elements(shape, sizes: dict, longest: int) -> int:
+    """Elements of a catalogue shape (ints, axis names, products like ``4*batch*seq``) at ``sizes`` (an axis
+    it does not know counts as ``longest``)."""
+    count = 1
+    for size in shape:
+        for factor in str(size).split("*"):
+            count *= int(factor) if factor.isdigit() else sizes.get(factor, longest)
+    return count
 
 
 def _dims(entry) -> list[str]:

@@ -99,7 +99,7 @@ def serve_stages(args, keys, load, limits: Limits) -> int:
         dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     group = dist.new_group(backend="gloo", timeout=IDLE)
     path, model = load()
-    runner = Runner(model, name=str(path), stages=Stages(args.stages, gather=True))
+    runner = Runner(model, name=str(path), stages=Stages(args.stages, gather=True), limits=limits)
     try:
         if dist.get_rank() != 0:
             follow(runner, group, limits)
