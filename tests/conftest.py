@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import re
 
 import pytest
@@ -17,6 +18,9 @@ import qgraph
 from qgraph.testing import tiny_qwen3_5
 
 ALL = ["**"]  # every available value: standard values and module ports
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: a core each, not two threads each on two cores
+    torch.set_num_threads(1)
 
 
 def random_ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
