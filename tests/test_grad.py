@@ -104,6 +104,39 @@ def test_delta_rule_op_grads_equal_the_kernels_autograd(kernels, kind):
     assert max_difference(got, want) <= TOLERANCE
 
 
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_a_kept_recomputation_gives_every_backward_and_a_vmapped_one_the_kernels_grads(kernels, kind, monkeypatch):
+    """Under keep_recomputation (an attribution graph's one forward, many backwards) every backward of the
+    forward, one at a time or several under torch.func.vmap, equals the kernel's own autograd; inputs
+    that need no gradient get none."""
+    from qgraph.kernels.grad import keep_recomputation
+    op = {"chunk": torch.ops.qgraph.chunk_gated_delta_rule, "recurrent": torch.ops.qgraph.recurrent_gated_delta_rule}
+    inputs = delta_inputs(seq=70 if kind == "chunk" else 9)
+    frozen = [x.detach() for x in inputs[:2]] + inputs[2:]  # queries and keys frozen, as the replacement model's
+
+    def reference(query, key, value, g, beta, state):
+        return kernels[1][kind](query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+
+    with keep_recomputation():
+        outputs = op[kind](*frozen, True, kernels[0])
+    wanted = frozen[2:]
+    directions = [weights_for(outputs, seed) for seed in (1, 2, 3)]
+    expected = [[torch.autograd.grad(reference(*frozen), wanted, d, retain_graph=True)] for d in directions]
+    runs = []
+    monkeypatch.setattr(ops, "_run_kernel", lambda *args: runs.append(args))  # a backward that reruns it fails
+    for d, (want,) in zip(directions, expected):  # one backward after another, the graph kept
+        got = torch.autograd.grad(outputs, wanted, d, retain_graph=True)
+        assert max_difference(got, want) <= TOLERANCE
+    stacked = [torch.stack(parts) for parts in zip(*directions)]
+    got = torch.func.vmap(lambda *d: torch.autograd.grad(outputs, wanted, d, retain_graph=True))(*stacked)
+    for index, (want,) in enumerate(expected):
+        assert max_difference([g[index] for g in got], want) <= TOLERANCE
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.grad(outputs, frozen[:1], directions[0], retain_graph=True)
+    assert runs == []  # four backwards, no kernel run: the forward's recomputation served them all
+
+
 STATES_CASES = {
     "all states": {},
     "positions, heads, bf16": {"positions": torch.tensor([0, 65, 3, 65]), "heads": torch.tensor([3, 1]),

@@ -1,11 +1,15 @@
 """``qgraph.attribution_graph``: the direct effects between features, errors, embeddings and logits,
 through the replacement model (``passes.replacement``), by batched backward passes.
 
-One frozen program runs the prompt once, copied ``batch_size`` times along the batch. Every target
-(an active feature's pre-activation, a salient logit minus the mean logit) gets a row of the batch:
-its input's direction is the gradient put on that row (a feature's encoder column at its block's
-MLP input, a logit's de-meaned unembedding one-hot at the last position), and one backward through
-the frozen model gives, on that row, the gradient at every embedding and every MLP output. A source's
+One frozen program runs the prompt once (batch 1), and every backward shares what it saved. Each
+target (an active feature's pre-activation, a salient logit minus the mean logit) is one direction:
+a feature's encoder column at its block's MLP input, a logit's de-meaned one-hot at the last
+position. ``batch_size`` targets go through one batched vector-Jacobian product (``torch.autograd.grad``
+under ``torch.func.vmap``, over the graph the one forward recorded), which gives,
+for each target, the gradient at every embedding and every MLP output; so the memory a graph takes
+does not grow with ``batch_size`` beyond the gradients themselves. The delta-rule kernels keep one
+recomputation under autograd for every backward (``kernels.grad.keep_recomputation``) instead of
+recomputing the kernel in each. A source's
 direct effect on the target is that gradient dotted with what the source adds there: a feature's
 ``activation * W_dec[feature]``, an error node's error vector, a token's embedding. Because the
 frozen model is linear in what the sources add, a target's input is exactly the sum of its row plus
@@ -14,10 +18,14 @@ carried to it.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..errors import InvalidArgument, InvalidType
 from .graph import AttributionGraph, Node, influence
+
+GATHERED = 1 << 24  # elements of gradients gathered at once (64 MiB of float32) to dot with decoder rows
 
 
 def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10,
@@ -62,15 +70,15 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int) -> "
     program = Program(model, export_model(model, images=False), weights=weights)
     program.build(["layers.0.layer_input", *(f"layers.{i}.mlp_input" for i in range(blocks))], {}, True,
                   replacement=transcoders)
+    from ..kernels.grad import keep_recomputation
     seq, device = ids.shape[0], next(model.parameters()).device
     ids = ids.to(device)
     width = model.get_input_embeddings().embedding_dim
     dtype = next(model.parameters()).dtype
-    injects = {name: torch.zeros(batch_size, seq, width, dtype=dtype, device=device, requires_grad=True)
+    injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
                for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
-    inputs = {"input_ids": ids.expand(batch_size, seq), "attention_mask": torch.ones(batch_size, seq, dtype=torch.long,
-                                                                                     device=device), **injects}
-    with torch.enable_grad():
+    inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
+    with torch.enable_grad(), keep_recomputation():  # every batch of targets reuses one recomputed kernel
         logits, captured = program.run(inputs, eager=True)
     return _Run(transcoders, captured, logits, injects, blocks, batch_size)
 
@@ -158,6 +166,7 @@ class _Run:
     def __init__(self, transcoders, captured, logits, injects, blocks, batch_size):
         from ..passes.replacement import EMBEDDINGS, inject_name
         self.transcoders, self.logits, self.blocks, self.batch = transcoders, logits, blocks, batch_size
+        self.last = logits[:, -1]  # [1, vocab]: a logit target's direction lies here
         self.inputs = [captured[f"layers.{i}.mlp_input"] for i in range(blocks)]
         self.features = [captured[f"replacement.{i}.features"][0].detach() for i in range(blocks)]
         self.errors = [captured[f"replacement.{i}.error"][0].detach().float() for i in range(blocks)]
@@ -181,11 +190,12 @@ class _Run:
             chunk = targets[start:start + self.batch]
             gradients = self._backward(chunk)
             for name, part in self._effects(gradients, chunk, active).items():
-                parts[name].append(part[:len(chunk)].cpu())
+                parts[name].append(part.cpu())
         return {name: torch.cat(part) for name, part in parts.items()}
 
     def _backward(self, chunk) -> list[torch.Tensor]:
-        """The gradients at the embeddings and at every MLP output, one target per batch row."""
+        """The gradients at the embeddings and at every MLP output ``[targets, seq, width]``: one batched
+        vector-Jacobian product, a direction per target."""
         outputs, directions = [], []
         by_block = {}
         logit_rows = []
@@ -195,22 +205,28 @@ class _Run:
             else:
                 by_block.setdefault(what[0], []).append((row, what[1], what[2]))
         if logit_rows:
-            direction = torch.zeros_like(self.logits)
-            vocab = self.logits.shape[-1]
+            direction = self.last.new_zeros(len(chunk), *self.last.shape)
+            vocab = self.last.shape[-1]
             for row, token in logit_rows:
-                direction[row, -1] = -1.0 / vocab
-                direction[row, -1, token] += 1.0
-            outputs.append(self.logits)
+                direction[row, 0] = -1.0 / vocab
+                direction[row, 0, token] += 1.0
+            outputs.append(self.last)
             directions.append(direction)
         for block, wanted in by_block.items():
-            direction = torch.zeros_like(self.inputs[block])
+            direction = self.inputs[block].new_zeros(len(chunk), *self.inputs[block].shape)
             encoder = self.transcoders[block].W_enc
             for row, position, feature in wanted:
-                direction[row, position] = encoder[:, feature].to(direction.dtype)
+                direction[row, 0, position] = encoder[:, feature].to(direction.dtype)
             outputs.append(self.inputs[block])
             directions.append(direction)
-        gradients = torch.autograd.grad(outputs, self.leaves, directions, retain_graph=True, allow_unused=True)
-        return [torch.zeros_like(leaf) if g is None else g.float() for leaf, g in zip(self.leaves, gradients)]
+        def backward(*cotangents):
+            gradients = torch.autograd.grad(outputs, self.leaves, cotangents, retain_graph=True, allow_unused=True)
+            return tuple(torch.zeros_like(leaf) if g is None else g for leaf, g in zip(self.leaves, gradients))
+
+        with warnings.catch_warnings():  # an aten backward without a batching rule (sdpa's) loops: say nothing
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            gradients = torch.func.vmap(backward)(*directions)
+        return [g[:, 0].float() for g in gradients]
 
     def _effects(self, gradients, chunk, active) -> dict[str, torch.Tensor]:
         at_embeddings, at_outputs = gradients[0], gradients[1:]
@@ -219,12 +235,16 @@ class _Run:
             mine = active[active[:, 0] == block]
             decoder = self.transcoders[block].W_dec.float()[mine[:, 2]]  # [n, width]
             activation = self.features[block][mine[:, 1], mine[:, 2]].float()
-            features.append(torch.einsum("rnd,nd->rn", at_outputs[block][:, mine[:, 1]], decoder) * activation)
+            rows, width = at_outputs[block].shape[0], at_outputs[block].shape[2]
+            step = max(1, GATHERED // (rows * width))  # the gradients at the features' positions, a part at a time
+            features += [torch.einsum("rnd,nd->rn", at_outputs[block][:, mine[start:start + step, 1]],
+                                      decoder[start:start + step]) * activation[start:start + step]
+                         for start in range(0, len(mine), step)]
         errors = torch.cat([(at_outputs[block] * self.errors[block]).sum(-1) for block in range(self.blocks)], dim=1)
         embeddings = (at_embeddings * self.embeddings).sum(-1)
         carried = sum((at_outputs[block].sum(1) @ self.transcoders[block].b_dec.float()) for block in range(self.blocks))
         encoder = torch.tensor([float(self.encoder_constants[what[0]][what[2]]) if kind == "feature" else 0.0
-                                for kind, what in chunk] + [0.0] * (self.batch - len(chunk)))
+                                for kind, what in chunk])
         return {"features": torch.cat(features, dim=1), "errors": errors, "embeddings": embeddings,
                 "constants": carried + encoder}
 

@@ -19,6 +19,7 @@ skips its per-token states altogether. Double backward (``create_graph=True``) i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -88,13 +89,51 @@ def _(kind, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, 
     return tuple(_grad_like(x) for x in (query, key, value, g, beta, initial_state))
 
 
+# While set (``keep_recomputation()``, around a forward), a delta-rule op recomputes its kernel under
+# autograd as it runs and every backward of that forward reuses that graph: for many backwards of one forward
+# (an attribution graph's batches of targets), the kernel runs once more in all, not once per backward.
+_KEEP: contextvars.ContextVar = contextvars.ContextVar("qgraph_keep_recomputation", default=False)
+
+
+@contextlib.contextmanager
+def keep_recomputation():
+    """Delta-rule ops run inside keep their recomputation's graph for every backward of that forward
+    (more memory held with the forward's graph, one kernel run instead of one per backward)."""
+    token = _KEEP.set(True)
+    try:
+        yield
+    finally:
+        _KEEP.reset(token)
+
+
+def _kept(kind: str, inputs, wants) -> tuple:
+    """The kernel recomputed under autograd, with gradients to the inputs that ``wants`` one: its
+    ``(outputs, leaves)``, made as the forward runs (a backward under ``torch.func.vmap`` may not make one)."""
+    with autograd_enabled():
+        leaves = [x.detach().requires_grad_(bool(want) and _differentiable(x)) for x, want in zip(inputs[:6], wants)]
+        return ops._run_kernel(kind, *leaves, *inputs[6:8]), leaves
+
+
+def _kept_grads(ctx, grad_output, grad_state) -> list:
+    """The gradients for the inputs that need one, through the kept recomputation."""
+    outputs, leaves = ctx.kept
+    pairs = [(out, grad) for out, grad in zip(outputs, (grad_output, grad_state)) if grad is not None]
+    wanted = [leaf for leaf in leaves if leaf.requires_grad]
+    grads = iter(torch.autograd.grad([out for out, _ in pairs], wanted, [grad for _, grad in pairs],
+                                     retain_graph=True, allow_unused=True) if pairs and wanted else ())
+    return [next(grads) if leaf.requires_grad else None for leaf in leaves]
+
+
 def _delta_rule_autograd(kind: str):
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:6])
         ctx.use_qk_l2norm_in_kernel, ctx.kernels = inputs[6], inputs[7]
         ctx.set_materialize_grads(False)
+        ctx.kept = _kept(kind, inputs, [x.requires_grad for x in inputs[:6]]) if _KEEP.get() else None
 
     def backward(ctx, grad_output, grad_state):
+        if ctx.kept is not None:
+            return (*_kept_grads(ctx, grad_output, grad_state), None, None)
         grads = torch.ops.qgraph.delta_rule_backward(kind, *ctx.saved_tensors, ctx.use_qk_l2norm_in_kernel,
                                                      ctx.kernels, grad_output, grad_state)
         return (*grads, None, None)
