@@ -41,6 +41,26 @@ def transcoders(width: int, blocks: int, features: int, k: int) -> dict:
     return made
 
 
+def _status(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS: resident now, VmHWM: the peak since the last reset)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> int:
+    """Resets the process's peak RSS to what it holds now (Linux: clear_refs 5); returns that."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _status("VmRSS")
+
+
+def added_since(before: int) -> float:
+    """GiB the peak RSS since ``reset_peak`` rose over ``before`` (the memory the call added)."""
+    return (_status("VmHWM") - before) / 2 ** 30
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=("batched", "single", "full"), required=True)
@@ -54,6 +74,7 @@ def main() -> None:
     tcs = transcoders(text.hidden_size, text.num_hidden_layers, 8 * text.hidden_size, 32)
     ids = torch.randint(0, text.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1))
     result = {"mode": args.mode, "tokens": args.tokens, "load": os.getloadavg()}
+    before = reset_peak()
     if args.mode == "full":
         start = time.perf_counter()
         graph = qgraph.attribution_graph(model, ids, tcs, batch_size=args.batch_size)
@@ -79,6 +100,7 @@ def main() -> None:
         result.update(forward_seconds=forward, timed_targets=len(sample), seconds=seconds,
                       per_target=per_target, all_targets=len(targets),
                       extrapolated_seconds=forward + per_target * len(targets))
+    result["added_gib"] = added_since(before)  # the call's peak RSS over the process's RSS just before it
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     print(json.dumps(result))
 

@@ -212,6 +212,43 @@ def test_fewer_feature_nodes_keep_the_most_influential(dense):
     assert len(kept) == 20
 
 
+def test_the_features_kept_are_chosen_as_the_dense_rounds_choose_them(dense, tmp_path):
+    """Rounds of batch_size on the full graph's rows, the influence through them by graph.influence on the
+    dense square (circuit-tracer's way), pick the same features as the one-pass influence over the rows;
+    offload="disk" gives the same graph and leaves no file."""
+    from qgraph.circuits.graph import influence
+    model, transcoders, graph = dense
+    features = [i for i, n in enumerate(graph.nodes) if n.kind == "feature"]
+    logits = [i for i, n in enumerate(graph.nodes) if n.kind == "logit"]
+    weights = torch.tensor([graph.nodes[i].probability for i in logits])
+    done: list[int] = []
+    while len(done) < 20:
+        square = torch.zeros(len(graph.nodes), len(graph.nodes))
+        for row in logits + [features[j] for j in done]:
+            square[row, features] = graph.adjacency[row, features]
+        start = torch.zeros(len(graph.nodes))
+        start[logits] = weights
+        score = influence(square, start)[features]
+        score[done] = -1.0
+        done += score.topk(min(8, 20 - len(done))).indices.tolist()
+    want = {(graph.nodes[features[j]].layer, graph.nodes[features[j]].position, graph.nodes[features[j]].feature)
+            for j in done}
+    for offload in (None, "disk"):
+        few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8,
+                                       offload=offload)
+        assert {(n.layer, n.position, n.feature) for n in few.nodes if n.kind == "feature"} == want
+        assert few.adjacency.shape == (len(few.nodes),) * 2 and len(few.nodes) == len(graph.nodes) - len(features) + 20
+        if offload is None:
+            kept = few
+        else:
+            assert torch.equal(few.adjacency, kept.adjacency) and torch.equal(few.constants, kept.constants)
+    index = {(n.kind, n.layer, n.position, n.feature): i for i, n in enumerate(graph.nodes)}
+    mapped = torch.tensor([index[(n.kind, n.layer, n.position, n.feature)] for n in kept.nodes])
+    assert torch.allclose(kept.adjacency, graph.adjacency[mapped][:, mapped], rtol=1e-4, atol=1e-6)  # its edges
+    with pytest.raises(qgraph.InvalidArgument, match="offload='gpu'"):
+        qgraph.attribution_graph(model, PROMPT, transcoders, offload="gpu")
+
+
 def test_bad_requests_are_named(dense):
     model, transcoders, _ = dense
     with pytest.raises(qgraph.InvalidArgument, match=r"blocks \[3\] have none"):

@@ -23,36 +23,49 @@ import warnings
 import torch
 
 from ..errors import InvalidArgument, InvalidType
-from .graph import AttributionGraph, Node, influence
+from ..progress import progress
+from .graph import AttributionGraph, Node
+from .rows import OFFLOADS, Rows, feature_influence
 
-GATHERED = 1 << 24  # elements of gradients gathered at once (64 MiB of float32) to dot with decoder rows
+GATHERED = 1 << 22  # elements of gradients gathered at once (16 MiB of float32) to dot with decoder rows
 
 
 def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10,
                       desired_logit_prob: float = 0.95, max_feature_nodes: int | None = None,
-                      batch_size: int = 32, tokenizer=None) -> AttributionGraph:
+                      batch_size: int = 32, offload: str | None = None, tokenizer=None) -> AttributionGraph:
     """The attribution graph of ``input_ids`` (one prompt, ``[seq]`` or ``[1, seq]``, used as given)
     through the replacement model with ``transcoders`` (``{block: qgraph.Transcoder}`` for every block,
     or a folder of a transcoder set that ``Transcoder.load(path, layer=i)`` reads). Logit nodes: the
     most likely next tokens until their probabilities reach ``desired_logit_prob``, at most
     ``max_n_logits``. Features: every active one (activation not 0), or the ``max_feature_nodes`` most
-    influential on the logits (found in rounds of ``batch_size``). ``batch_size`` targets share each
-    backward pass. ``tokenizer`` decodes the tokens for the views."""
+    influential on the logits (found in rounds of ``batch_size``): the others are not nodes, and the
+    adjacency holds the kept nodes only. ``batch_size`` targets share each backward pass (memory does
+    not grow with it: the forward runs once). ``offload="disk"``: the rows computed (one per target over
+    every active feature, the largest thing held for a long prompt) live in a temporary file.
+    ``qgraph.circuits.estimate`` says beforehand what a call will hold and how many backwards it takes.
+    ``tokenizer`` decodes the tokens for the views."""
     from ..instrument import InstrumentedModel
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
     ids = _prompt(input_ids, model)
     _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size)
+    if offload not in OFFLOADS:
+        raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
     run = replacement_run(model, ids, transcoders, batch_size)
     logit_ids, probabilities = _salient_logits(run.logits[0, -1].detach(), max_n_logits, desired_logit_prob)
     active = run.active()
-    logit_rows = run.rows([("logit", int(token)) for token in logit_ids])
-    if max_feature_nodes is None or max_feature_nodes >= len(active):
-        chosen, feature_rows = active, run.rows([("feature", tuple(f)) for f in active.tolist()])
-    else:
-        chosen, feature_rows = _most_influential(run, active, logit_rows, probabilities, max_feature_nodes)
-    rows = {name: torch.cat([logit_rows[name], feature_rows[name]]) for name in logit_rows}
-    return _assemble(run, ids, active, chosen, logit_ids, probabilities, rows, tokenizer)
+    limit = len(active) if max_feature_nodes is None else min(max_feature_nodes, len(active))
+    rows = Rows(len(logit_ids) + limit, len(active), run.blocks * len(ids), len(ids), offload)
+    try:
+        run.rows([("logit", int(token)) for token in logit_ids], into=rows)
+        if limit == len(active):
+            done = list(range(len(active)))
+            run.rows([("feature", tuple(f)) for f in active.tolist()], into=rows)
+        else:
+            done = _most_influential(run, active, rows, probabilities, limit)
+        return _assemble(run, ids, active, done, logit_ids, probabilities, rows, tokenizer)
+    finally:
+        rows.close()
 
 
 def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int) -> "_Run":
@@ -68,8 +81,8 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int) -> "
     # the parameters without their gradients: a backward reaches the sources only, and keeps nothing for weights
     weights = {name: parameter.detach() for name, parameter in model.named_parameters()}
     program = Program(model, export_model(model, images=False), weights=weights)
-    program.build(["layers.0.layer_input", *(f"layers.{i}.mlp_input" for i in range(blocks))], {}, True,
-                  replacement=transcoders)
+    program.build(["layers.0.layer_input", "final_norm_output", *(f"layers.{i}.mlp_input" for i in range(blocks))],
+                  {}, True, replacement=transcoders)
     from ..kernels.grad import keep_recomputation
     seq, device = ids.shape[0], next(model.parameters()).device
     ids = ids.to(device)
@@ -80,29 +93,24 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int) -> "
     inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
     with torch.enable_grad(), keep_recomputation():  # every batch of targets reuses one recomputed kernel
         logits, captured = program.run(inputs, eager=True)
-    return _Run(transcoders, captured, logits, injects, blocks, batch_size)
+    return _Run(transcoders, captured, logits, injects, blocks, batch_size, model.get_output_embeddings().weight)
 
 
-def _most_influential(run, active, logit_rows, probabilities, limit: int):
-    """The ``limit`` features most influential on the logits and their rows, found as circuit-tracer
-    does: in rounds of ``batch_size``, the features not yet attributed with the most influence through
-    the rows computed so far (``graph.influence``) are attributed next."""
-    n_features, n_logits = len(active), len(probabilities)
+def _most_influential(run, active, rows: Rows, probabilities, limit: int) -> list[int]:
+    """The ``limit`` features most influential on the logits (active indices, in the order attributed),
+    their rows added to ``rows``, found as circuit-tracer does: in rounds of ``batch_size``, the features
+    not yet attributed with the most influence through the rows computed so far are attributed next."""
     done: list[int] = []
-    rows = {name: part[:0] for name, part in logit_rows.items()}
-    while len(done) < limit:
-        square = torch.zeros(n_logits + n_features, n_logits + n_features)
-        square[:n_logits, n_logits:] = logit_rows["features"]
-        square[[n_logits + i for i in done], n_logits:] = rows["features"]
-        weights = torch.cat([probabilities.float(), torch.zeros(n_features)])
-        score = influence(square, weights)[n_logits:]
-        score[done] = -1.0
-        take = score.topk(min(run.batch, limit - len(done))).indices.tolist()
-        new = run.rows([("feature", tuple(active[i].tolist())) for i in take])
-        rows = {name: torch.cat([rows[name], new[name]]) for name in rows}
-        done += take
-    order = sorted(range(len(done)), key=lambda j: done[j])  # back to (block, position, feature) order
-    return active[sorted(done)], {name: part[order] for name, part in rows.items()}
+    layers = active[:, 0]
+    with progress("attribution: the most influential features", total=limit, unit="feature") as bar:
+        while len(done) < limit:
+            score = feature_influence(rows, len(probabilities), probabilities, done, layers)
+            score[done] = -1.0
+            take = score.topk(min(run.batch, limit - len(done))).indices.tolist()
+            run.rows([("feature", tuple(active[i].tolist())) for i in take], into=rows)
+            done += take
+            bar.update(len(take))
+    return done
 
 
 def _prompt(input_ids, model) -> torch.Tensor:
@@ -163,10 +171,13 @@ def _salient_logits(last: torch.Tensor, max_n_logits: int, desired_logit_prob: f
 class _Run:
     """One run of the frozen program: what the sources add, and the rows of targets by backward passes."""
 
-    def __init__(self, transcoders, captured, logits, injects, blocks, batch_size):
+    def __init__(self, transcoders, captured, logits, injects, blocks, batch_size, unembedding):
         from ..passes.replacement import EMBEDDINGS, inject_name
-        self.transcoders, self.logits, self.blocks, self.batch = transcoders, logits, blocks, batch_size
-        self.last = logits[:, -1]  # [1, vocab]: a logit target's direction lies here
+        self.transcoders, self.logits, self.blocks, self.batch = transcoders, logits.detach(), blocks, batch_size
+        # a logit target's direction lies on the unembedding's input, the final norm's output (frozen: the
+        # logits are linear in it), at the last position: W_U[token] - mean(W_U), never vocabulary-wide
+        self.final, self.unembedding = captured["final_norm_output"], unembedding.detach()
+        self._mean_unembedding = None
         self.inputs = [captured[f"layers.{i}.mlp_input"] for i in range(blocks)]
         self.features = [captured[f"replacement.{i}.features"][0].detach() for i in range(blocks)]
         self.errors = [captured[f"replacement.{i}.error"][0].detach().float() for i in range(blocks)]
@@ -180,18 +191,22 @@ class _Run:
                  for i, nz in enumerate(f.nonzero().cpu() for f in self.features)]
         return torch.cat(found) if found else torch.zeros(0, 3, dtype=torch.long)
 
-    def rows(self, targets) -> dict[str, torch.Tensor]:
+    def rows(self, targets, into: Rows | None = None) -> dict[str, torch.Tensor] | None:
         """For each target, its direct effects: from the active features ``[targets, features]``, the error
-        nodes ``[targets, blocks * seq]`` and the embeddings ``[targets, seq]``, and its constant."""
+        nodes ``[targets, blocks * seq]`` and the embeddings ``[targets, seq]``, and its constant; added
+        to ``into`` (a ``rows.Rows``) batch by batch, or returned."""
         active, seq = self.active(), self.embeddings.shape[0]
         parts = {"features": [torch.zeros(0, len(active))], "errors": [torch.zeros(0, self.blocks * seq)],
                  "embeddings": [torch.zeros(0, seq)], "constants": [torch.zeros(0)]}
         for start in range(0, len(targets), self.batch):
             chunk = targets[start:start + self.batch]
-            gradients = self._backward(chunk)
-            for name, part in self._effects(gradients, chunk, active).items():
-                parts[name].append(part.cpu())
-        return {name: torch.cat(part) for name, part in parts.items()}
+            effects = {name: part.cpu() for name, part in self._effects(self._backward(chunk), chunk, active).items()}
+            if into is not None:
+                into.add(effects)
+            else:
+                for name, part in effects.items():
+                    parts[name].append(part)
+        return None if into is not None else {name: torch.cat(part) for name, part in parts.items()}
 
     def _backward(self, chunk) -> list[torch.Tensor]:
         """The gradients at the embeddings and at every MLP output ``[targets, seq, width]``: one batched
@@ -205,12 +220,12 @@ class _Run:
             else:
                 by_block.setdefault(what[0], []).append((row, what[1], what[2]))
         if logit_rows:
-            direction = self.last.new_zeros(len(chunk), *self.last.shape)
-            vocab = self.last.shape[-1]
+            if self._mean_unembedding is None:
+                self._mean_unembedding = self.unembedding.float().mean(0)
+            direction = self.final.new_zeros(len(chunk), *self.final.shape)
             for row, token in logit_rows:
-                direction[row, 0] = -1.0 / vocab
-                direction[row, 0, token] += 1.0
-            outputs.append(self.last)
+                direction[row, 0, -1] = (self.unembedding[token].float() - self._mean_unembedding).to(direction.dtype)
+            outputs.append(self.final)
             directions.append(direction)
         for block, wanted in by_block.items():
             direction = self.inputs[block].new_zeros(len(chunk), *self.inputs[block].shape)
@@ -265,21 +280,26 @@ def _encoder_constants(transcoder) -> torch.Tensor:
     return transcoder.pre(zero)[0].detach().float().cpu()
 
 
-def _assemble(run, ids, active, chosen, logit_ids, probabilities, rows, tokenizer) -> AttributionGraph:
-    """The graph in circuit-tracer's node order: the chosen features, errors, embeddings, logits."""
+def _assemble(run, ids, active, done, logit_ids, probabilities, rows: Rows, tokenizer) -> AttributionGraph:
+    """The graph in circuit-tracer's node order: the chosen features (``done``, active indices, their
+    rows after the logits' in ``rows``), errors, embeddings, logits; the adjacency of those nodes only."""
     blocks, seq = run.blocks, ids.shape[0]
+    order = sorted(range(len(done)), key=lambda j: done[j])  # (block, position, feature) order
+    columns = torch.tensor([done[j] for j in order], dtype=torch.long)
+    chosen = active[columns]
     n_features, n_logits = len(chosen), len(logit_ids)
     nodes = [Node("feature", b, p, f, float(run.features[b][p, f])) for b, p, f in chosen.tolist()]
     nodes += [Node("error", b, p, None) for b in range(blocks) for p in range(seq)]
     nodes += [Node("embedding", None, p, int(ids[p])) for p in range(seq)]
     nodes += [Node("logit", blocks, seq - 1, t, probability=q) for t, q in zip(logit_ids.tolist(), probabilities.tolist())]
-    columns = _columns(active, chosen)
-    sources = torch.cat([rows["features"][:, columns], rows["errors"], rows["embeddings"]], dim=1)
+    stored = list(range(n_logits)) + [n_logits + j for j in order]  # the store's row of each target, as below
+    picked = torch.tensor(stored, dtype=torch.long)
+    sources = torch.cat([rows.columns(stored, columns), rows.errors[picked], rows.embeddings[picked]], dim=1)
     n = len(nodes)
-    targets = [n - n_logits + i for i in range(n_logits)] + list(range(n_features))  # as rows were computed
+    targets = [n - n_logits + i for i in range(n_logits)] + list(range(n_features))
     adjacency, constants, node_inputs = torch.zeros(n, n), torch.zeros(n), torch.zeros(n)
     adjacency[targets, :sources.shape[1]] = sources
-    constants[targets] = rows["constants"]
+    constants[targets] = rows.constants[picked]
     asked = [("logit", int(t)) for t in logit_ids] + [("feature", tuple(f)) for f in chosen.tolist()]
     node_inputs[targets] = torch.tensor([run.node_input(kind, what) for kind, what in asked])
     tokens = logit_tokens = None
@@ -288,9 +308,3 @@ def _assemble(run, ids, active, chosen, logit_ids, probabilities, rows, tokenize
         logit_tokens = [tokenizer.decode([int(t)]) for t in logit_ids]
     return AttributionGraph(nodes, adjacency, node_inputs, constants, ids.cpu(), probabilities.cpu(), tokens,
                             logit_tokens, n_layers=blocks)
-
-
-def _columns(active: torch.Tensor, chosen: torch.Tensor) -> list[int]:
-    """The columns of the chosen features among every active feature's."""
-    index = {tuple(feature): i for i, feature in enumerate(active.tolist())}
-    return [index[tuple(feature)] for feature in chosen.tolist()]

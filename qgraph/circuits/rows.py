@@ -1,0 +1,86 @@
+"""The rows an attribution computes (one per target: its direct effects from every active feature,
+error node and embedding, and its constant), kept in memory or in a file, and the influence of every
+active feature on the logits through the rows computed so far.
+
+A long prompt has hundreds of thousands of active features; a graph keeps ``max_feature_nodes`` of
+them, chosen as circuit-tracer chooses them: in rounds, the features with the most influence through
+the rows so far are attributed next. Their rows span every active feature (the columns a later round
+ranks), so they are the largest thing an attribution holds: ``offload="disk"`` keeps them in a file
+(a memory map in a temporary folder, removed when the graph is made) instead of in memory.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidArgument
+
+OFFLOADS = (None, "disk")
+CHUNK = 256  # rows read at a time from the store (the influence's |rows| and the kept columns)
+
+
+class Rows:
+    """Up to ``capacity`` rows: ``features [n, active]``, ``errors [n, blocks * seq]``, ``embeddings
+    [n, seq]``, ``constants [n]``, float32, appended in the order computed."""
+
+    def __init__(self, capacity: int, features: int, errors: int, embeddings: int, offload: str | None = None):
+        if offload not in OFFLOADS:
+            raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
+        self._folder = tempfile.TemporaryDirectory(prefix="qgraph-rows-") if offload == "disk" else None
+        if self._folder is None:
+            self.features = torch.zeros(capacity, features)
+        else:
+            path = Path(self._folder.name) / "features.f32"
+            self.features = torch.from_file(str(path), shared=True, size=capacity * features,
+                                            dtype=torch.float32).view(capacity, features)
+        self.errors, self.embeddings = torch.zeros(capacity, errors), torch.zeros(capacity, embeddings)
+        self.constants, self.magnitude = torch.zeros(capacity), torch.zeros(capacity)  # magnitude: sum |features|
+        self.count = 0
+
+    def add(self, part: dict[str, torch.Tensor]) -> None:
+        n = len(part["constants"])
+        at = slice(self.count, self.count + n)
+        self.features[at], self.errors[at] = part["features"], part["errors"]
+        self.embeddings[at], self.constants[at] = part["embeddings"], part["constants"]
+        self.magnitude[at] = part["features"].abs().sum(1)
+        self.count += n
+
+    def columns(self, rows: list[int], columns: torch.Tensor) -> torch.Tensor:
+        """``features[rows][:, columns]``, read a part at a time (never every column of every row at once)."""
+        order = torch.tensor(rows, dtype=torch.long)
+        return torch.cat([self.features[order[start:start + CHUNK]][:, columns]
+                          for start in range(0, len(order), CHUNK)]) if rows else torch.zeros(0, len(columns))
+
+    def spread(self, coefficients: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``coefficients @ |features[rows]|`` normalised by each row's magnitude: what those rows pass on."""
+        total = torch.zeros(self.features.shape[1])
+        scale = coefficients / self.magnitude[rows].clamp(min=1e-10)
+        for start in range(0, len(rows), CHUNK):
+            part = rows[start:start + CHUNK]
+            total += scale[start:start + CHUNK] @ self.features[part].abs()
+        return total
+
+    def close(self) -> None:
+        if self._folder is not None:
+            del self.features
+            self._folder.cleanup()
+            self._folder = None
+
+
+def feature_influence(rows: Rows, n_logits: int, weights: torch.Tensor, done: list[int],
+                      layers: torch.Tensor) -> torch.Tensor:
+    """Each active feature's influence on the logits (weighted by ``weights``, their probabilities)
+    through the rows computed so far: the logits' (rows ``0..n_logits``) and those of the features
+    ``done`` (active indices, rows ``n_logits..`` in that order). This is ``graph.influence`` of the
+    square matrix these rows make (``weights @ (A + A^2 + ...)``, ``A`` the row-normalised ``|rows|``)
+    in one pass: a feature's row reaches only features of earlier blocks, so taking the done features
+    from the last block down, each one's influence is whole before it is passed on."""
+    total = rows.spread(weights.float(), torch.arange(n_logits))
+    done_t = torch.tensor(done, dtype=torch.long)
+    done_layers = layers[done_t] if done else torch.zeros(0, dtype=torch.long)
+    for layer in sorted(set(done_layers.tolist()), reverse=True):
+        picked = (done_layers == layer).nonzero()[:, 0]
+        total += rows.spread(total[done_t[picked]], n_logits + picked)
+    return total
