@@ -3,6 +3,7 @@
     python benchmarks/bench_circuits.py --mode batched --targets 512     # rate of batch_size rows per backward
     python benchmarks/bench_circuits.py --mode single --targets 32       # rate of one backward per target
     python benchmarks/bench_circuits.py --mode full                      # the whole graph (every active feature)
+    python benchmarks/bench_circuits.py --mode full --tokens 512 --max-feature-nodes 2048   # a long prompt
 
 The 0.8B shape (24 blocks, hidden 1024, vocab 248320) with random weights, a 16-token prompt, random TopK
 transcoders at every block (8 x hidden = 8192 features, k = 32: 32 active features per token and block,
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--targets", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--max-feature-nodes", type=int, default=None, help="--mode full: the features kept")
+    parser.add_argument("--offload", choices=("disk",), default=None, help="--mode full: the rows in a file")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     model = build_0_8b()
@@ -74,10 +77,16 @@ def main() -> None:
     tcs = transcoders(text.hidden_size, text.num_hidden_layers, 8 * text.hidden_size, 32)
     ids = torch.randint(0, text.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1))
     result = {"mode": args.mode, "tokens": args.tokens, "load": os.getloadavg()}
+    if args.mode == "full":
+        options = dict(batch_size=args.batch_size, max_feature_nodes=args.max_feature_nodes, offload=args.offload)
+        start = time.perf_counter()
+        estimate = qgraph.circuits.estimate(model, ids, tcs, **options)
+        result.update(estimate_seconds=time.perf_counter() - start, estimate=repr(estimate),
+                      estimate_gib=estimate.bytes / 2 ** 30, estimate_passes=estimate.backward_passes)
     before = reset_peak()
     if args.mode == "full":
         start = time.perf_counter()
-        graph = qgraph.attribution_graph(model, ids, tcs, batch_size=args.batch_size)
+        graph = qgraph.attribution_graph(model, ids, tcs, **options)
         result.update(seconds=time.perf_counter() - start, graph=repr(graph))
         rows = [i for i, node in enumerate(graph.nodes) if node.kind in ("feature", "logit")]
         total = graph.adjacency[rows].sum(1) + graph.constants[rows]

@@ -18,6 +18,7 @@ carried to it.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -68,9 +69,10 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
         rows.close()
 
 
-def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int) -> "_Run":
-    """The prompt ``ids`` ``[seq]`` run once through the replacement model, ``batch_size`` rows: what
-    its sources add, and ``rows(targets)``, their direct effects by backward passes."""
+def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, saving=None) -> "_Run":
+    """The prompt ``ids`` ``[seq]`` run once through the replacement model: what its sources add, and
+    ``rows(targets)``, their direct effects by backward passes of ``batch_size`` targets. ``saving``: a
+    ``torch.autograd.graph.saved_tensors_hooks`` the forward runs in (``estimate`` counts with it)."""
     from ..export import export_model
     from ..families import family_for
     from ..passes.replacement import EMBEDDINGS, inject_name
@@ -91,8 +93,8 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int) -> "
     injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
                for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
     inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
-    with torch.enable_grad(), keep_recomputation():  # every batch of targets reuses one recomputed kernel
-        logits, captured = program.run(inputs, eager=True)
+    with torch.enable_grad(), keep_recomputation(), saving or contextlib.nullcontext():
+        logits, captured = program.run(inputs, eager=True)  # every batch of targets reuses one recomputed kernel
     return _Run(transcoders, captured, logits, injects, blocks, batch_size, model.get_output_embeddings().weight)
 
 

@@ -1,0 +1,115 @@
+"""``qgraph.circuits.estimate``: what an attribution graph will hold and how many backward passes it
+takes, before it runs.
+
+It runs the replacement model's forward once (as ``attribution_graph`` does, at batch 1) with a
+``saved_tensors_hooks`` that counts what autograd would keep for the backwards and keeps none of it,
+so it costs one forward's time and no more than one forward's live activations. That forward also
+gives the exact counts the rest follows from: the active features (the columns of every row), the
+logit targets, the kept features. The memory a call adds is then, in bytes:
+
+    forward   what autograd keeps (counted) + the outputs the call holds (logits, features, errors)
+    rows      (logits + kept features) x (active features + error nodes + embeddings + 2) x 4
+              (the feature part in a file with offload="disk": not counted)
+    batch     one batch of targets in flight: directions and gradients at every block's MLP output
+              and the embeddings, ``batch_size x (blocks + 1) x seq x width`` floats each, and the
+              backward's own working memory, about TRANSIENT times what one block keeps per target
+    graph     the kept nodes' adjacency and the rows it is read from, ``2 x nodes^2 x 4``
+
+and the peak is forward + rows + the larger of batch and graph (they do not overlap).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+TRANSIENT = 1.5  # a vmapped backward's working memory, in units of what one block keeps for one target (fitted at 16 and 128 tokens on the 0.8B shape)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """``bytes``: the memory the call adds (its peak RSS over what the process held before it);
+    ``backward_passes``; ``parts``: bytes by what holds them; the counts they follow from."""
+
+    bytes: int
+    backward_passes: int
+    parts: dict = field(default_factory=dict)
+    active_features: int = 0
+    feature_nodes: int = 0
+    logit_nodes: int = 0
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{name} {_gib(size)}" for name, size in self.parts.items())
+        return (f"Estimate({_gib(self.bytes)}, {self.backward_passes} backward passes; {parts}; "
+                f"{self.feature_nodes} of {self.active_features} active features, {self.logit_nodes} logits)")
+
+
+def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
+             max_feature_nodes: int | None = None, batch_size: int = 32, offload: str | None = None) -> Estimate:
+    """The memory ``attribution_graph`` with these arguments will add and the backward passes it will
+    take (see the module's docstring for how), from one forward that keeps nothing."""
+    from ..instrument import InstrumentedModel
+    from .attribute import _check_options, _prompt, _salient_logits, replacement_run
+    from .rows import OFFLOADS
+
+    model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
+    ids = _prompt(input_ids, model)
+    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size)
+    if offload not in OFFLOADS:
+        from ..errors import InvalidArgument
+        raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
+    counter = _SavedBytes()
+    held = [*model.parameters(), *model.buffers()]
+    held += [t for tc in (transcoders.values() if isinstance(transcoders, dict) else ()) for t in tc.parameters()]
+    _storage_bytes(held, counter.seen)  # the weights autograd saves are held already: not added by the call
+    run = replacement_run(model, ids, transcoders, batch_size,
+                          saving=torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack))
+    logit_ids, _ = _salient_logits(run.logits[0, -1].float(), max_n_logits, desired_logit_prob)
+    active = len(run.active())
+    kept = active if max_feature_nodes is None else min(max_feature_nodes, active)
+    seq, blocks = ids.shape[0], run.blocks
+    width = model.get_input_embeddings().embedding_dim
+    outputs = _storage_bytes([run.logits, *run.features, *run.errors, run.embeddings, *run.inputs], counter.seen)
+    forward = counter.bytes + outputs
+    targets = len(logit_ids) + kept
+    columns = (0 if offload == "disk" else active) + blocks * seq + seq + 2
+    rows = targets * columns * 4
+    batch = min(batch_size, targets)
+    per_target_block = counter.bytes / max(1, blocks)
+    in_flight = 2 * batch * (blocks + 1) * seq * width * 4 + TRANSIENT * batch * per_target_block
+    nodes = kept + blocks * seq + seq + len(logit_ids)
+    graph = 2 * nodes * nodes * 4
+    parts = {"forward": int(forward), "rows": int(rows), "batch": int(in_flight), "graph": int(graph)}
+    passes = math.ceil(len(logit_ids) / batch_size) + math.ceil(kept / batch_size)
+    return Estimate(int(forward + rows + max(in_flight, graph)), passes, parts, active, kept, len(logit_ids))
+
+
+class _SavedBytes:
+    """Counts the bytes of the distinct storages autograd saves, and saves none of them."""
+
+    def __init__(self):
+        self.bytes, self.seen = 0, set()
+
+    def pack(self, tensor: torch.Tensor):
+        self.bytes += _storage_bytes([tensor], self.seen)
+        return None  # nothing kept: this forward's graph is never run backward
+
+    @staticmethod
+    def unpack(_):
+        raise RuntimeError("qgraph.circuits.estimate's forward keeps nothing for a backward")
+
+
+def _storage_bytes(tensors, seen: set) -> int:
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen and storage.nbytes():
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2 ** 30:.2f} GiB"
