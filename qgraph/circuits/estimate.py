@@ -97,7 +97,8 @@ class _SavedBytes:
 
     @staticmethod
     def unpack(_):
-        raise RuntimeError("qgraph.circuits.estimate's forward keeps nothing for a backward")
+        from ..errors import InternalError
+        raise InternalError("qgraph.circuits.estimate's forward keeps nothing for a backward")
 
 
 def _storage_bytes(tensors, seen: set) -> int:
