@@ -18,7 +18,6 @@ carried to it.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -28,6 +27,7 @@ from ..progress import progress
 from .graph import AttributionGraph, Node
 from .rows import OFFLOADS, Rows, feature_influence
 
+IN_FLIGHT = 0.25  # a batch's gradients and working memory, at most this part of what the forward keeps
 GATHERED = 1 << 22  # elements of gradients gathered at once (16 MiB of float32) to dot with decoder rows
 
 
@@ -69,10 +69,10 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
         rows.close()
 
 
-def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, saving=None) -> "_Run":
+def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, counter=None) -> "_Run":
     """The prompt ``ids`` ``[seq]`` run once through the replacement model: what its sources add, and
-    ``rows(targets)``, their direct effects by backward passes of ``batch_size`` targets. ``saving``: a
-    ``torch.autograd.graph.saved_tensors_hooks`` the forward runs in (``estimate`` counts with it)."""
+    ``rows(targets)``, their direct effects by backward passes of ``batch_size`` targets. ``counter``
+    (``estimate.SavedBytes``) counts what autograd saves (and, for ``estimate``, keeps none of it)."""
     from ..export import export_model
     from ..families import family_for
     from ..passes.replacement import EMBEDDINGS, inject_name
@@ -93,9 +93,19 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, savi
     injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
                for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
     inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
-    with torch.enable_grad(), keep_recomputation(), saving or contextlib.nullcontext():
+    from .estimate import SavedBytes, in_flight
+    counter = counter or SavedBytes(keep=True)
+    counter.hold(model, transcoders)  # the weights autograd saves are held already
+    with torch.enable_grad(), keep_recomputation(), torch.autograd.graph.saved_tensors_hooks(counter.pack,
+                                                                                              counter.unpack):
         logits, captured = program.run(inputs, eager=True)  # every batch of targets reuses one recomputed kernel
-    return _Run(transcoders, captured, logits, injects, blocks, batch_size, model.get_output_embeddings().weight)
+    run = _Run(transcoders, captured, logits, injects, blocks, batch_size, model.get_output_embeddings().weight)
+    # the targets of a batch go through the vmapped backward a part at a time (directions, backward,
+    # effects), so that what they hold in flight stays within IN_FLIGHT of what the forward keeps: memory
+    # does not grow with batch_size
+    per_target = in_flight(1, blocks, seq, width, counter.bytes)
+    run.chunk = max(1, min(batch_size, int(IN_FLIGHT * counter.bytes / per_target)))
+    return run
 
 
 def _most_influential(run, active, rows: Rows, probabilities, limit: int) -> list[int]:
@@ -180,6 +190,7 @@ class _Run:
         # logits are linear in it), at the last position: W_U[token] - mean(W_U), never vocabulary-wide
         self.final, self.unembedding = captured["final_norm_output"], unembedding.detach()
         self._mean_unembedding = None
+        self.chunk = batch_size  # targets at once under the vmapped backward (replacement_run sets it)
         self.inputs = [captured[f"layers.{i}.mlp_input"] for i in range(blocks)]
         self.features = [captured[f"replacement.{i}.features"][0].detach() for i in range(blocks)]
         self.errors = [captured[f"replacement.{i}.error"][0].detach().float() for i in range(blocks)]
@@ -200,8 +211,8 @@ class _Run:
         active, seq = self.active(), self.embeddings.shape[0]
         parts = {"features": [torch.zeros(0, len(active))], "errors": [torch.zeros(0, self.blocks * seq)],
                  "embeddings": [torch.zeros(0, seq)], "constants": [torch.zeros(0)]}
-        for start in range(0, len(targets), self.batch):
-            chunk = targets[start:start + self.batch]
+        for start in range(0, len(targets), self.chunk):
+            chunk = targets[start:start + self.chunk]
             effects = {name: part.cpu() for name, part in self._effects(self._backward(chunk), chunk, active).items()}
             if into is not None:
                 into.add(effects)

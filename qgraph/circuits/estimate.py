@@ -10,9 +10,11 @@ logit targets, the kept features. The memory a call adds is then, in bytes:
     forward   what autograd keeps (counted) + the outputs the call holds (logits, features, errors)
     rows      (logits + kept features) x (active features + error nodes + embeddings + 2) x 4
               (the feature part in a file with offload="disk": not counted)
-    batch     one batch of targets in flight: directions and gradients at every block's MLP output
-              and the embeddings, ``batch_size x (blocks + 1) x seq x width`` floats each, and the
-              backward's own working memory, about TRANSIENT times what one block keeps per target
+    batch     the targets in flight at once (``batch_size``, or fewer: the call runs a batch a part at a
+              time so that this stays within ``attribute.IN_FLIGHT`` of what the forward keeps):
+              directions and gradients at every block's MLP output and the embeddings, ``2 x (blocks +
+              1) x seq x width`` floats a target, and the backward's own working memory, about
+              TRANSIENT times what one block keeps, a target
     graph     the kept nodes' adjacency and the rows it is read from, ``2 x nodes^2 x 4``
 
 and the peak is forward + rows + the larger of batch and graph (they do not overlap).
@@ -59,12 +61,8 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     if offload not in OFFLOADS:
         from ..errors import InvalidArgument
         raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
-    counter = _SavedBytes()
-    held = [*model.parameters(), *model.buffers()]
-    held += [t for tc in (transcoders.values() if isinstance(transcoders, dict) else ()) for t in tc.parameters()]
-    _storage_bytes(held, counter.seen)  # the weights autograd saves are held already: not added by the call
-    run = replacement_run(model, ids, transcoders, batch_size,
-                          saving=torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack))
+    counter = SavedBytes()  # keeps nothing: this forward is never run backward
+    run = replacement_run(model, ids, transcoders, batch_size, counter)
     logit_ids, _ = _salient_logits(run.logits[0, -1].float(), max_n_logits, desired_logit_prob)
     active = len(run.active())
     kept = active if max_feature_nodes is None else min(max_feature_nodes, active)
@@ -75,30 +73,44 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     targets = len(logit_ids) + kept
     columns = (0 if offload == "disk" else active) + blocks * seq + seq + 2
     rows = targets * columns * 4
-    batch = min(batch_size, targets)
-    per_target_block = counter.bytes / max(1, blocks)
-    in_flight = 2 * batch * (blocks + 1) * seq * width * 4 + TRANSIENT * batch * per_target_block
+    batch = min(run.chunk, targets)  # the targets in flight at once (attribute.IN_FLIGHT)
+    flight = in_flight(batch, blocks, seq, width, counter.bytes)
     nodes = kept + blocks * seq + seq + len(logit_ids)
     graph = 2 * nodes * nodes * 4
-    parts = {"forward": int(forward), "rows": int(rows), "batch": int(in_flight), "graph": int(graph)}
-    passes = math.ceil(len(logit_ids) / batch_size) + math.ceil(kept / batch_size)
-    return Estimate(int(forward + rows + max(in_flight, graph)), passes, parts, active, kept, len(logit_ids))
+    parts = {"forward": int(forward), "rows": int(rows), "batch": int(flight), "graph": int(graph)}
+    rounds = [kept] if kept == active else [min(batch_size, kept - start) for start in range(0, kept, batch_size)]
+    passes = math.ceil(len(logit_ids) / run.chunk) + sum(math.ceil(size / run.chunk) for size in rounds)
+    return Estimate(int(forward + rows + max(flight, graph)), passes, parts, active, kept, len(logit_ids))
 
 
-class _SavedBytes:
-    """Counts the bytes of the distinct storages autograd saves, and saves none of them."""
+def in_flight(targets: int, blocks: int, seq: int, width: int, saved: int) -> float:
+    """Bytes ``targets`` in the vmapped backward at once hold: their directions and gradients at every
+    block's MLP output and the embeddings, and the backward's working memory (``TRANSIENT`` times what
+    one block of the forward keeps, ``saved`` bytes for all)."""
+    return 2 * targets * (blocks + 1) * seq * width * 4 + TRANSIENT * targets * saved / max(1, blocks)
 
-    def __init__(self):
-        self.bytes, self.seen = 0, set()
+
+class SavedBytes:
+    """Counts the bytes of the distinct storages autograd saves (not those ``hold`` names); keeps them
+    (``keep=True``: the real run) or none (the estimate's forward, never run backward)."""
+
+    def __init__(self, keep: bool = False):
+        self.bytes, self.seen, self.keep = 0, set(), keep
+
+    def hold(self, model, transcoders) -> None:
+        held = [*model.parameters(), *model.buffers()]
+        held += [t for tc in (transcoders.values() if isinstance(transcoders, dict) else ()) for t in tc.parameters()]
+        _storage_bytes(held, self.seen)
 
     def pack(self, tensor: torch.Tensor):
         self.bytes += _storage_bytes([tensor], self.seen)
-        return None  # nothing kept: this forward's graph is never run backward
+        return tensor if self.keep else None
 
-    @staticmethod
-    def unpack(_):
-        from ..errors import InternalError
-        raise InternalError("qgraph.circuits.estimate's forward keeps nothing for a backward")
+    def unpack(self, packed):
+        if not self.keep:
+            from ..errors import InternalError
+            raise InternalError("qgraph.circuits.estimate's forward keeps nothing for a backward")
+        return packed
 
 
 def _storage_bytes(tensors, seen: set) -> int:
