@@ -93,7 +93,7 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
                for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
     inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
-    from .estimate import SavedBytes, in_flight
+    from .memory import SavedBytes, in_flight
     counter = counter or SavedBytes(keep=True)
     counter.hold(model, transcoders)  # the weights autograd saves are held already
     with torch.enable_grad(), keep_recomputation(), torch.autograd.graph.saved_tensors_hooks(counter.pack,
@@ -191,6 +191,7 @@ class _Run:
         self.final, self.unembedding = captured["final_norm_output"], unembedding.detach()
         self._mean_unembedding = None
         self.chunk = batch_size  # targets at once under the vmapped backward (replacement_run sets it)
+        self._active = self._by_block = None  # active(), and its rows block by block
         self.inputs = [captured[f"layers.{i}.mlp_input"] for i in range(blocks)]
         self.features = [captured[f"replacement.{i}.features"][0].detach() for i in range(blocks)]
         self.errors = [captured[f"replacement.{i}.error"][0].detach().float() for i in range(blocks)]
@@ -199,10 +200,14 @@ class _Run:
         self.encoder_constants = {block: _encoder_constants(tc) for block, tc in transcoders.items()}
 
     def active(self) -> torch.Tensor:
-        """``[n, 3]`` (block, position, feature) of every active feature, in that order."""
-        found = [torch.cat([torch.full((len(nz), 1), i), nz], dim=1)
-                 for i, nz in enumerate(f.nonzero().cpu() for f in self.features)]
-        return torch.cat(found) if found else torch.zeros(0, 3, dtype=torch.long)
+        """``[n, 3]`` (block, position, feature) of every active feature, in that order (found once: the
+        features of the one forward do not change)."""
+        if self._active is None:
+            found = [torch.cat([torch.full((len(nz), 1), i), nz], dim=1)
+                     for i, nz in enumerate(f.nonzero().cpu() for f in self.features)]
+            self._active = torch.cat(found) if found else torch.zeros(0, 3, dtype=torch.long)
+            self._by_block = [self._active[self._active[:, 0] == block] for block in range(self.blocks)]
+        return self._active
 
     def rows(self, targets, into: Rows | None = None) -> dict[str, torch.Tensor] | None:
         """For each target, its direct effects: from the active features ``[targets, features]``, the error
@@ -213,7 +218,7 @@ class _Run:
                  "embeddings": [torch.zeros(0, seq)], "constants": [torch.zeros(0)]}
         for start in range(0, len(targets), self.chunk):
             chunk = targets[start:start + self.chunk]
-            effects = {name: part.cpu() for name, part in self._effects(self._backward(chunk), chunk, active).items()}
+            effects = {name: part.cpu() for name, part in self._effects(self._backward(chunk), chunk).items()}
             if into is not None:
                 into.add(effects)
             else:
@@ -256,11 +261,11 @@ class _Run:
             gradients = torch.func.vmap(backward)(*directions)
         return [g[:, 0].float() for g in gradients]
 
-    def _effects(self, gradients, chunk, active) -> dict[str, torch.Tensor]:
+    def _effects(self, gradients, chunk) -> dict[str, torch.Tensor]:
         at_embeddings, at_outputs = gradients[0], gradients[1:]
         features = []
         for block in range(self.blocks):
-            mine = active[active[:, 0] == block]
+            mine = self._by_block[block]
             decoder = self.transcoders[block].W_dec.float()[mine[:, 2]]  # [n, width]
             activation = self.features[block][mine[:, 1], mine[:, 2]].float()
             rows, width = at_outputs[block].shape[0], at_outputs[block].shape[2]

@@ -14,7 +14,7 @@ logit targets, the kept features. The memory a call adds is then, in bytes:
               time so that this stays within ``attribute.IN_FLIGHT`` of what the forward keeps):
               directions and gradients at every block's MLP output and the embeddings, ``2 x (blocks +
               1) x seq x width`` floats a target, and the backward's own working memory, about
-              TRANSIENT times what one block keeps, a target
+              ``memory.TRANSIENT`` times what one block keeps, a target
     graph     the kept nodes' adjacency and the rows it is read from, ``2 x nodes^2 x 4``
 
 and the peak is forward + rows + the larger of batch and graph (they do not overlap).
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-TRANSIENT = 1.5  # a vmapped backward's working memory, in units of what one block keeps for one target (fitted at 16 and 128 tokens on the 0.8B shape)
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,7 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     take (see the module's docstring for how), from one forward that keeps nothing."""
     from ..instrument import InstrumentedModel
     from .attribute import _check_options, _prompt, _salient_logits, replacement_run
+    from .memory import SavedBytes, in_flight, storage_bytes
     from .rows import OFFLOADS
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
@@ -68,7 +68,7 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     kept = active if max_feature_nodes is None else min(max_feature_nodes, active)
     seq, blocks = ids.shape[0], run.blocks
     width = model.get_input_embeddings().embedding_dim
-    outputs = _storage_bytes([run.logits, *run.features, *run.errors, run.embeddings, *run.inputs], counter.seen)
+    outputs = storage_bytes([run.logits, *run.features, *run.errors, run.embeddings, *run.inputs], counter.seen)
     forward = counter.bytes + outputs
     targets = len(logit_ids) + kept
     columns = (0 if offload == "disk" else active) + blocks * seq + seq + 2
@@ -81,47 +81,6 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     rounds = [kept] if kept == active else [min(batch_size, kept - start) for start in range(0, kept, batch_size)]
     passes = math.ceil(len(logit_ids) / run.chunk) + sum(math.ceil(size / run.chunk) for size in rounds)
     return Estimate(int(forward + rows + max(flight, graph)), passes, parts, active, kept, len(logit_ids))
-
-
-def in_flight(targets: int, blocks: int, seq: int, width: int, saved: int) -> float:
-    """Bytes ``targets`` in the vmapped backward at once hold: their directions and gradients at every
-    block's MLP output and the embeddings, and the backward's working memory (``TRANSIENT`` times what
-    one block of the forward keeps, ``saved`` bytes for all)."""
-    return 2 * targets * (blocks + 1) * seq * width * 4 + TRANSIENT * targets * saved / max(1, blocks)
-
-
-class SavedBytes:
-    """Counts the bytes of the distinct storages autograd saves (not those ``hold`` names); keeps them
-    (``keep=True``: the real run) or none (the estimate's forward, never run backward)."""
-
-    def __init__(self, keep: bool = False):
-        self.bytes, self.seen, self.keep = 0, set(), keep
-
-    def hold(self, model, transcoders) -> None:
-        held = [*model.parameters(), *model.buffers()]
-        held += [t for tc in (transcoders.values() if isinstance(transcoders, dict) else ()) for t in tc.parameters()]
-        _storage_bytes(held, self.seen)
-
-    def pack(self, tensor: torch.Tensor):
-        self.bytes += _storage_bytes([tensor], self.seen)
-        return tensor if self.keep else None
-
-    def unpack(self, packed):
-        if not self.keep:
-            from ..errors import InternalError
-            raise InternalError("qgraph.circuits.estimate's forward keeps nothing for a backward")
-        return packed
-
-
-def _storage_bytes(tensors, seen: set) -> int:
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key not in seen and storage.nbytes():
-            seen.add(key)
-            total += storage.nbytes()
-    return total
 
 
 def _gib(size: float) -> str:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
+from .formats import _yaml
 
 INPUT_HOOKS = {"hook_resid_mid": "layer_mid", "mlp.hook_in": "mlp_input", "ln2.hook_normalized": "mlp_input"}
 OUTPUT_HOOKS = ("hook_mlp_out", "mlp.hook_out")
@@ -205,13 +206,7 @@ def _tensors(file: Path, handle, layout: dict[str, str], sizes: dict[str, int]) 
 
 
 def _config(file: Path) -> dict:
-    import yaml
-    try:
-        config = yaml.safe_load(file.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise InvalidArgument(f"{file}: not valid YAML ({error})") from error
-    if not isinstance(config, dict):
-        raise InvalidArgument(f"{file}: holds a YAML {type(config).__name__}, not a mapping of settings")
+    config = _yaml(file)
     kind = config.get("model_kind", "cross_layer_transcoder")
     if kind != "cross_layer_transcoder":
         hint = ": a per-layer set loads with qgraph.Transcoder.load(path, layer=i)" if kind == "transcoder_set" else ""

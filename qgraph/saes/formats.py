@@ -212,6 +212,18 @@ def _json(file: Path) -> dict:
     return cfg
 
 
+def _yaml(file: Path) -> dict:
+    """The settings of a YAML file (safe_load: data only), or an InvalidArgument naming the file."""
+    import yaml
+    try:
+        config = yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise InvalidArgument(f"{file}: not valid YAML ({error})") from error
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"{file}: holds a YAML {type(config).__name__}, not a mapping of settings")
+    return config
+
+
 def _safetensors(file: Path) -> dict:
     from safetensors.torch import load_file
     try:

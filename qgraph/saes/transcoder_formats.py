@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
-from .formats import _json, _numbered, _safetensors
+from .formats import _json, _numbered, _safetensors, _yaml
 
 INPUT_HOOKS = {"mlp.hook_in": "mlp_input", "ln2.hook_normalized": "mlp_input", "hook_resid_mid": "layer_mid",
                "hook_mlp_in": "layer_mid"}
@@ -207,13 +207,7 @@ def _pick(found: dict, layer: int | None, folder: Path, what: str) -> tuple[int,
 
 
 def _config(file: Path) -> dict:
-    import yaml
-    try:
-        config = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as error:
-        raise InvalidArgument(f"{file}: not valid YAML ({error})") from error
-    if not isinstance(config, dict):
-        raise InvalidArgument(f"{file}: holds a YAML {type(config).__name__}, not a mapping of settings")
+    config = _yaml(file)
     kind = config.get("model_kind", "transcoder_set")
     if kind != "transcoder_set":
         raise NotSupported(f"{file}: model_kind {kind!r}: qgraph reads per-layer transcoders (transcoder_set), "

@@ -1,0 +1,49 @@
+"""What an attribution graph's forward saves for its backwards, and what targets in flight hold: the
+counts ``attribute`` bounds its batches with and ``estimate`` adds up."""
+from __future__ import annotations
+
+import torch
+
+TRANSIENT = 1.5  # a vmapped backward's working memory, in units of what one block keeps for one target (fitted at 16 and 128 tokens on the 0.8B shape)
+
+
+def in_flight(targets: int, blocks: int, seq: int, width: int, saved: int) -> float:
+    """Bytes ``targets`` in the vmapped backward at once hold: their directions and gradients at every
+    block's MLP output and the embeddings, and the backward's working memory (``TRANSIENT`` times what
+    one block of the forward keeps, ``saved`` bytes for all)."""
+    return 2 * targets * (blocks + 1) * seq * width * 4 + TRANSIENT * targets * saved / max(1, blocks)
+
+
+class SavedBytes:
+    """Counts the bytes of the distinct storages autograd saves (not those ``hold`` names); keeps them
+    (``keep=True``: the real run) or none (the estimate's forward, never run backward)."""
+
+    def __init__(self, keep: bool = False):
+        self.bytes, self.seen, self.keep = 0, set(), keep
+
+    def hold(self, model, transcoders) -> None:
+        held = [*model.parameters(), *model.buffers()]
+        held += [t for tc in (transcoders.values() if isinstance(transcoders, dict) else ()) for t in tc.parameters()]
+        storage_bytes(held, self.seen)
+
+    def pack(self, tensor: torch.Tensor):
+        self.bytes += storage_bytes([tensor], self.seen)
+        return tensor if self.keep else None
+
+    def unpack(self, packed):
+        if not self.keep:
+            from ..errors import InternalError
+            raise InternalError("qgraph.circuits.estimate's forward keeps nothing for a backward")
+        return packed
+
+
+def storage_bytes(tensors, seen: set) -> int:
+    """Bytes of the storages of ``tensors`` not in ``seen`` (each added to it: a storage counts once)."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen and storage.nbytes():
+            seen.add(key)
+            total += storage.nbytes()
+    return total
