@@ -40,6 +40,7 @@ _MIXING = {aten.conv1d.default, aten.mm.default, aten.addmm.default, aten.linear
 _SDPA = aten.scaled_dot_product_attention.default
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 EMBEDDINGS = "inject_embeddings"
+ATTENTION = "attention"  # the request ``replacement=ATTENTION``: freeze the attention alone (no transcoders)
 
 # (replay?, {stop: value}) while a frozen run records the frozen values or replays them
 _FROZEN: contextvars.ContextVar = contextvars.ContextVar("qgraph_frozen", default=None)
@@ -79,7 +80,9 @@ def inject_name(block: int) -> str:
 
 class Replacement(BuildPass):
     """Transcoders at every block's MLP and the model frozen around them (see the module doc); runs
-    for a request with ``replacement={block: transcoder}``."""
+    for a request with ``replacement={block: transcoder}``. ``replacement=ATTENTION`` freezes the
+    attention alone (the queries and keys of every sdpa, the queries, keys, decays and betas of every
+    delta-rule kernel) and splices nothing: ``circuits.feature_intervention(freeze_attention=True)``."""
 
     markers = True
 
@@ -90,6 +93,9 @@ class Replacement(BuildPass):
     def call(self, graph_module) -> PassResult:
         program, transcoders = self.build.program, self.build.request.replacement
         stops = _Stops(graph_module)
+        if isinstance(transcoders, str) and transcoders == ATTENTION:
+            _freeze_attention(graph_module.graph, stops)
+            return PassResult(graph_module, True)
         _freeze(graph_module.graph, stops)
         _inject(program, _port(program, "layers.0.layer_input"), EMBEDDINGS)
         for block, transcoder in sorted(transcoders.items()):
@@ -152,6 +158,12 @@ def _freeze(graph: Graph, stops: _Stops) -> None:
             _linearise_silu(graph, stops, node)
         elif node.target is aten.silu.default:
             stops.after(node)
+    _freeze_attention(graph, stops)
+
+
+def _freeze_attention(graph: Graph, stops: _Stops) -> None:
+    """Stop the gradient through (and, replayed, hold) what mixes positions: sdpa's queries and keys
+    (its probabilities), a delta-rule kernel's queries, keys, decays and betas."""
     for node in list(graph.nodes):
         if node.target is _SDPA:  # frozen queries and keys: frozen probabilities
             for index in (0, 1):
