@@ -3,5 +3,8 @@ frozen around them: ``passes.replacement``), in circuit-tracer's conventions (``
 from .attribute import attribution_graph
 from .estimate import Estimate, estimate
 from .graph import AttributionGraph, Node
+from .intervene import Generated, Intervened, feature_intervention, feature_intervention_generate
+from .scores import GraphScores, graph_scores
 
-__all__ = ["AttributionGraph", "Estimate", "Node", "attribution_graph", "estimate"]
+__all__ = ["AttributionGraph", "Estimate", "Generated", "GraphScores", "Intervened", "Node", "attribution_graph",
+           "estimate", "feature_intervention", "feature_intervention_generate", "graph_scores"]

@@ -186,6 +186,11 @@ class AttributionGraph:
         return (f"AttributionGraph({self.count('feature')} features, {self.count('error')} errors, "
                 f"{len(self.input_ids)} tokens, {self.count('logit')} logits, {int(self.edge_mask.sum())} edges)")
 
+    def scores(self):
+        """circuit-tracer's ``(replacement, completeness)`` scores of this graph (``circuits.scores``)."""
+        from .scores import graph_scores
+        return graph_scores(self)
+
     # -- pruning -------------------------------------------------------------------------------------
     def prune(self, node_threshold: float = NODE_THRESHOLD, edge_threshold: float = EDGE_THRESHOLD
               ) -> AttributionGraph:
