@@ -26,6 +26,7 @@ from ..errors import InvalidArgument, InvalidType
 from ..progress import progress
 from .graph import AttributionGraph, Node
 from .rows import OFFLOADS, Rows, feature_influence
+from .transcoders import transcoder_set
 
 IN_FLIGHT = 0.25  # a batch's gradients and working memory, at most this part of what the forward keeps
 GATHERED = 1 << 22  # elements of gradients gathered at once (16 MiB of float32) to dot with decoder rows
@@ -79,12 +80,13 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     from ..program import Program
 
     blocks = len(family_for(model).block_mixers(model.config))
-    transcoders = _transcoders(transcoders, blocks, model)
+    transcoders = transcoder_set(transcoders, blocks, model)
     # the parameters without their gradients: a backward reaches the sources only, and keeps nothing for weights
     weights = {name: parameter.detach() for name, parameter in model.named_parameters()}
     program = Program(model, export_model(model, images=False), weights=weights)
-    program.build(["layers.0.layer_input", "final_norm_output", *(f"layers.{i}.mlp_input" for i in range(blocks))],
-                  {}, True, replacement=transcoders)
+    program.build(["layers.0.layer_input", "final_norm_output", *(f"layers.{i}.{transcoders.reads[i]}"
+                                                                  for i in range(blocks))],
+                  {}, True, replacement=transcoders.spliced)
     from ..kernels.grad import keep_recomputation
     seq, device = ids.shape[0], next(model.parameters()).device
     ids = ids.to(device)
@@ -142,25 +144,6 @@ def _prompt(input_ids, model) -> torch.Tensor:
     return input_ids.long()
 
 
-def _transcoders(transcoders, blocks: int, model) -> dict:
-    """``{block: transcoder}`` for every block, checked against the model."""
-    if not isinstance(transcoders, dict):
-        from ..saes.transcoder import Transcoder
-        transcoders = {i: Transcoder.load(transcoders, layer=i) for i in range(blocks)}
-    missing = sorted(set(range(blocks)) - set(transcoders))
-    if missing:
-        raise InvalidArgument(f"the replacement model needs a transcoder at every block; blocks {missing} have "
-                              f"none (give transcoders={{block: Transcoder}} for blocks 0 to {blocks - 1})")
-    width = model.get_input_embeddings().embedding_dim
-    for block, transcoder in transcoders.items():
-        if not 0 <= block < blocks:
-            raise InvalidArgument(f"a transcoder at block {block}: the model has blocks 0 to {blocks - 1}")
-        if transcoder.W_enc.shape[0] != width or transcoder.W_dec.shape[1] != width:
-            raise InvalidArgument(f"the transcoder at block {block} reads {transcoder.W_enc.shape[0]} and writes "
-                                  f"{transcoder.W_dec.shape[1]} wide vectors; the model's stream is {width} wide")
-    return dict(sorted(transcoders.items()))
-
-
 def _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size) -> None:
     for name, value in (("max_n_logits", max_n_logits), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -192,12 +175,11 @@ class _Run:
         self._mean_unembedding = None
         self.chunk = batch_size  # targets at once under the vmapped backward (replacement_run sets it)
         self._active = self._by_block = None  # active(), and its rows block by block
-        self.inputs = [captured[f"layers.{i}.mlp_input"] for i in range(blocks)]
+        self.inputs = [captured[f"layers.{i}.{transcoders.reads[i]}"] for i in range(blocks)]
         self.features = [captured[f"replacement.{i}.features"][0].detach() for i in range(blocks)]
         self.errors = [captured[f"replacement.{i}.error"][0].detach().float() for i in range(blocks)]
         self.embeddings = captured["layers.0.layer_input"][0].detach().float()
         self.leaves = [injects[EMBEDDINGS], *(injects[inject_name(i)] for i in range(blocks))]
-        self.encoder_constants = {block: _encoder_constants(tc) for block, tc in transcoders.items()}
 
     def active(self) -> torch.Tensor:
         """``[n, 3]`` (block, position, feature) of every active feature, in that order (found once: the
@@ -247,7 +229,7 @@ class _Run:
             directions.append(direction)
         for block, wanted in by_block.items():
             direction = self.inputs[block].new_zeros(len(chunk), *self.inputs[block].shape)
-            encoder = self.transcoders[block].W_enc
+            encoder = self.transcoders.encoder(block)
             for row, position, feature in wanted:
                 direction[row, 0, position] = encoder[:, feature].to(direction.dtype)
             outputs.append(self.inputs[block])
@@ -264,20 +246,22 @@ class _Run:
     def _effects(self, gradients, chunk) -> dict[str, torch.Tensor]:
         at_embeddings, at_outputs = gradients[0], gradients[1:]
         features = []
+        rows, width = at_embeddings.shape[0], at_embeddings.shape[2]
+        step = max(1, GATHERED // (rows * width))  # the gradients at the features' positions, a part at a time
         for block in range(self.blocks):
             mine = self._by_block[block]
-            decoder = self.transcoders[block].W_dec.float()[mine[:, 2]]  # [n, width]
             activation = self.features[block][mine[:, 1], mine[:, 2]].float()
-            rows, width = at_outputs[block].shape[0], at_outputs[block].shape[2]
-            step = max(1, GATHERED // (rows * width))  # the gradients at the features' positions, a part at a time
-            features += [torch.einsum("rnd,nd->rn", at_outputs[block][:, mine[start:start + step, 1]],
-                                      decoder[start:start + step]) * activation[start:start + step]
-                         for start in range(0, len(mine), step)]
+            effect = torch.zeros(rows, len(mine))
+            for written, decoder in self.transcoders.decoders(block, mine[:, 2]):  # [n, width] into block `written`
+                for start in range(0, len(mine), step):
+                    part = slice(start, start + step)
+                    effect[:, part] += torch.einsum("rnd,nd->rn", at_outputs[written][:, mine[part, 1]], decoder[part])
+            features.append(effect * activation)
         errors = torch.cat([(at_outputs[block] * self.errors[block]).sum(-1) for block in range(self.blocks)], dim=1)
         embeddings = (at_embeddings * self.embeddings).sum(-1)
-        carried = sum((at_outputs[block].sum(1) @ self.transcoders[block].b_dec.float()) for block in range(self.blocks))
-        encoder = torch.tensor([float(self.encoder_constants[what[0]][what[2]]) if kind == "feature" else 0.0
-                                for kind, what in chunk])
+        carried = sum((at_outputs[block].sum(1) @ self.transcoders.output_bias(block)) for block in range(self.blocks))
+        encoder = torch.tensor([float(self.transcoders.encoder_constants(what[0])[what[2]]) if kind == "feature"
+                                else 0.0 for kind, what in chunk])
         return {"features": torch.cat(features, dim=1), "errors": errors, "embeddings": embeddings,
                 "constants": carried + encoder}
 
@@ -288,14 +272,8 @@ class _Run:
             return float(last[what] - last.mean())
         block, position, feature = what
         x = self.inputs[block][0, position].detach()
-        transcoder = self.transcoders[block]
-        return float(x.float() @ transcoder.W_enc[:, feature].float()) + float(self.encoder_constants[block][feature])
-
-
-def _encoder_constants(transcoder) -> torch.Tensor:
-    """The part of each feature's pre-activation no input accounts for: its pre-activation at 0 (``b_enc``)."""
-    zero = torch.zeros(1, transcoder.W_enc.shape[0], dtype=transcoder.W_enc.dtype, device=transcoder.W_enc.device)
-    return transcoder.pre(zero)[0].detach().float().cpu()
+        encoder = self.transcoders.encoder(block)
+        return float(x.float() @ encoder[:, feature].float()) + float(self.transcoders.encoder_constants(block)[feature])
 
 
 def _assemble(run, ids, active, done, logit_ids, probabilities, rows: Rows, tokenizer) -> AttributionGraph:

@@ -23,7 +23,7 @@ class SavedBytes:
 
     def hold(self, model, transcoders) -> None:
         held = [*model.parameters(), *model.buffers()]
-        held += [t for tc in (transcoders.values() if isinstance(transcoders, dict) else ()) for t in tc.parameters()]
+        held += transcoders.parameters()  # a circuits.transcoders.TranscoderSet
         storage_bytes(held, self.seen)
 
     def pack(self, tensor: torch.Tensor):

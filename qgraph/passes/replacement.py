@@ -4,8 +4,10 @@ frozen around them, so that with the features fixed every block is linear in the
 The rewrite keeps every number the model computes; it changes only where gradients flow:
 
 * each block's MLP output ``m`` (the port of ``layers.{i}.mlp.mlp_output``; a dense MLP or the sparse
-  MoE block alike) becomes ``skip(x) + stop(decode(encode(x)) + error) + inject_i`` with ``x`` the
-  MLP's input and ``error = m - decode(encode(x)) - skip(x)``: the same value, but the features and
+  MoE block alike) becomes ``skip(x) + stop(recon + error) + inject_i`` with ``x`` what the block's
+  transcoder reads (``layers.{i}.mlp_input`` or ``layers.{i}.layer_mid``), ``recon`` its features'
+  decoding (``decode(encode(x))``; of a cross-layer transcoder, every decoder of blocks 0..i writing
+  block i: ``decode_to(i, features_0..i)``) and ``error = m - recon - skip(x)``: the same value, but the features and
   the error are constants, a gradient reaches ``x`` only through the transcoder's skip path, and
   ``inject_i`` (a program input of zeros) is where the gradient at the MLP output is read;
 * the embeddings (block 0's input) gain ``inject_embeddings`` the same way;
@@ -98,14 +100,40 @@ class Replacement(BuildPass):
             return PassResult(graph_module, True)
         _freeze(graph_module.graph, stops)
         _inject(program, _port(program, "layers.0.layer_input"), EMBEDDINGS)
-        for block, transcoder in sorted(transcoders.items()):
-            x = _port(program, f"layers.{block}.mlp_input")
+        features = []  # every block's, in block order: a cross-layer decoder reads those of the blocks before
+        for block, calls in _calls(graph_module, transcoders):
+            x = _port(program, f"layers.{block}.{calls.reads}")
             m = _port(program, f"layers.{block}.mlp.mlp_output")
-            features, error, out = _splice(graph_module, stops, block, transcoder, x, m)
+            error, out = _splice(graph_module, stops, calls, x, m, features)
             _inject(program, out, inject_name(block))
-            self.build.taps[f"replacement.{block}.features"] = Found(features)
+            self.build.taps[f"replacement.{block}.features"] = Found(features[-1])
             self.build.taps[f"replacement.{block}.error"] = Found(error)
         return PassResult(graph_module, True)
+
+
+class _BlockCalls:
+    """The submodules of one block's transcoder in the graph: ``encode`` and ``skip`` read the block's
+    input, ``decode`` the features of this block (``cross=False``) or of every block up to it."""
+
+    def __init__(self, graph_module, block: int, transcoder, reads: str, cross: bool):
+        from .clt import BlockCall
+        self.reads, self.cross, self.width = reads, cross, transcoder.d_sae
+        self.names = {}
+        for method in ("encode", "decode", "skip"):
+            name = f"replacement__{block}__{method}"
+            call = BlockCall(transcoder, "decode_to" if method == "decode" else method, block) if cross \
+                else MethodCall(transcoder, method)
+            graph_module.add_submodule(name, call)
+            self.names[method] = name
+
+
+def _calls(graph_module, transcoders):
+    """``(block, _BlockCalls)`` of every block, in order: ``{block: Transcoder}``, or a cross-layer
+    transcoder (``saes.clt.CrossLayerTranscoder``: every block)."""
+    if isinstance(transcoders, dict):
+        return [(block, _BlockCalls(graph_module, block, tc, tc.reads, False)) for block, tc in sorted(transcoders.items())]
+    return [(block, _BlockCalls(graph_module, block, transcoders, transcoders.reads, True))
+            for block in range(transcoders.n_layers)]
 
 
 def _port(program, name: str) -> Node:
@@ -199,27 +227,26 @@ def _linearise_silu(graph: Graph, stops: _Stops, silu: Node) -> None:
     graph.erase_node(silu)
 
 
-def _splice(graph_module, stops: _Stops, block: int, transcoder, x: Node, m: Node) -> tuple[Node, Node, Node]:
-    """At block ``block``: what reads the MLP output ``m`` reads ``skip(x) + stop(recon + error)``;
-    returns the features, the error and that new output."""
+def _splice(graph_module, stops: _Stops, calls: _BlockCalls, x: Node, m: Node, features: list) -> tuple[Node, Node]:
+    """At one block: what reads the MLP output ``m`` reads ``skip(x) + stop(recon + error)``, ``recon``
+    the decoders writing this block (of its own features, or of every block's up to it: ``features``,
+    to which this block's are appended); returns the error and that new output."""
     graph = graph_module.graph
-    stem = f"replacement__{block}__"
-    for method in ("encode", "decode", "skip"):
-        graph_module.add_submodule(stem + method, MethodCall(transcoder, method))
     readers = list(m.users)
     value = m.meta["val"]
     with value.fake_mode:
-        wide = value.new_empty(*value.shape[:-1], transcoder.d_sae)
+        wide = value.new_empty(*value.shape[:-1], calls.width)
     emit = emitter(graph, m)
     with graph.inserting_before(m.next):  # in order, after m
-        features = emit_module(graph, m, stem + "encode", (x,), wide)
-        recon = emit_module(graph, m, stem + "decode", (features,), value)
-        skip = emit_module(graph, m, stem + "skip", (x,), value)
+        features.append(emit_module(graph, m, calls.names["encode"], (x,), wide))
+        decoded = tuple(features) if calls.cross else (features[-1],)
+        recon = emit_module(graph, m, calls.names["decode"], decoded, value)
+        skip = emit_module(graph, m, calls.names["skip"], (x,), value)
         error = emit(aten.sub.Tensor, emit(aten.sub.Tensor, m, recon), skip)
         out = emit(aten.add.Tensor, skip, stops(emit(aten.add.Tensor, recon, error)))
     for reader in readers:
         reader.replace_input_with(m, out)
-    return features, error, out
+    return error, out
 
 
 def _inject(program, node: Node, name: str) -> None:
