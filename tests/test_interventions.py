@@ -101,6 +101,16 @@ def test_no_interventions_is_the_models_forward_and_a_subset_of_blocks_splices(s
     torch.testing.assert_close(got.activations, features, rtol=1e-5, atol=1e-5)
 
 
+def test_an_instrumented_model_is_taken_and_eager_attention_is_not_frozen(sdpa_model, eager_model, per_layer):
+    ig = qgraph.instrument(sdpa_model, values=["layers.0.layer_output"])
+    interventions = [(2, 3, 4, 2.0)]
+    assert torch.equal(feature_intervention(ig, PROMPT, per_layer, interventions).logits,
+                       feature_intervention(sdpa_model, PROMPT, per_layer, interventions).logits)
+    with pytest.raises(qgraph.NotSupported, match="1 of this model's 4 blocks mix positions otherwise .*'eager'.* "
+                                                  "attn_implementation='sdpa'"):
+        feature_intervention(eager_model, PROMPT, per_layer, interventions, freeze_attention=True)
+
+
 def _held_kernels(monkeypatch, recorded: list, replay: bool):
     """sdpa's queries and keys and the delta-rule kernel's queries, keys, decays and betas recorded in
     call order, or replaced by those recorded."""
@@ -147,66 +157,42 @@ def test_frozen_attention_is_hf_with_the_kernels_inputs_held(sdpa_model, request
     assert (got.logits - live.logits).abs().max() > 1e-3  # holding the attention changes the result
 
 
-def test_direct_effects_move_every_target_by_delta_times_its_edge(sdpa_model, per_layer, graph):
-    """circuit-tracer's verify_feature_edges: double a feature with every block constrained; each other
-    feature's pre-activation and each logit minus the mean logit move by the graph's edge from it."""
-    base = feature_intervention(sdpa_model, PROMPT, per_layer, [], constrained_layers=range(BLOCKS),
+def _edges_moved(model, transcoders, graph, layers) -> None:
+    """circuit-tracer's verify_feature_edges: double a feature of each of ``layers`` with every block
+    constrained; every other feature's pre-activation and every logit minus the mean logit move by the
+    graph's edge from it."""
+    base = feature_intervention(model, PROMPT, transcoders, [], constrained_layers=range(BLOCKS),
                                 apply_activation_function=False)
     features = [i for i, n in enumerate(graph.nodes) if n.kind == "feature"]
     logits = [i for i, n in enumerate(graph.nodes) if n.kind == "logit"]
     tokens = torch.tensor([graph.nodes[i].feature for i in logits])
-    sources = [next(i for i in features if graph.nodes[i].layer == layer) for layer in (0, 1, 2)]
-    for source in sources:
+    demeaned = lambda out: out.logits[0, -1, tokens] - out.logits[0, -1].mean()  # noqa: E731
+    for layer in layers:
+        source = next(i for i in features if graph.nodes[i].layer == layer)
         node = graph.nodes[source]
-        moved = feature_intervention(sdpa_model, PROMPT, per_layer, [(node.layer, node.position, node.feature,
-                                     2 * node.activation)], constrained_layers=range(BLOCKS),
+        doubled = [(node.layer, node.position, node.feature, 2 * node.activation)]
+        moved = feature_intervention(model, PROMPT, transcoders, doubled, constrained_layers=range(BLOCKS),
                                      apply_activation_function=False)
         others = [i for i in features if i != source]  # the intervened entry shows the value set
         where = [(graph.nodes[i].layer, graph.nodes[i].position, graph.nodes[i].feature) for i in others]
         change = torch.stack([moved.activations[w] - base.activations[w] for w in where])
         torch.testing.assert_close(change, graph.adjacency[others, source], rtol=1e-3, atol=1e-4)
-        demeaned = lambda out: out.logits[0, -1, tokens] - out.logits[0, -1].mean()  # noqa: E731
         torch.testing.assert_close(demeaned(moved) - demeaned(base), graph.adjacency[logits, source],
                                    rtol=1e-3, atol=1e-4)
         assert graph.adjacency[others + logits, source].abs().max() > 1e-3
         assert float(moved.activations[node.layer, node.position, node.feature]) == pytest.approx(2 * node.activation)
-    # the live model responds otherwise
-    live = feature_intervention(sdpa_model, PROMPT, per_layer, [(node.layer, node.position, node.feature,
-                                2 * node.activation)])
+    live = feature_intervention(model, PROMPT, transcoders, doubled)  # the live model responds otherwise
     assert (live.logits - moved.logits).abs().max() > 1e-3
 
 
-def test_direct_effects_of_a_clt_write_every_later_block(sdpa_model, clt):
-    """A CLT feature's delta reaches the MLP output of its block and of every later one: the sum of the
-    pieces that write one block each (the frozen model is linear in them), the piece at its own block a
-    per-layer transcoder's, whose change is the attribution graph's edge times delta."""
-    base = feature_intervention(sdpa_model, PROMPT, clt, [], constrained_layers=range(BLOCKS))
-    active = (base.activations[0] != 0).nonzero()[0].tolist()
-    position, feature = active
-    value = float(base.activations[0, position, feature]) + 1.0
-    whole = feature_intervention(sdpa_model, PROMPT, clt, [(0, position, feature, value)],
-                                 constrained_layers=range(BLOCKS))
-    # the same delta by a CLT that writes one block j only: the changes add up
-    total = torch.zeros_like(whole.logits)
-    for j in range(BLOCKS):
-        one = qgraph.CrossLayerTranscoder(list(clt.W_enc), list(clt.b_enc),
-                                          [torch.where(torch.arange(w.shape[1])[None, :, None] == j - i, w, 0)
-                                           for i, w in enumerate(clt.W_dec)], list(clt.b_dec), list(clt.threshold))
-        part = feature_intervention(sdpa_model, PROMPT, one, [(0, position, feature, value)],
-                                    constrained_layers=range(BLOCKS))
-        total += part.logits - base.logits
-        assert (part.logits - base.logits).abs().max() > 1e-4
-        if j == 0:  # writing its own block alone it is a per-layer transcoder: the graph's edge, times delta
-            own = {i: qgraph.Transcoder(clt.W_enc[i], clt.b_enc[i], clt.W_dec[i][:, 0], clt.b_dec[i], "jumprelu",
-                                        threshold=clt.threshold[i]) for i in range(BLOCKS)}
-            graph = qgraph.attribution_graph(sdpa_model, PROMPT, own, batch_size=64)
-            source = graph.node_index("feature", 0, position, feature)
-            logits = [i for i, n in enumerate(graph.nodes) if n.kind == "logit"]
-            tokens = torch.tensor([graph.nodes[i].feature for i in logits])
-            change = (part.logits - base.logits)[0, -1]
-            torch.testing.assert_close(change[tokens] - change.mean(), graph.adjacency[logits, source] /
-                                       graph.nodes[source].activation, rtol=1e-3, atol=1e-4)
-    torch.testing.assert_close(whole.logits - base.logits, total, rtol=1e-4, atol=1e-4)
+def test_direct_effects_move_every_target_by_delta_times_its_edge(sdpa_model, per_layer, graph):
+    _edges_moved(sdpa_model, per_layer, graph, (0, 1, 2))
+
+
+def test_direct_effects_of_a_clt_move_every_target_by_delta_times_its_edge(sdpa_model, clt):
+    """A CLT feature's delta, written into its block's MLP output and every later one's."""
+    graph = qgraph.attribution_graph(sdpa_model, PROMPT, clt, batch_size=64)
+    _edges_moved(sdpa_model, clt, graph, (0, 2))
 
 
 def hf_greedy(model, ids, math, fixed, opened, new: int):

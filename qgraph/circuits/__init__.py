@@ -1,5 +1,6 @@
 """Circuits: attribution graphs through the replacement model (transcoders at every MLP, the model
-frozen around them: ``passes.replacement``), in circuit-tracer's conventions (``graph.py``)."""
+frozen around them: ``passes.replacement``), in circuit-tracer's conventions (``graph.py``); feature
+interventions (``intervene.py``) and graph scores (``scores.py``) as circuit-tracer has them."""
 from .attribute import attribution_graph
 from .estimate import Estimate, estimate
 from .graph import AttributionGraph, Node

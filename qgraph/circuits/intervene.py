@@ -327,7 +327,7 @@ def _frozen_attention(ig, ids, edits):
     blocks = len(ig.family.block_mixers(ig.config))
     if mixing < blocks:
         raise NotSupported(f"freeze_attention holds sdpa's queries and keys and the delta-rule kernels' inputs; "
-                           f"{blocks - mixing} blocks of this model mix positions otherwise (attn_implementation="
+                           f"{blocks - mixing} of this model's {blocks} blocks mix positions otherwise (attn_implementation="
                            f"{ig.config._attn_implementation!r}): load the model with attn_implementation='sdpa'")
     inputs = prepare(ig.model, None, ids[None].to(next(ig.model.parameters()).device))
     recorded: dict = {}
