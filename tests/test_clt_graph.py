@@ -104,3 +104,14 @@ def test_the_clt_graph_writes_circuit_tracers_json(traced, tmp_path):
     models.Model.model_validate(data)
     replacement, completeness = graph.scores()
     assert 0 <= replacement <= 1 and 0 < completeness <= 1
+
+
+def test_the_estimate_reads_the_clt_and_a_clt_of_another_shape_is_refused(sdpa_model, traced, tmp_path):
+    _, folder, graph = traced
+    estimate = qgraph.circuits.estimate(sdpa_model, PROMPT, folder, batch_size=16)
+    assert estimate.feature_nodes == estimate.active_features == graph.count("feature")
+    clt = qgraph.CrossLayerTranscoder.load(folder)
+    short = qgraph.CrossLayerTranscoder(list(clt.W_enc)[:3], list(clt.b_enc)[:3], [w[:, :3 - i] for i, w in
+                                        enumerate(list(clt.W_dec)[:3])], list(clt.b_dec)[:3])
+    with pytest.raises(qgraph.QgraphError, match="covers 3 blocks .* the model has 4 blocks"):
+        qgraph.attribution_graph(sdpa_model, PROMPT, short)
