@@ -131,17 +131,19 @@ def _setup(model_or_ig, input_ids, transcoders, interventions, constrained_layer
     from .attribute import _prompt
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
-    ids = _prompt(input_ids, model)
+    ids = _prompt(input_ids, model).to(model.get_input_embeddings().weight.device)  # as attribution_graph moves them
     blocks = len(family_for(model).block_mixers(model.config))
-    for name, flag in (("freeze_attention", freeze_attention), ("apply_activation_function", apply_activation_function)):
+    flags = {"freeze_attention": freeze_attention, "apply_activation_function": apply_activation_function}
+    for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise InvalidType(f"{name} takes True or False, not {flag!r}")
     spliced = _Spliced(transcoders, blocks, model)
     wanted = _interventions(interventions, spliced, len(ids), open_ended)
     direct = _constrained(constrained_layers, blocks)
     if direct and spliced.blocks != list(range(blocks)):
-        raise InvalidArgument(f"constrained_layers=range({blocks}) runs the replacement model, which needs a transcoder "
-                              f"at every block; blocks {sorted(set(range(blocks)) - set(spliced.blocks))} have none")
+        missing = sorted(set(range(blocks)) - set(spliced.blocks))
+        raise InvalidArgument(f"constrained_layers=range({blocks}) runs the replacement model, which needs a "
+                              f"transcoder at every block; blocks {missing} have none")
     return model, ids, spliced, wanted, direct
 
 
@@ -161,7 +163,8 @@ def _interventions(interventions, spliced, seq: int, open_ended: bool) -> list[t
             raise InvalidArgument(f"{where}: layer {layer!r} has no transcoder spliced: give one of the blocks "
                                   f"{spliced.blocks} (or splice a transcoder there)")
         if not _is_int(feature) or not 0 <= feature < spliced.width:
-            raise InvalidArgument(f"{where}: feature {feature!r}: the transcoders have features 0 to {spliced.width - 1}")
+            raise InvalidArgument(f"{where}: feature {feature!r}: the transcoders have features 0 to "
+                                  f"{spliced.width - 1}")
         if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
             value = float(value)
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
@@ -191,7 +194,7 @@ def _constrained(constrained_layers, blocks: int) -> bool:
     """Whether ``constrained_layers`` asks for direct effects (every block); None for the live model."""
     if constrained_layers is None:
         return False
-    if isinstance(constrained_layers, (str, bytes, torch.Tensor)) or not isinstance(constrained_layers, (range, list, tuple)):
+    if isinstance(constrained_layers, (str, bytes)) or not isinstance(constrained_layers, (range, list, tuple)):
         raise InvalidType(f"constrained_layers takes None or the blocks range({blocks}), not "
                           f"{type(constrained_layers).__name__}")
     layers = list(constrained_layers)
@@ -232,7 +235,8 @@ class _Spliced:
             return
         if not isinstance(transcoders, dict) or not transcoders:
             raise InvalidType(f"transcoders takes {{block: qgraph.Transcoder}}, a qgraph.CrossLayerTranscoder or a "
-                              f"folder of either, not {type(transcoders).__name__}{' (empty)' if transcoders == {} else ''}")
+                              f"folder of either, not {type(transcoders).__name__}"
+                              f"{' (empty)' if transcoders == {} else ''}")
         bad = [block for block in transcoders if not _is_int(block) or not 0 <= block < blocks]
         if bad:
             raise InvalidArgument(f"transcoders at blocks {bad}: the model has blocks 0 to {blocks - 1}")
@@ -327,9 +331,10 @@ def _frozen_attention(ig, ids, edits):
     blocks = len(ig.family.block_mixers(ig.config))
     if mixing < blocks:
         raise NotSupported(f"freeze_attention holds sdpa's queries and keys and the delta-rule kernels' inputs; "
-                           f"{blocks - mixing} of this model's {blocks} blocks mix positions otherwise (attn_implementation="
-                           f"{ig.config._attn_implementation!r}): load the model with attn_implementation='sdpa'")
-    inputs = prepare(ig.model, None, ids[None].to(next(ig.model.parameters()).device))
+                           f"{blocks - mixing} of this model's {blocks} blocks mix positions otherwise "
+                           f"(attn_implementation={ig.config._attn_implementation!r}): load the model with "
+                           f"attn_implementation='sdpa'")
+    inputs = prepare(ig.model, None, ids[None])
     recorded: dict = {}
     with frozen(recorded):
         program.run(inputs, eager=True)
