@@ -29,6 +29,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..errors import InvalidArgument, InvalidType, MissingFile, OutOfRange
+from .influence import _influence, _normalized, influence
 
 __all__ = ["FEATURE_TYPES", "KINDS", "AttributionGraph", "Node", "influence"]
 
@@ -346,30 +347,6 @@ class AttributionGraph:
 
 def _key(kind: str, layer, position: int, feature) -> tuple:
     return (kind, position, feature) if kind in ("embedding", "logit") else (kind, layer, position, feature)
-
-
-def influence(adjacency: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each node's influence on the nodes ``weights`` weighs (the logits, by probability): ``weights @ (A +
-    A^2 + ...)`` with ``A`` the ``|adjacency|`` with its rows normalised (what ``prune`` ranks nodes by)."""
-    return _influence(_normalized(adjacency), weights)
-
-
-def _normalized(adjacency: torch.Tensor) -> torch.Tensor:
-    """``|adjacency|`` with each row (target) scaled to sum to 1 (rows of zeros stay zero)."""
-    magnitude = adjacency.abs()
-    return magnitude / magnitude.sum(dim=1, keepdim=True).clamp(min=1e-10)
-
-
-def _influence(normalized: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``weights @ (A + A^2 + ...)``: an acyclic graph's ``A`` is nilpotent, so at most n terms are nonzero."""
-    step = weights @ normalized
-    total = step.clone()
-    for _ in range(normalized.shape[0]):
-        if not step.any():
-            return total
-        step = step @ normalized
-        total += step
-    raise InvalidArgument("the adjacency has a cycle (a node influences itself): influence does not converge")
 
 
 def _threshold(scores: torch.Tensor, share: float) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """How much of a graph's influence on the logits its features carry: circuit-tracer's
 ``compute_graph_scores`` (``circuit_tracer/graph.py``, 0.5.0) on an ``AttributionGraph``.
 
-With ``A`` the ``|adjacency|`` with its rows normalised (``graph._normalized``) and ``w`` the logit
-probabilities on the logit nodes, each node's influence is ``w @ (A + A^2 + ...)`` (``graph._influence``):
+With ``A`` the ``|adjacency|`` with its rows normalised (``influence._normalized``) and ``w`` the logit
+probabilities on the logit nodes, each node's influence is ``w @ (A + A^2 + ...)`` (``influence._influence``):
 
 - replacement score: the embeddings' influence over the embeddings' and the errors' together (what
   reaches the logits from the tokens through features alone);
@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .graph import _influence, _normalized
+from .influence import _influence, _normalized
 
 
 class GraphScores(NamedTuple):
