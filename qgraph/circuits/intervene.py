@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -219,13 +218,8 @@ class _Spliced:
     def __init__(self, transcoders, blocks: int, model):
         from ..saes.clt import CrossLayerTranscoder
         from ..saes.transcoder import Transcoder
-        if isinstance(transcoders, (str, Path)):
-            folder = Path(transcoders)
-            folder = folder.parent if folder.is_file() else folder
-            if any(folder.glob("W_enc_*.safetensors")) or any(folder.glob("params_layer_*.safetensors")):
-                transcoders = CrossLayerTranscoder.load(folder)
-            else:
-                transcoders = {i: Transcoder.load(transcoders, layer=i) for i in range(blocks)}
+        from .transcoders import loaded
+        transcoders = loaded(transcoders, blocks)
         self.request, self.cross = transcoders, isinstance(transcoders, CrossLayerTranscoder)
         if self.cross:
             if transcoders.n_layers != blocks:

@@ -57,19 +57,26 @@ class TranscoderSet:
             [p for tc in self.spliced.values() for p in tc.parameters()]
 
 
+def loaded(transcoders, blocks: int):
+    """A folder's transcoders: a cross-layer one (``W_enc_{i}.safetensors`` or ``params_layer_{i}.safetensors``
+    in it) or ``{block: Transcoder}`` for blocks 0..``blocks - 1``; anything else as given."""
+    if not isinstance(transcoders, (str, Path)):
+        return transcoders
+    folder = Path(transcoders)
+    folder = folder.parent if folder.is_file() else folder
+    if any(folder.glob("W_enc_*.safetensors")) or any(folder.glob("params_layer_*.safetensors")):
+        from ..saes.clt import CrossLayerTranscoder
+        return CrossLayerTranscoder.load(folder)
+    from ..saes.transcoder import Transcoder
+    return {i: Transcoder.load(transcoders, layer=i) for i in range(blocks)}
+
+
 def transcoder_set(transcoders, blocks: int, model) -> TranscoderSet:
     """Per-layer transcoders for every block, a cross-layer transcoder, or a folder of either (a
     cross-layer one holds ``W_enc_{i}.safetensors`` or ``params_layer_{i}.safetensors``), checked against the model."""
     from ..saes.clt import CrossLayerTranscoder
     width = model.get_input_embeddings().embedding_dim
-    if isinstance(transcoders, (str, Path)):
-        folder = Path(transcoders)
-        folder = folder.parent if folder.is_file() else folder
-        if any(folder.glob("W_enc_*.safetensors")) or any(folder.glob("params_layer_*.safetensors")):
-            transcoders = CrossLayerTranscoder.load(folder)
-        else:
-            from ..saes.transcoder import Transcoder
-            transcoders = {i: Transcoder.load(transcoders, layer=i) for i in range(blocks)}
+    transcoders = loaded(transcoders, blocks)
     if isinstance(transcoders, CrossLayerTranscoder):
         if transcoders.n_layers != blocks or transcoders.d_model != width:
             raise InvalidArgument(f"{transcoders.source} covers {transcoders.n_layers} blocks of a {transcoders.d_model} "
