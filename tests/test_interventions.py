@@ -111,9 +111,10 @@ def test_an_instrumented_model_is_taken_and_eager_attention_is_not_frozen(sdpa_m
         feature_intervention(eager_model, PROMPT, per_layer, interventions, freeze_attention=True)
 
 
-def _held_kernels(monkeypatch, recorded: list, replay: bool):
+def _held_kernels(monkeypatch, recorded: list, replay: bool, model):
     """sdpa's queries and keys and the delta-rule kernel's queries, keys, decays and betas recorded in
-    call order, or replaced by those recorded."""
+    call order, or replaced by those recorded (the kernel as the module's function and, where a
+    transformers release binds it on each DeltaNet at init, as that attribute)."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as qwen
     sdpa, kernel, calls = torch.nn.functional.scaled_dot_product_attention, qwen.torch_chunk_gated_delta_rule, []
 
@@ -135,6 +136,9 @@ def _held_kernels(monkeypatch, recorded: list, replay: bool):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", frozen_sdpa)
     monkeypatch.setattr(qwen, "torch_chunk_gated_delta_rule", frozen_kernel)
+    for module in model.modules():
+        if getattr(module, "chunk_gated_delta_rule", None) is kernel:
+            monkeypatch.setattr(module, "chunk_gated_delta_rule", frozen_kernel)
     return calls
 
 
@@ -146,11 +150,11 @@ def test_frozen_attention_is_hf_with_the_kernels_inputs_held(sdpa_model, request
     live = feature_intervention(sdpa_model, PROMPT, transcoders, interventions)
     recorded = []
     with monkeypatch.context() as patch:
-        calls = _held_kernels(patch, recorded, replay=False)
+        calls = _held_kernels(patch, recorded, replay=False, model=sdpa_model)
         hf_logits(sdpa_model, PROMPT[None])
         assert len(calls) == BLOCKS  # 3 DeltaNet kernels and one sdpa
     with monkeypatch.context() as patch:
-        _held_kernels(patch, recorded, replay=True)
+        _held_kernels(patch, recorded, replay=True, model=sdpa_model)
         logits, features = hf_live(sdpa_model, PROMPT, Math(transcoders), interventions)
     torch.testing.assert_close(got.logits, logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.activations, features, rtol=1e-5, atol=1e-5)
