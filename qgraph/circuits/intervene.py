@@ -213,7 +213,7 @@ def _is_int(value) -> bool:
 
 class _Spliced:
     """The transcoders: ``request`` (what ``instrument(transcoders=...)`` and the replacement model take),
-    ``blocks`` (spliced, in order), ``width`` (features per block), their encoders and decoders."""
+    ``blocks`` (spliced, in order), ``width`` (features per block), their encoders."""
 
     def __init__(self, transcoders, blocks: int, model):
         from ..saes.clt import CrossLayerTranscoder
@@ -255,13 +255,6 @@ class _Spliced:
             return self.request.encode(block, x) if features else self.request.pre(block, x).to(x.dtype)
         tc = self.request[block]
         return tc.encode(x) if features else tc.pre(x).to(x.dtype)
-
-    def decoders(self, block: int, feature: int) -> list[tuple[int, torch.Tensor]]:
-        """``(j, [d_model])``: the decoder of a feature of ``block`` into each block j it writes."""
-        if self.cross:
-            rows = self.request.W_dec[block][feature]
-            return [(block + k, rows[k]) for k in range(rows.shape[0])]
-        return [(block, self.request[block].W_dec[feature])]
 
     def activations(self, captured: dict, features: bool, wanted, seq: int, opened=()) -> torch.Tensor:
         """``[blocks, positions, width]`` from a run's features (or its inputs: pre-activations), the
@@ -310,6 +303,7 @@ class _Set:
 # -- the frozen runs ---------------------------------------------------------------------------------
 def _frozen_attention(ig, ids, edits):
     """The live program with the attention frozen: recorded on the clean run, replayed with the edits."""
+    from ..compat import attn_implementation
     from ..export import export_model
     from ..inputs import prepare
     from ..kernels.ops import DELTA_RULE_OPS
@@ -326,7 +320,7 @@ def _frozen_attention(ig, ids, edits):
     if mixing < blocks:
         raise NotSupported(f"freeze_attention holds sdpa's queries and keys and the delta-rule kernels' inputs; "
                            f"{blocks - mixing} of this model's {blocks} blocks mix positions otherwise "
-                           f"(attn_implementation={ig.config._attn_implementation!r}): load the model with "
+                           f"(attn_implementation={attn_implementation(ig.config)!r}): load the model with "
                            f"attn_implementation='sdpa'")
     inputs = prepare(ig.model, None, ids[None])
     recorded: dict = {}
@@ -342,8 +336,10 @@ def _direct(model, ids, spliced, wanted, features: bool) -> Intervened:
     from ..export import export_model
     from ..passes.replacement import EMBEDDINGS, frozen, inject_name
     from ..program import Program
+    from .transcoders import TranscoderSet
 
     blocks, seq = spliced.blocks, len(ids)
+    decoders = TranscoderSet(spliced.request, len(blocks))  # every block is spliced here
     program = Program(model, export_model(model, images=False))
     program.build([spliced.reads(b) for b in blocks], {}, True, replacement=spliced.request)
     parameter = next(model.parameters())
@@ -358,8 +354,8 @@ def _direct(model, ids, spliced, wanted, features: bool) -> Intervened:
         deltas = {b: torch.zeros(1, seq, zeros.shape[-1], device=ids.device) for b in blocks}
         for block, position, feature, value in wanted:
             delta = value - float(moved[f"replacement.{block}.features"][0, position, feature])
-            for j, decoder in spliced.decoders(block, feature):
-                deltas[j][0, position] += delta * decoder.float().to(ids.device)
+            for j, decoder in decoders.decoders(block, torch.tensor([feature])):
+                deltas[j][0, position] += delta * decoder[0].to(ids.device)
         inputs.update({inject_name(b): deltas[b].to(parameter.dtype) for b in blocks})
         with frozen(recorded, replay=True):
             logits, moved = program.run(inputs)
