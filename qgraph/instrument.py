@@ -160,7 +160,8 @@ class InstrumentedModel:
             raise EditError(f"'{name}' is computed after the run from other values ({entry.description}); edit the "
                             f"value it is derived from")
         target = Target(name, entry.layout, tuple(map(str, entry.spec.dims if entry.spec else entry.shape)))
-        return EditSlot(target, entry.location.view, fixed=fixed)
+        return EditSlot(target, entry.location.view, fixed=fixed,
+                        regions_only=entry.spec is not None and entry.spec.rule.region_edits_only)
 
     def _key(self, images: bool, extra=()) -> tuple:
         return images, frozenset(self.slots) | frozenset(extra)

@@ -8,8 +8,8 @@ Qwen ViT (``qwen_vision``) and M-RoPE position ids (three rows: time, height, wi
 from .base import Family, Kernels, Memory, Mixer, RepeatedBlocks
 from .qwen_vision import IMAGES
 from .registry import register_family
-from .rules import (HEADS, Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput,
-                    ProgramOutput, ProjectionHalf, ValueSpec)
+from .rules import (HEADS, Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites, Derived,
+                    Port, ProgramInput, ProgramOutput, ProjectionHalf, ValueSpec)
 
 # Module paths as the spec names them: the text stack's prefix drops, the vision tower is "vision"
 # with its blocks' modules named like the text blocks', its merger is "projector". The first
@@ -127,6 +127,16 @@ VALUES = (
     ValueSpec("state", "linear_attn", "State [batch positions value_heads key_dim value_dim]",
               "The recurrent state after the tokens at positions=[...] (required option; also dtype=, heads=); "
               "read-only", DeltaRuleStates(at_positions=True)),
+    ValueSpec("effective_attention", "linear_attn", "Pattern [batch value_heads query key]",
+              "The delta rule read as attention, exactly: head_outputs = A @ values + initial_state_output, "
+              "A[t, s] = beta_s k_s^T M_{s+1}..M_t q_t with M_r = exp(g_r)(I - beta_r k_r k_r^T); causal, float32; "
+              "read-only", DeltaRuleReads("attention")),
+    ValueSpec("initial_state_output", "linear_attn", "LinearV [batch seq value_heads value_dim]",
+              "What the initial state (state_input) adds to the head outputs, the part effective_attention leaves "
+              "out (zeros on a plain prompt); float32, read-only", DeltaRuleReads("initial_state")),
+    ValueSpec("write_values", "linear_attn", "LinearV [batch seq value_heads value_dim]",
+              "What each token writes into the state along its key, beta_t (v_t - S^T k_t) with S the decayed "
+              "state before it; edits apply inside the recurrence (region edits only); float32", DeltaRuleWrites()),
     ValueSpec("conv_state_input", "linear_attn", "ConvState [batch conv_dim conv_context]",
               "The causal conv's left context: zeros at a prompt's start; give a previous call's "
               "conv_state_output (with its state_output as state_input) to continue it", ConvContext("input")),
@@ -165,7 +175,7 @@ VALUES = (
 
 # TransformerLens hook names -> the value each is, by host kind: a block's mixer is its attention
 # ("attn"), so hook_attn_out is either mixer's output and hook_z either's per-head outputs (the
-# attention's before its sigmoid gate); the pattern and scores only attention blocks have. Left out as
+# attention's before its sigmoid gate); the scores only attention blocks have, the pattern a DeltaNet's effective attention. Left out as
 # not one value: ln1/ln2.hook_normalized (before the norm's weight), hook_mlp_in (the stream as only
 # the MLP reads it), attn.hook_q/k/v (before the rotary, and [batch seq heads dim]).
 ALIASES = {
@@ -176,7 +186,7 @@ ALIASES = {
     "blocks.{i}.hook_attn_out": {"self_attn": "attention_output", "linear_attn": "attention_output"},
     "blocks.{i}.attn.hook_z": {"self_attn": "attention_head_outputs", "linear_attn": "attention_head_outputs"},
     "blocks.{i}.attn.hook_attn_scores": {"self_attn": "attention_scores"},
-    "blocks.{i}.attn.hook_pattern": {"self_attn": "attention_probabilities"},
+    "blocks.{i}.attn.hook_pattern": {"self_attn": "attention_probabilities", "linear_attn": "effective_attention"},
     "blocks.{i}.hook_mlp_out": {"mlp": "mlp_output"},
     "blocks.{i}.mlp.hook_post": {"mlp": "mlp_neurons"},
 }

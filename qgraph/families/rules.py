@@ -14,12 +14,15 @@ class Rule:
 
     ``read_only``: its value can be read but not edited; ``by_name_only``: only its own name selects
     the value, never a glob (a value that rewrites its block when asked for); ``derived``: computed
-    after the run from other values. ``passes.locate`` registers one locator per rule type
+    after the run from other values; ``region_edits_only``: an edit reaches it inside a kernel, as an
+    affine map of each token's vector (``Replace``, ``Add``, ``Scale``, ``Zero``), so a function edit is
+    refused. ``passes.locate`` registers one locator per rule type
     (``@locates``)."""
 
     read_only: ClassVar[bool] = False
     by_name_only: ClassVar[bool] = False
     derived: ClassVar[bool] = False
+    region_edits_only: ClassVar[bool] = False  # edited as an affine map inside a kernel: no function edits
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,27 @@ class DeltaRuleStates(Rule):
     by_name_only: ClassVar[bool] = True  # swaps its block's kernel when asked for
 
     at_positions: bool
+
+
+@dataclass(frozen=True)
+class DeltaRuleReads(Rule):
+    """The host's delta rule read as attention: its exact effective attention (``attention``) and what
+    its initial state adds to its outputs (``initial_state``), made on request by a node beside the
+    kernel that runs the rule on one-hot values (``passes.swap.read_as_attention``)."""
+
+    read_only: ClassVar[bool] = True
+    by_name_only: ClassVar[bool] = True  # adds a node to its block when asked for
+
+    part: str  # attention | initial_state
+
+
+@dataclass(frozen=True)
+class DeltaRuleWrites(Rule):
+    """What each token writes into the host's state, made on request by swapping the kernel for one
+    that returns the writes and takes an edit of them inside the recurrence (``passes.swap``)."""
+
+    by_name_only: ClassVar[bool] = True  # swaps its block's kernel when asked for
+    region_edits_only: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ chunk-start state and corrected values, streamed to memory once), about twice as
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +177,86 @@ def _write_all_states(out, scratch, state0, key, new_values, cum, pairwise, bloc
         out[:, done:] = tail.transpose(1, 2)
 
 
+class Chunks(NamedTuple):
+    """The chunked delta rule's per-chunk terms, float32 ``[batch, value_heads, chunks, chunk, ...]``."""
+
+    num_chunks: int
+    key: torch.Tensor  # normalised keys
+    cum: torch.Tensor  # in-chunk cumulative log decay [b, h, n, c]
+    pairwise: torch.Tensor  # exp(c_t - c_j) for j <= t, else 0 [b, h, n, c, c]
+    new_values: torch.Tensor  # the UT solve's values: the writes before the chunk's start state enters
+    k_cumdecay: torch.Tensor  # the UT solve's decayed keys: what reads the chunk's start state
+    intra_attn: torch.Tensor  # (q k^T) * pairwise
+    query_decayed: torch.Tensor
+    key_to_end: torch.Tensor
+    chunk_decay: torch.Tensor  # [b, h, n, 1, 1]
+
+
+def chunked_system(query, key, value, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=64,
+                   write_scale=None, write_shift=None) -> Chunks:
+    """transformers' chunked algorithm up to its scan over chunks: l2 norm and scale, padding to whole
+    chunks, the in-chunk decays and the UT transform (a unit-lower-triangular solve per chunk).
+
+    ``write_scale`` ``[b, s, hv]`` and ``write_shift`` ``[b, s, hv, dv]`` (float32) make each write an
+    affine function of the one the model computes, inside the recurrence: ``d'_t = write_scale_t * d_t +
+    write_shift_t`` (``qgraph.kernels.delta_writes``). The system stays a triangular solve: the keys
+    are weighted by ``beta * write_scale`` and the values by that plus the shift."""
+    batch, seq, num_k_heads, k_dim = key.shape
+    num_v_heads, v_dim = value.shape[-2:]
+    if num_v_heads % num_k_heads:
+        raise InvalidArgument(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+    if chunk_size < 1:
+        raise InvalidArgument(f"chunk_size must be positive, got {chunk_size}")
+    device = value.device
+    # Grouped value attention: each key head serves num_v_heads // num_k_heads consecutive value heads.
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    # [batch, heads, seq, ...] float32, as the reference kernel does.
+    query, key, value, beta, decay = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for x in (query, key, value, beta, g)
+    )
+    if use_qk_l2norm_in_kernel:
+        query, key = _l2norm(query), _l2norm(key)
+    query = query * k_dim ** -0.5
+
+    # Pad to whole chunks. Padded tokens have beta = 0, key = 0 and g = 0, so they leave the state
+    # unchanged and the final state of the last chunk is the state after the last real token.
+    pad = (chunk_size - seq % chunk_size) % chunk_size
+    num_chunks = (seq + pad) // chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
+
+    strength = beta if write_scale is None else beta * F.pad(write_scale.transpose(1, 2).float(), (0, pad))
+    v_beta = value * strength[..., None]
+    if write_shift is not None:
+        v_beta = v_beta + F.pad(write_shift.transpose(1, 2).float(), (0, 0, 0, pad))
+    k_beta = key * strength[..., None]
+    chunked = lambda x: x.reshape(batch, num_v_heads, num_chunks, chunk_size, x.shape[-1])  # noqa: E731
+    query, key, k_beta, v_beta = (chunked(x) for x in (query, key, k_beta, v_beta))
+    cum = decay.reshape(batch, num_v_heads, num_chunks, chunk_size).cumsum(dim=-1)
+
+    # pairwise[..., t, j] = exp(c_t - c_j) for j <= t, 0 above the diagonal (masked before exp so
+    # it cannot overflow). It weighs both the UT system and, later, the per-token state sums.
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1)
+    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+
+    # UT transform: one unit-lower-triangular solve per chunk gives the intra-chunk delta-rule
+    # values ("u") and the decayed keys that read the chunk's start state.
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra_attn = (query @ key.transpose(-1, -2)) * pairwise
+    decayed_k_beta = k_beta * cum.exp()[..., None]
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+
+    query_decayed = query * cum.exp()[..., None]
+    key_to_end = key * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    return Chunks(num_chunks, key, cum, pairwise, new_values, k_cumdecay, intra_attn, query_decayed, key_to_end,
+                  chunk_decay)
+
+
 def _check_index(name, index, limit):
     if index.dim() != 1 or index.dtype in (torch.bool,) or index.is_floating_point() or index.is_complex():
         raise InvalidArgument(f"{name} must be a 1-D integer tensor, got {tuple(index.shape)} {index.dtype}")
@@ -232,58 +312,13 @@ def chunk_gated_delta_rule_with_states(
     out_dtype = query.dtype
     batch, seq, num_k_heads, k_dim = key.shape
     num_v_heads, v_dim = value.shape[-2:]
-    if num_v_heads % num_k_heads:
-        raise InvalidArgument(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
-    if chunk_size < 1:
-        raise InvalidArgument(f"chunk_size must be positive, got {chunk_size}")
     if positions is not None:
         _check_index("positions", positions, seq)
     if heads is not None:
         _check_index("heads", heads, num_v_heads)
     device = value.device
-
-    # Grouped value attention: each key head serves num_v_heads // num_k_heads consecutive value heads.
-    if num_k_heads != num_v_heads:
-        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    # [batch, heads, seq, ...] float32, as the reference kernel does.
-    query, key, value, beta, decay = (
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (query, key, value, beta, g)
-    )
-    if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query), _l2norm(key)
-    query = query * k_dim ** -0.5
-
-    # Pad to whole chunks. Padded tokens have beta = 0, key = 0 and g = 0, so they leave the state
-    # unchanged and the final state of the last chunk is the state after the last real token.
-    pad = (chunk_size - seq % chunk_size) % chunk_size
-    num_chunks = (seq + pad) // chunk_size
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
-
-    v_beta = value * beta[..., None]
-    k_beta = key * beta[..., None]
-    chunked = lambda x: x.reshape(batch, num_v_heads, num_chunks, chunk_size, x.shape[-1])  # noqa: E731
-    query, key, k_beta, v_beta = (chunked(x) for x in (query, key, k_beta, v_beta))
-    cum = decay.reshape(batch, num_v_heads, num_chunks, chunk_size).cumsum(dim=-1)
-
-    # pairwise[..., t, j] = exp(c_t - c_j) for j <= t, 0 above the diagonal (masked before exp so
-    # it cannot overflow). It weighs both the UT system and, later, the per-token state sums.
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1)
-    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-
-    # UT transform: one unit-lower-triangular solve per chunk gives the intra-chunk delta-rule
-    # values ("u") and the decayed keys that read the chunk's start state.
-    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
-    intra_attn = (query @ key.transpose(-1, -2)) * pairwise
-    decayed_k_beta = k_beta * cum.exp()[..., None]
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
-
-    query_decayed = query * cum.exp()[..., None]
-    key_to_end = key * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
+    c = chunked_system(query, key, value, g, beta, use_qk_l2norm_in_kernel, chunk_size)
+    num_chunks, key, cum, pairwise = c.num_chunks, c.key, c.cum, c.pairwise
 
     # State selection. Restricting heads up front keeps the state work proportional to them.
     head_index = heads.to(device=device, dtype=torch.long) if heads is not None else None
@@ -307,12 +342,12 @@ def chunk_gated_delta_rule_with_states(
     else:
         # copy=True: the final state must never alias the caller's tensor (custom-op contract).
         state = initial_state.to(device=device, dtype=torch.float32, copy=True)
-    output = torch.empty_like(v_beta)
+    output = c.new_values.new_empty(c.new_values.shape)
 
     # Sequential scan over chunks (never over tokens).
     for i in range(num_chunks):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        output[:, :, i] = query_decayed[:, :, i] @ state + intra_attn[:, :, i] @ v_new
+        v_new = c.new_values[:, :, i] - c.k_cumdecay[:, :, i] @ state
+        output[:, :, i] = c.query_decayed[:, :, i] @ state + c.intra_attn[:, :, i] @ v_new
         if positions is None or i in wanted:
             args = (select(state), select(key[:, :, i]), select(v_new), select(cum[:, :, i]),
                     select(pairwise[:, :, i]))
@@ -323,7 +358,7 @@ def chunk_gated_delta_rule_with_states(
                 slots, rows = zip(*wanted[i])
                 chunk_states = _rows_states(*args, list(rows))
                 states[:, list(slots)] = chunk_states.transpose(1, 2).to(states_dtype)
-        state = state * chunk_decay[:, :, i] + key_to_end[:, :, i].transpose(-1, -2) @ v_new
+        state = state * c.chunk_decay[:, :, i] + c.key_to_end[:, :, i].transpose(-1, -2) @ v_new
 
     output = output.reshape(batch, num_v_heads, num_chunks * chunk_size, v_dim)[:, :, :seq]
     output = output.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)

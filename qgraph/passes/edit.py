@@ -12,7 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..edits import Target, apply_edit
+from ..edits import Edit, Target, apply_edit
+from ..errors import EditError
 from ..kernels.ops import MARK_OP
 from . import views
 from .base import BuildPass, PassResult
@@ -39,14 +40,25 @@ class EditSlot(torch.nn.Module):
     its input. Under ``torch.compile`` only the fixed edit is traced: a call with per-call edits runs
     the eager program."""
 
-    def __init__(self, target: Target, view: tuple = (), fixed=None):
+    def __init__(self, target: Target, view: tuple = (), fixed=None, regions_only: bool = False):
         super().__init__()
-        self.target, self.view, self.fixed = target, view, fixed
+        self.target, self.view, self.fixed, self.regions_only = target, view, fixed, regions_only
+        if fixed is not None:
+            self.check(fixed)
+
+    def check(self, edit) -> None:
+        """Refuse a function edit where the value is edited inside a kernel (``regions_only``)."""
+        if self.regions_only and not isinstance(edit, Edit):
+            raise EditError(f"a function edit at {self.target.describe()}: this value is edited inside the delta "
+                            f"rule's recurrence, one token's write at a time, where a Python function cannot run; "
+                            f"give Replace, Add, Scale or Zero (with positions=/heads= for a region)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         edit = None if torch.compiler.is_compiling() else _CALL_EDITS.get().get(self)
         if self.fixed is None and edit is None:
             return x
+        if edit is not None:
+            self.check(edit)
         value = views.apply(x, self.view)  # edits see the value as it is served
         for change in (self.fixed, edit):
             if change is not None:
@@ -74,13 +86,14 @@ class InsertEditSlots(BuildPass):
                 while node.target is MARK_OP:
                     node = node.args[0]
             graph_module.add_submodule(name_of(name), slot)
-            readers = list(node.users)
-            with graph.inserting_after(node):
-                slot_node = graph.call_module(name_of(name), (node,))
-            slot_node.meta["val"] = node.meta.get("val")
-            for reader in readers:
-                reader.replace_input_with(node, slot_node)
-            self.build.slot_nodes[name] = slot_node
+            for point in entry.location.probes or (node,):  # edited inside a kernel: at its probes
+                readers = list(point.users)
+                with graph.inserting_after(point):
+                    slot_node = graph.call_module(name_of(name), (point,))
+                slot_node.meta["val"] = point.meta.get("val")
+                for reader in readers:
+                    reader.replace_input_with(point, slot_node)
+            self.build.slot_nodes[name] = node if entry.location.probes else slot_node
         return PassResult(graph_module, bool(self.build.request.slots))
 
 

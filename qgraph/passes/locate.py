@@ -18,12 +18,15 @@ from torch.fx import Graph, Node
 
 from ..errors import InvalidArgument, InvalidType
 from ..families import Family
-from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput,
-                              ProjectionHalf, Routing, Rule, ScatterSource, VarlenAttention)
+from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites, Derived,
+                              Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing, Rule, ScatterSource,
+                              VarlenAttention)
 from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
+from ..kernels.read_ops import ATTENTION_READ_OP, WRITES_OP
 from . import views
-from .on_request import DecomposeSdpa, OpenConvContext, Rewrite, SplitExperts, SwapForStates
+from .on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts, SwapForStates,
+                         SwapForWrites)
 
 aten = torch.ops.aten
 
@@ -34,14 +37,18 @@ _PASS_THROUGH = {
     aten.dropout.default, aten._to_copy.default, aten.alias.default, MARK_OP,
 }
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
+_SWAPPED = (STATES_OP, WRITES_OP)  # what a DeltaNet's kernel becomes on request; (output, ..., final state)
 
 
 @dataclass(frozen=True)
 class Found:
-    """The node holding a value, and the view it is served through (see ``passes.views``)."""
+    """The node holding a value, and the view it is served through (see ``passes.views``). A value
+    edited inside a kernel (``write_values``) names in ``probes`` the kernel's inputs its edit slot
+    sits on (what the edit makes of zeros, then of ones); ``node`` is what the kernel returns, edited."""
 
     node: Node
     view: tuple = ()
+    probes: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class Locator:
         return locate(self, host, rule)
 
     def kernel(self, host: str) -> Node | None:
-        return next((n for n in self.scopes.get(host, ()) if n.target in DELTA_RULE_OPS or n.target is STATES_OP), None)
+        return next((n for n in self.scopes.get(host, ()) if n.target in DELTA_RULE_OPS or n.target in _SWAPPED), None)
 
 
 # -- locators, one per rule type ------------------------------------------------------------------
@@ -138,7 +145,7 @@ def _delta_rule(locator: Locator, host: str, rule: DeltaRule) -> Found | Missing
             argument = argument.args[0]  # repeated to the value heads before the kernel (transformers < 5.23)
         return Found(argument)
     # (output, final state), or (output, states, final state) once swapped for states
-    index = {"head_outputs": 0, "state_output": 2 if kernel.target is STATES_OP else 1}[rule.part]
+    index = {"head_outputs": 0, "state_output": 2 if kernel.target in _SWAPPED else 1}[rule.part]
     return Found(_output_item(locator.graph, kernel, index))
 
 
@@ -147,12 +154,45 @@ def _states(locator: Locator, host: str, rule: DeltaRuleStates) -> Found | OnReq
     kernel = locator.kernel(host)
     if kernel is None:
         return Missing(f"no gated delta-rule kernel call under '{host}'")
+    if kernel.target is WRITES_OP:
+        return Missing(f"this program swaps '{host}' kernel for one that returns its writes, not its states")
     if kernel.target is not STATES_OP:
         return OnRequest(kernel, SwapForStates(rule.at_positions))
     if (kernel.args[6] is not None) != rule.at_positions:
         where = "at every token" if rule.at_positions else "at positions"
         return Missing(f"this program computes '{host}' states {where}")
     return Found(_output_item(locator.graph, kernel, 1))
+
+
+@locates(DeltaRuleReads)
+def _reads(locator: Locator, host: str, rule: DeltaRuleReads) -> Found | OnRequest | Missing:
+    kernel = locator.kernel(host)
+    if kernel is None:
+        return Missing(f"no gated delta-rule kernel call under '{host}'")
+    read = next((n for n in locator.scopes.get(host, ()) if n.target is ATTENTION_READ_OP), None)
+    if read is None:
+        return OnRequest(kernel, ReadAsAttention())
+    return Found(_output_item(locator.graph, read, ("attention", "initial_state").index(rule.part)))
+
+
+@locates(DeltaRuleWrites)
+def _writes(locator: Locator, host: str, rule: DeltaRuleWrites) -> Found | OnRequest | Missing:
+    kernel = locator.kernel(host)
+    if kernel is None:
+        return Missing(f"no gated delta-rule kernel call under '{host}'")
+    if kernel.target is STATES_OP:
+        return Missing(f"this program swaps '{host}' kernel for one that returns its states, not its writes")
+    if kernel.target is not WRITES_OP:
+        return OnRequest(kernel, SwapForWrites())
+    return Found(_output_item(locator.graph, kernel, 1), probes=tuple(kernel.args[6:8]))
+
+
+def gradient_node(location: Found) -> Node:
+    """The node whose gradient is the value's: its own, or for a value edited inside a kernel the
+    shift that kernel takes (``d loss / d write_t``, later writes recomputed as the model would)."""
+    if not location.probes:
+        return location.node
+    return location.node.args[0].args[6]  # the writes kernel's shift: its probe, or that probe's slot
 
 
 @locates(ConvContext)

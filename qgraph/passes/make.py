@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..errors import InvalidArgument
 from .base import BuildPass, PassResult
 from .locate import OnRequest
-from .on_request import SwapForStates
+from .on_request import SwapForStates, SwapForWrites
 
 
 class MakeOnRequest(BuildPass):
@@ -28,16 +28,24 @@ class MakeOnRequest(BuildPass):
         super().requires(graph_module)
         by_node = {}
         for name, request in self.requests.items():
+            if not isinstance(request.rewrite, (SwapForStates, SwapForWrites)):
+                continue
             other = by_node.setdefault(request.node, name)
-            if other != name and isinstance(request.rewrite, SwapForStates):
+            if other != name and isinstance(self.requests[other].rewrite, SwapForWrites) is not \
+                    isinstance(request.rewrite, SwapForWrites):
+                raise InvalidArgument(f"'{other}' and '{name}': a block's kernel returns its states or its writes, not "
+                                      f"both; ask one per call (the state after token t is the decayed state before "
+                                      f"it plus k_t write_t^T)")
+            if other != name and request.rewrite != self.requests[other].rewrite:
                 raise InvalidArgument(f"'{other}' and '{name}': ask a block for states (every token) or state (at "
                                  f"positions), not both; states[:, positions] is the same")
 
     def call(self, graph_module) -> PassResult:
         done, program, options = set(), self.build.program, self.build.request.options
-        for name, request in self.requests.items():
-            if request.node not in done:  # scores and probabilities (or both conv sides) of one block: one rewrite
-                done.add(request.node)
+        # those that read a node before those that erase it (a block's effective attention, then its writes)
+        for name, request in sorted(self.requests.items(), key=lambda item: item[1].rewrite.replaces_node):
+            if (request.node, request.rewrite) not in done:  # scores and probabilities of one block: one rewrite
+                done.add((request.node, request.rewrite))
                 request.rewrite.apply(program, request.node, name, options.get(name, {}))
         program.recatalogue()
         return PassResult(graph_module, bool(done))

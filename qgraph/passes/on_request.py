@@ -16,7 +16,7 @@ from ..errors import OutOfRange
 from ..kernels.experts import DOWN_OP, NEURONS_OP
 from .decompose import decompose_sdpa
 from .emit import emitter
-from .swap import open_conv_context, swap_for_states
+from .swap import open_conv_context, read_as_attention, swap_for_states, swap_for_writes
 
 
 class Rewrite:
@@ -24,6 +24,7 @@ class Rewrite:
     it makes (a block's scores and probabilities)."""
 
     note = "a pass makes it when it is asked for"
+    replaces_node = True  # the rewrite erases ``node``: the build applies those after the ones that read it
 
     def apply(self, program, node: Node, name: str, option: dict) -> None:
         raise NotImplementedError
@@ -62,6 +63,29 @@ class SwapForStates(Rewrite):
             recipe = {"kind": "heads", "heads": [int(h) for h in heads]}
             heads = program.add_input(f"{name}.heads", input_source(recipe), torch.tensor(heads), recipe)
         swap_for_states(program.graph, node, positions, heads, option.get("dtype", torch.float32))
+
+
+@dataclass(frozen=True)
+class ReadAsAttention(Rewrite):
+    """A DeltaNet block's effective attention and initial-state output: a node beside its kernel that
+    runs the rule on one-hot values (``passes.swap.read_as_attention``)."""
+
+    note = "asking for it adds a node beside the kernel that runs the delta rule on one-hot values"
+    replaces_node = False
+
+    def apply(self, program, node, name, option):
+        read_as_attention(program.graph, node)
+
+
+@dataclass(frozen=True)
+class SwapForWrites(Rewrite):
+    """A DeltaNet block's writes: its kernel becomes one that returns each token's write and takes an
+    edit of it inside the recurrence (``passes.swap.swap_for_writes``)."""
+
+    note = "asking for it swaps the kernel for one that returns each token's write and edits it in the recurrence"
+
+    def apply(self, program, node, name, option):
+        swap_for_writes(program.graph, node)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..kernels.ops import STATES_OP
+from ..kernels.read_ops import ATTENTION_READ_OP, WRITES_OP
 from .emit import emitter, fake_result
 
 
@@ -23,6 +24,34 @@ def swap_for_states(graph: Graph, kernel: Node, positions: Node | None, heads: N
     swapped.meta["val"] = fake_result(STATES_OP, swapped.args)
     # the kernel's (output, final state) are the new op's items 0 and 2
     for user in list(kernel.users):
+        if user.target is operator.getitem:
+            user.args = (swapped, 0 if user.args[1] == 0 else 2)
+    graph.erase_node(kernel)
+    return swapped
+
+
+def read_as_attention(graph: Graph, kernel: Node) -> Node:
+    """Add ``qgraph::delta_rule_attention`` on ``kernel``'s queries, keys, decays, betas and initial
+    state, beside it (the kernel still computes the block): the block's effective attention and what
+    its initial state adds. Returns the new node."""
+    query, key, _, g, beta, initial_state, use_l2norm = kernel.args[:7]
+    with graph.inserting_after(kernel):
+        return emitter(graph, kernel)(ATTENTION_READ_OP, query, key, g, beta, initial_state, use_l2norm)
+
+
+def swap_for_writes(graph: Graph, kernel: Node) -> Node:
+    """Replace ``kernel`` by ``qgraph::chunk_gated_delta_rule_writes``, which also returns each token's
+    write. It takes the edit of the writes as two probes, what the edit makes of zeros (the shift) and
+    of ones (the shift plus the scale): two nodes (zeros of the values' shape, in float32, computed
+    from the values so that gradients reach them) where the edit slot of ``write_values`` sits.
+    Returns the new node."""
+    query, key, value, g, beta, initial_state, use_l2norm = kernel.args[:7]
+    emit, aten = emitter(graph, kernel), torch.ops.aten
+    with graph.inserting_before(kernel):
+        zeros = lambda: emit(aten.mul.Tensor, emit(aten._to_copy.default, value, dtype=torch.float32), 0.0)  # noqa: E731
+        shift, lift = zeros(), emit(aten.add.Tensor, zeros(), 1.0)
+        swapped = emit(WRITES_OP, query, key, value, g, beta, initial_state, shift, lift, use_l2norm)
+    for user in list(kernel.users):  # the kernel's (output, final state) are the new op's items 0 and 2
         if user.target is operator.getitem:
             user.args = (swapped, 0 if user.args[1] == 0 else 2)
     graph.erase_node(kernel)

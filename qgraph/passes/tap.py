@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import views
 from .base import BuildPass, PassResult
-from .locate import Found
+from .locate import Found, gradient_node
 
 
 class Tap(BuildPass):
@@ -39,7 +39,7 @@ class Tap(BuildPass):
             found[name] = Found(build.slot_nodes[name], location.view) if name in build.slot_nodes else location
         for name in request.values:
             if request.options.get(name, {}).get("grad"):
-                found[grad_tap(name)] = Found(found[name].node)
+                found[grad_tap(name)] = Found(gradient_node(Found(found[name].node, (), catalogue[name].location.probes)))
         return {**found, **build.taps}
 
 

@@ -69,8 +69,10 @@ _GROUPS = {
         copy_.default detach_.default index_put_.default""",
 }
 _QGRAPH = {
-    "qgraph's kernels: the gated delta rule (its state-emitting form too), the experts, the edit slots": """
+    "qgraph's kernels: the gated delta rule (its state-emitting, writes and attention forms too), the experts, "
+    "the edit slots": """
         chunk_gated_delta_rule.default chunk_gated_delta_rule_states.default moe_experts.default
+        chunk_gated_delta_rule_writes.default delta_rule_attention.default
         moe_expert_neurons.default moe_experts_down.default edit_slot.default""",
 }
 OPS: dict[str, str] = {f"aten.{name}": reason for reason, names in _GROUPS.items() for name in names.split()}

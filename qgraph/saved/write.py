@@ -245,7 +245,7 @@ class _Fixed(torch.nn.Module):
 
     def __init__(self, slot: EditSlot):
         super().__init__()
-        self.slot = EditSlot(slot.target, slot.view, fixed=slot.fixed)
+        self.slot = EditSlot(slot.target, slot.view, fixed=slot.fixed, regions_only=slot.regions_only)
 
     def forward(self, x):
         return self.slot(x)
@@ -288,6 +288,9 @@ def _slots_as_ops(program) -> tuple[_Draft, dict]:
         if not isinstance(slot, EditSlot):
             continue
         name = slot.target.name
+        if slot.regions_only:
+            raise NotSupported(f"'{name}' is edited inside the delta rule's recurrence, which a saved program's edit "
+                               f"slot cannot check: save the program without an edit slot there (reading it is fine)")
         slots[name] = {"layout": slot.target.layout, "dims": list(slot.target.dims),
                        "view": [list(step) for step in slot.view], "fixed": None if slot.fixed is None else repr(slot.fixed)}
         source = node.args[0]
