@@ -184,15 +184,17 @@ def _writes(locator: Locator, host: str, rule: DeltaRuleWrites) -> Found | OnReq
         return Missing(f"this program swaps '{host}' kernel for one that returns its states, not its writes")
     if kernel.target is not WRITES_OP:
         return OnRequest(kernel, SwapForWrites())
-    return Found(_output_item(locator.graph, kernel, 1), probes=tuple(kernel.args[6:8]))
+    shift, lift = kernel.args[6:8]  # each its probe plus the gradient's zeros (passes.swap.swap_for_writes)
+    return Found(_output_item(locator.graph, kernel, 1), probes=(shift.args[0], lift.args[0]))
 
 
 def gradient_node(location: Found) -> Node:
     """The node whose gradient is the value's: its own, or for a value edited inside a kernel the
-    shift that kernel takes (``d loss / d write_t``, later writes recomputed as the model would)."""
+    zeros added to the writes that kernel makes (``d loss / d write_t``, later writes recomputed as the
+    model would)."""
     if not location.probes:
         return location.node
-    return location.node.args[0].args[6]  # the writes kernel's shift: its probe, or that probe's slot
+    return location.node.args[0].args[6].args[1]  # the writes kernel's shift is (its probe) + (these zeros)
 
 
 @locates(ConvContext)

@@ -42,14 +42,16 @@ def read_as_attention(graph: Graph, kernel: Node) -> Node:
 def swap_for_writes(graph: Graph, kernel: Node) -> Node:
     """Replace ``kernel`` by ``qgraph::chunk_gated_delta_rule_writes``, which also returns each token's
     write. It takes the edit of the writes as two probes, what the edit makes of zeros (the shift) and
-    of ones (the shift plus the scale): two nodes (zeros of the values' shape, in float32, computed
-    from the values so that gradients reach them) where the edit slot of ``write_values`` sits.
+    of ones (the shift plus the scale): two nodes where the edit slot of ``write_values`` sits. A third,
+    zeros added to both (so the scale stays), is what a gradient of the writes is taken at. All three
+    are zeros of the values' shape in float32, computed from the values so that gradients reach them.
     Returns the new node."""
     query, key, value, g, beta, initial_state, use_l2norm = kernel.args[:7]
     emit, aten = emitter(graph, kernel), torch.ops.aten
     with graph.inserting_before(kernel):
         zeros = lambda: emit(aten.mul.Tensor, emit(aten._to_copy.default, value, dtype=torch.float32), 0.0)  # noqa: E731
-        shift, lift = zeros(), emit(aten.add.Tensor, zeros(), 1.0)
+        shift, lift, nudge = zeros(), emit(aten.add.Tensor, zeros(), 1.0), zeros()
+        shift, lift = emit(aten.add.Tensor, shift, nudge), emit(aten.add.Tensor, lift, nudge)
         swapped = emit(WRITES_OP, query, key, value, g, beta, initial_state, shift, lift, use_l2norm)
     for user in list(kernel.users):  # the kernel's (output, final state) are the new op's items 0 and 2
         if user.target is operator.getitem:
