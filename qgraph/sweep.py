@@ -20,7 +20,7 @@ import torch
 
 from .distributed import blocks_of
 from .distributed.split import pick, split
-from .edits import _AXES, indices
+from .edits import _AXES, Edit, indices
 from .errors import InternalError, InvalidArgument, InvalidType
 from .inputs import prepare
 from .passes.edit import applying
@@ -125,12 +125,17 @@ class CorruptRun:
         return value
 
 
-class _PatchEdit:
+class _PatchEdit(Edit):
     """The per-call edit of one pass: rows ``l * rows .. (l + 1) * rows`` get the clean value at
-    location ``l`` of ``chunk`` (a position and/or head; None: every one), the rest stay corrupt."""
+    location ``l`` of ``chunk`` (a position and/or head; None: every one), the rest stay corrupt. A
+    region edit (an ``Edit``: whole positions and heads replaced), so it reaches values edited inside
+    a kernel (``write_values``) too."""
 
     def __init__(self, clean: torch.Tensor, chunk: list[tuple], axes: dict, rows: int):
         self.clean, self.chunk, self.axes, self.rows = clean, chunk, axes, rows
+
+    def apply(self, x: torch.Tensor, target) -> torch.Tensor:
+        return self(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         batch, copies = self.axes["batch"], len(self.chunk)

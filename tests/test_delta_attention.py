@@ -235,7 +235,7 @@ def test_refusals(sdpa_model, reads, tmp_path):
     with pytest.raises(InvalidArgument, match="states or its writes"):
         qgraph.instrument(sdpa_model, values=[name, f"{P.format(0)}.states"])
     with pytest.raises(EditError, match="read-only"):
-        reads(ids, edits={f"{P.format(0)}.effective_attention": qgraph.Zero()})
+        reads(ids, edits={f"{P.format(0)}.initial_state_output": qgraph.Zero()})
     with pytest.raises(NotSupported, match="inside the delta rule"):
         qgraph.instrument(sdpa_model, values=["logits"], edits=[name]).save(tmp_path / "w.qgraph")
 
@@ -256,3 +256,61 @@ def test_saved_program_reads_effective_attention(reads, tmp_path):
     got, expected = loaded(ids), reads(ids)
     for name in names("effective_attention", "write_values"):
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+
+
+def test_attention_edit_equals_hf_kernel_reading_the_edited_pattern(sdpa_model, monkeypatch):
+    """An edit of effective_attention makes the block read A' @ values + initial_state_output: HF's
+    kernel replaced by the float64 reference's A, edited the same way, times the values."""
+    ids = random_ids(2, 24, seed=12)
+    name = f"{P.format(1)}.effective_attention"
+    ig = qgraph.instrument(sdpa_model, values=[name, f"{P.format(1)}.attention_head_outputs"])
+    plain, out = ig(ids), ig(ids, edits={name: qgraph.Zero(positions=[5, 20], heads=[0, 3])})
+    assert torch.equal(plain.logits, qgraph.instrument(sdpa_model, values=["logits"])(ids).logits)  # unedited: exact
+
+    def replace(index, q, k, v, g, beta, initial_state):
+        if index != 1:
+            return None
+        attention, _, _ = reference(q, k, v, g, beta, torch.zeros(v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]))
+        attention[:, [0, 3], 5] = 0
+        attention[:, [0, 3], 20] = 0
+        state = torch.zeros(v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])  # (not read: no cache)
+        return torch.einsum("bhts,bshd->bthd", attention, v.double()).to(v.dtype), state
+
+    _recorded(monkeypatch, sdpa_model, replace=replace)
+    with torch.no_grad():
+        expected = sdpa_model(input_ids=ids).logits
+    torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=1e-5)
+    assert (out.logits - plain.logits).abs().max() > 1e-3
+    assert out[name][:, [0, 3], 20].abs().max() == 0  # the value is captured as edited
+
+
+def test_attention_gradient_and_the_models_unchanged(sdpa_model):
+    ids = random_ids(1, 16, seed=2)
+    prefix = P.format(0)
+    loss = lambda logits: logits[0, -1, 3]  # noqa: E731
+    asked = {f"{prefix}.effective_attention": {"grad": True}, f"{prefix}.attention_head_outputs": {"grad": True},
+             f"{prefix}.attention_values": {}, "token_embeddings": {"grad": True}}
+    out = qgraph.instrument(sdpa_model, values=asked)(ids, loss=loss)
+    plain = qgraph.instrument(sdpa_model, values={"token_embeddings": {"grad": True}})(ids, loss=loss)
+    values, outputs = out[f"{prefix}.attention_values"].float(), out.grad(f"{prefix}.attention_head_outputs")
+    torch.testing.assert_close(out.grad(f"{prefix}.effective_attention"),
+                               torch.einsum("bthd,bshd->bhts", outputs.float(), values), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(out.grad("token_embeddings"), plain.grad("token_embeddings"), rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("value", ["effective_attention", "write_values"])
+def test_patch_each_head_and_attribution_patch(sdpa_model, value):
+    clean, corrupt = random_ids(1, 12, seed=1), random_ids(1, 12, seed=2)
+    name = f"{P.format(0)}.{value}"
+    ig = qgraph.instrument(sdpa_model, values=["logits"])
+    metric = lambda logits: float(logits[0, -1, 5] - logits[0, -1, 9])  # noqa: E731
+    swept = qgraph.patch(ig, clean, corrupt, name, metric, heads="each")[name]
+    captured = qgraph.instrument(sdpa_model, values=[name])(clean)[name]
+    axis = 1 if value == "effective_attention" else 2
+    by_hand = torch.tensor([metric(ig(corrupt, edits={name: qgraph.Replace(captured.select(axis, h).unsqueeze(axis),
+                                                                            heads=[h])}).logits) for h in range(4)])
+    torch.testing.assert_close(swept, by_hand, rtol=1e-4, atol=1e-5)
+    assert (swept - metric(ig(corrupt).logits)).abs().max() > 1e-5  # patching a head moves the metric
+    scores = qgraph.attribution_patch(ig, clean, corrupt, name, lambda logits: logits[0, -1, 5] - logits[0, -1, 9],
+                                      heads="each")[name]
+    assert scores.shape == (4,) and torch.isfinite(scores).all() and scores.abs().max() > 0

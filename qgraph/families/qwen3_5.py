@@ -130,7 +130,7 @@ VALUES = (
     ValueSpec("effective_attention", "linear_attn", "Pattern [batch value_heads query key]",
               "The delta rule read as attention, exactly: head_outputs = A @ values + initial_state_output, "
               "A[t, s] = beta_s k_s^T M_{s+1}..M_t q_t with M_r = exp(g_r)(I - beta_r k_r k_r^T); causal, float32; "
-              "read-only", DeltaRuleReads("attention")),
+              "an edit makes the block read A' @ values + initial_state_output", DeltaRuleReads("attention")),
     ValueSpec("initial_state_output", "linear_attn", "LinearV [batch seq value_heads value_dim]",
               "What the initial state (state_input) adds to the head outputs, the part effective_attention leaves "
               "out (zeros on a plain prompt); float32, read-only", DeltaRuleReads("initial_state")),

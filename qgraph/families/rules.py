@@ -68,14 +68,18 @@ class DeltaRuleStates(Rule):
 
 @dataclass(frozen=True)
 class DeltaRuleReads(Rule):
-    """The host's delta rule read as attention: its exact effective attention (``attention``) and what
-    its initial state adds to its outputs (``initial_state``), made on request by a node beside the
-    kernel that runs the rule on one-hot values (``passes.swap.read_as_attention``)."""
+    """The host's delta rule read as attention: its exact effective attention (``attention``, editable:
+    the block then reads ``A' @ values`` plus the initial state's part) and what its initial state adds
+    to its outputs (``initial_state``), made on request by a node beside the kernel that runs the rule
+    on one-hot values (``passes.swap.read_as_attention``)."""
 
-    read_only: ClassVar[bool] = True
-    by_name_only: ClassVar[bool] = True  # adds a node to its block when asked for
+    by_name_only: ClassVar[bool] = True  # adds nodes to its block when asked for
 
     part: str  # attention | initial_state
+
+    @property
+    def read_only(self) -> bool:
+        return self.part == "initial_state"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 * ``qgraph::delta_rule_attention``: the exact effective attention of the block's gated delta rule and
   what its initial state adds (``kernels.delta_reads.effective_attention``), from the kernel's own
-  inputs; a node beside the kernel, which still computes the block's output.
+  inputs, and a copy of the attention (the reference an edit of it is measured from: see
+  ``passes.swap.read_as_attention``); a node beside the kernel, which still computes the block's output.
 * ``qgraph::chunk_gated_delta_rule_writes``: the rule that returns each token's write and takes an
   affine edit of it (``kernels.delta_reads.chunk_gated_delta_rule_writes``); it stands in place of
   the block's kernel when ``write_values`` is asked for or edited.
@@ -21,16 +22,22 @@ from .grad import recompute_grads
 @torch.library.custom_op("qgraph::delta_rule_attention", mutates_args=())
 def delta_rule_attention(query: torch.Tensor, key: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(effective attention [b hv s s], initial-state output [b s hv dv])``, float32."""
-    return effective_attention(query, key, g, beta, initial_state, use_qk_l2norm_in_kernel)
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(effective attention [b hv s s], initial-state output [b s hv dv], a copy of the attention)``, float32."""
+    return _attention_read(query, key, g, beta, initial_state, use_qk_l2norm_in_kernel)
+
+
+def _attention_read(query, key, g, beta, initial_state, use_qk_l2norm_in_kernel):
+    attention, initial = effective_attention(query, key, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return attention, initial, attention.clone()
 
 
 @delta_rule_attention.register_fake
 def _(query, key, g, beta, initial_state, use_qk_l2norm_in_kernel):
     batch, seq, heads = beta.shape
-    return (beta.new_empty(batch, heads, seq, seq, dtype=torch.float32),
-            beta.new_empty(batch, seq, heads, initial_state.shape[-1], dtype=torch.float32))
+    attention = beta.new_empty(batch, heads, seq, seq, dtype=torch.float32)
+    return attention, beta.new_empty(batch, seq, heads, initial_state.shape[-1], dtype=torch.float32), \
+        torch.empty_like(attention)
 
 
 @torch.library.custom_op("qgraph::chunk_gated_delta_rule_writes", mutates_args=())
@@ -69,7 +76,7 @@ def _autograd(op, function, floats: int):
     op.register_autograd(backward, setup_context=setup)
 
 
-_autograd(delta_rule_attention, effective_attention, 5)
+_autograd(delta_rule_attention, _attention_read, 5)
 _autograd(chunk_gated_delta_rule_writes_op, chunk_gated_delta_rule_writes, 8)
 
 ATTENTION_READ_OP = torch.ops.qgraph.delta_rule_attention.default

@@ -25,6 +25,7 @@ from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from ..kernels.read_ops import ATTENTION_READ_OP, WRITES_OP
 from . import views
+from .swap import read_back
 from .on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts, SwapForStates,
                          SwapForWrites)
 
@@ -146,7 +147,10 @@ def _delta_rule(locator: Locator, host: str, rule: DeltaRule) -> Found | Missing
         return Found(argument)
     # (output, final state), or (output, states, final state) once swapped for states
     index = {"head_outputs": 0, "state_output": 2 if kernel.target in _SWAPPED else 1}[rule.part]
-    return Found(_output_item(locator.graph, kernel, index))
+    item = _output_item(locator.graph, kernel, index)
+    if index == 0 and any(n.target is ATTENTION_READ_OP for n in locator.scopes.get(host, ())):
+        return Found(read_back(item))  # the output an edit of the effective attention moves
+    return Found(item)
 
 
 @locates(DeltaRuleStates)

@@ -32,11 +32,43 @@ def swap_for_states(graph: Graph, kernel: Node, positions: Node | None, heads: N
 
 def read_as_attention(graph: Graph, kernel: Node) -> Node:
     """Add ``qgraph::delta_rule_attention`` on ``kernel``'s queries, keys, decays, betas and initial
-    state, beside it (the kernel still computes the block): the block's effective attention and what
-    its initial state adds. Returns the new node."""
-    query, key, _, g, beta, initial_state, use_l2norm = kernel.args[:7]
-    with graph.inserting_after(kernel):
-        return emitter(graph, kernel)(ATTENTION_READ_OP, query, key, g, beta, initial_state, use_l2norm)
+    state, beside it (the kernel still computes the block): the block's effective attention ``A``, what
+    its initial state adds, and a copy of ``A``. The kernel's output becomes ``output + (A - copy) @
+    values``, which is the output itself (plus zeros) until an edit at ``A`` moves it by ``(A' - A) @
+    values``, so that ``A' @ values + initial_state_output`` is what the block reads; a gradient at
+    ``A`` is ``values . d loss / d output``, and the model's own gradients are unchanged (the copy's
+    cancels ``A``'s inside the op's backward). Returns the new node."""
+    query, key, value, g, beta, initial_state, use_l2norm = kernel.args[:7]
+    emit, aten = emitter(graph, kernel), torch.ops.aten
+    output = next((u for u in kernel.users if u.target is operator.getitem and u.args[1] == 0), None)
+    if output is None:
+        with graph.inserting_after(kernel):
+            output = emit(operator.getitem, kernel, 0)
+    readers = list(output.users)
+    with graph.inserting_before(output.next):  # in order, after the output
+        read = emit(ATTENTION_READ_OP, query, key, g, beta, initial_state, use_l2norm)
+        attention, _, reference = (emit(operator.getitem, read, i) for i in range(3))
+        change = emit(aten.sub.Tensor, attention, reference)  # [b h t s]: zeros until A is edited
+        values = emit(aten.permute.default, emit(aten._to_copy.default, value, dtype=torch.float32), [0, 2, 1, 3])
+        moved = emit(aten.permute.default, emit(aten.matmul.default, change, values), [0, 2, 1, 3])
+        total = emit(aten.add.Tensor, emit(aten._to_copy.default, output, dtype=torch.float32), moved)
+        edited = emit(aten._to_copy.default, total, dtype=output.meta["val"].dtype)
+    for reader in readers:
+        reader.replace_input_with(output, edited)
+    return read
+
+
+def read_back(output: Node) -> Node:
+    """What a DeltaNet block reads as its kernel's output: ``output`` itself, or after
+    :func:`read_as_attention` the output moved by an edit of the effective attention."""
+    for cast in output.users:
+        if cast.target is torch.ops.aten._to_copy.default:
+            for total in cast.users:
+                if total.target is torch.ops.aten.add.Tensor and len(total.users) == 1:
+                    last = next(iter(total.users))
+                    if last.target is torch.ops.aten._to_copy.default:
+                        return last
+    return output
 
 
 def swap_for_writes(graph: Graph, kernel: Node) -> Node:
