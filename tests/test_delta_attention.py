@@ -314,3 +314,16 @@ def test_patch_each_head_and_attribution_patch(sdpa_model, value):
     scores = qgraph.attribution_patch(ig, clean, corrupt, name, lambda logits: logits[0, -1, 5] - logits[0, -1, 9],
                                       heads="each")[name]
     assert scores.shape == (4,) and torch.isfinite(scores).all() and scores.abs().max() > 0
+
+
+def test_plot_and_explore_show_the_effective_attention(reads):
+    ids = random_ids(1, 12, seed=3)
+    out = reads(ids)
+    name = f"{P.format(2)}.effective_attention"
+    figure = out.plot(name, heads=[1, 3])
+    shown, attention = figure.data["pattern"], out[name][0, [1, 3]].detach()
+    lower = torch.ones(12, 12, dtype=torch.bool).tril()
+    torch.testing.assert_close(shown[:, lower], attention[:, lower])
+    assert torch.isnan(shown[:, ~lower]).all()  # the future is blank, not a zero of the colour scale
+    page = qgraph.explore(reads, out)._repr_html_()
+    assert name in page and page.count(f'data-value="{name}"') >= 1

@@ -28,16 +28,23 @@ def _pattern(out, name: str, tokens=None, *, batch: int = 0, heads=None, image: 
     queries, keys = matrix.shape[-2], matrix.shape[-1]
     labels = [str(i) for i in range(keys)] if vision and tokens is None else _labels(out, keys, tokens, batch)
     probabilities = name.endswith("probabilities")
+    signed = name.endswith("effective_attention")  # a DeltaNet's: signed weights, nothing above the diagonal
     shown = matrix[chosen].masked_fill(~torch.isfinite(matrix[chosen]), float("nan"))
+    if signed:
+        shown = shown.masked_fill(torch.ones(queries, keys, dtype=torch.bool).triu(1), float("nan"))
     finite = shown[~torch.isnan(shown)]
     low = 0.0 if probabilities else (float(finite.min()) if finite.numel() else 0.0)
     high = float(finite.max()) if finite.numel() else 1.0
+    if signed:  # centred on zero: red reads the value, blue reads its negative
+        high = max(abs(low), abs(high)) or 1.0
+        low = -high
     columns = min(len(chosen), 4)
     lines = math.ceil(len(chosen) / columns)
     side = _side(keys)
     figure = _canvas(side * columns + 0.6, side * lines + 0.9)
     import matplotlib
-    colours = matplotlib.colormaps["Blues" if probabilities else "viridis"].with_extremes(bad="#ffffff")  # masked: blank
+    colours = matplotlib.colormaps["Blues" if probabilities else "RdBu_r" if signed else "viridis"].with_extremes(
+        bad="#ffffff")  # masked: blank
     for k, head in enumerate(chosen):
         axes = figure.add_subplot(lines, columns, k + 1)
         axes.imshow(shown[k].numpy(), cmap=colours, vmin=low, vmax=high if high > low else low + 1,
