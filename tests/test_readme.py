@@ -176,6 +176,15 @@ def states(ns):
     assert out["layers.2.linear_attn.states"].dtype == torch.bfloat16 and out["layers.2.linear_attn.states"].shape[2] == 2
 
 
+def delta_attention(ns):
+    # "rebuilt equals attention_head_outputs to float32 precision"; "Zero at write_values = Zero at betas"
+    b, out = ns["b"], ns["out"]
+    torch.testing.assert_close(ns["rebuilt"], out[f"{b}.attention_head_outputs"], rtol=1e-5, atol=1e-7)
+    by_beta = ns["ig"](ns["ids"], edits={f"{b}.betas": qgraph.Zero(positions=[3], heads=[1])})
+    torch.testing.assert_close(ns["zeroed"].logits, by_beta.logits, rtol=0, atol=1e-6)
+    assert not torch.allclose(ns["zeroed"].logits, out.logits)
+
+
 def images(ns):
     # "a list: [heads, patches_j, patches_j] per image"; the logits are the model's
     patterns = ns["out"]["vision.layers.1.self_attn.attention_probabilities"]
@@ -294,6 +303,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("Gradients", ".backward("): gradients,
     ("DeltaNet states", "states\": {}"): states,
     ("DeltaNet states", "second = ig("): continued_prompt,
+    ("The DeltaNet read as attention", "rebuilt = "): delta_attention,
     ("Images", "AutoModelForImageTextToText"): images,
     ("Diagrams", "qgraph.render("): diagrams,
     ("Generation", "ig.generate("): generation,
