@@ -44,6 +44,14 @@ def prepare(model, images, input_ids=None, attention_mask=None, *, with_images: 
     return prepared
 
 
+def vision_given(inputs: dict) -> bool:
+    """Whether a call brings images or videos (their pixels); a grid without its pixels is refused."""
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if inputs.get(pixels) is None and inputs.get(grid) is not None:
+            raise InvalidArgument(f"{grid} came without {pixels}: pass both, as the processor returns them")
+    return inputs.get("pixel_values") is not None or inputs.get("pixel_values_videos") is not None
+
+
 def image_keys(family) -> tuple[str, ...]:
     """What a call to a model of ``family`` takes beyond the text (the processor's image outputs)."""
     return family.images.keys if family.images is not None else ()

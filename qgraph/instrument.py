@@ -16,7 +16,7 @@ from .edits import EditError, Target
 from .export import export_model
 from .families import family_for
 from .export.fingerprint import fingerprint
-from .inputs import image_keys, prepare
+from .inputs import image_keys, prepare, vision_given
 from .values.names import aliases, resolve
 from .output import Output, retain
 from .passes.edit import EditSlot, applying
@@ -273,13 +273,11 @@ class InstrumentedModel:
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  *, edits: Mapping | None = None, loss=None, **inputs) -> Output:
         self.refresh()
-        images = self.exported.images and inputs.get("pixel_values") is not None
         given = [key for key in image_keys(self.family) if inputs.get(key) is not None]
         if not self.exported.images and given:
             raise InvalidType(f"{type(self.model).__name__} is text-only and takes no images ({', '.join(given)}): "
                               f"load the image-text model (one of {self.family.classes})")
-        if not images and inputs.get("image_grid_thw") is not None:
-            raise InvalidArgument("image_grid_thw came without pixel_values: pass both, as the processor returns them")
+        images = self.exported.images and vision_given(inputs)  # images, videos or both: the image-text program
         prepared = prepare(self.model, self.family.images, input_ids, attention_mask, with_images=images, **inputs)
         call_edits = self.call_edits(edits)
         program = self.program_for(images, call_edits)

@@ -22,7 +22,7 @@ from .distributed import blocks_of
 from .distributed.split import pick, split
 from .edits import _AXES, Edit, indices
 from .errors import InternalError, InvalidArgument, InvalidType
-from .inputs import prepare
+from .inputs import prepare, vision_given
 from .passes.edit import applying
 from .progress import progress
 
@@ -52,7 +52,7 @@ class CorruptRun:
     def __init__(self, patcher, corrupt: dict):
         patcher.refresh()
         inputs = dict(corrupt)
-        images = patcher.exported.images and inputs.get("pixel_values") is not None
+        images = patcher.exported.images and vision_given(inputs)
         ids, mask = inputs.pop("input_ids", None), inputs.pop("attention_mask", None)
         prepared = prepare(patcher.model, patcher.family.images, ids, mask, with_images=images, **inputs)
         self.patcher, self.program = patcher, patcher.program_for(images)

@@ -21,47 +21,60 @@ from ..errors import InvalidArgument, InvalidType
 from ..compat import attn_implementation_set, vision_forward_kwargs, vision_inputs
 from ..inputs import as_tensor
 from ..inputs import prepare as prepare_inputs
+from . import qwen_video
 from .base import Images, RepeatedBlocks
 from .rules import BATCH1, Derived, Port, ScatterSource, ValueSpec, VarlenAttention
 
-KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+KEYS = ("pixel_values", "image_grid_thw", *qwen_video.VIDEO_KEYS, "mm_token_type_ids")
 INPUTS = ("position_ids", "pixel_values", "image_grid_thw", "image_cu_seqlens", "image_position_ids",
-          "image_interp_indices", "image_interp_weights")
+          "image_interp_indices", "image_interp_weights", "video_start")
 
 
-def prepare(model, input_ids, attention_mask, pixel_values=None, image_grid_thw=None, mm_token_type_ids=None) -> dict:
-    """The image-text program's inputs beyond the text, checked against each other and the prompt."""
+def prepare(model, input_ids, attention_mask, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+            video_grid_thw=None, mm_token_type_ids=None) -> dict:
+    """The image-text program's inputs beyond the text, checked against each other and the prompt: the
+    images' patches then the videos' in one row (``qwen_video``), as the tower runs them."""
     config = model.config
-    pixel_values, image_grid_thw, mm_token_type_ids = _images(model, input_ids, pixel_values, image_grid_thw,
-                                                              mm_token_type_ids)
-    if mm_token_type_ids is None:
-        mm_token_type_ids = (input_ids == config.image_token_id).int()
+    merge = config.vision_config.spatial_merge_size
+    pixel_values, image_grid_thw = _images(model, input_ids, pixel_values, image_grid_thw, "image")
+    pixel_values_videos, video_grid_thw = _images(model, input_ids, pixel_values_videos, video_grid_thw, "video")
+    mm_token_type_ids = qwen_video.type_ids(input_ids, config, mm_token_type_ids)
     position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
-                                                 image_grid_thw=image_grid_thw, attention_mask=attention_mask)
-    vision = vision_inputs(model.model.visual, image_grid_thw)  # cu_seqlens, position_ids, interp_*
-    return {"position_ids": position_ids, "pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
-            **{f"image_{name}": tensor for name, tensor in vision.items()}}
+                                                 image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                                                 attention_mask=attention_mask)
+    grid = qwen_video.packed(image_grid_thw, None if video_grid_thw is None else qwen_video.frames(video_grid_thw))
+    vision = vision_inputs(model.model.visual, grid)  # cu_seqlens, position_ids, interp_*
+    image_tokens = 0 if image_grid_thw is None else int(image_grid_thw.prod(-1).sum()) // merge**2
+    return {"position_ids": position_ids, "pixel_values": qwen_video.packed(pixel_values, pixel_values_videos),
+            "image_grid_thw": grid, **{f"image_{name}": tensor for name, tensor in vision.items()},
+            "video_start": qwen_video.video_start(image_tokens, input_ids.device)}
 
 
 def example(model):
-    """Two prompts with two images each, of different grids, through the real input preparation;
-    and the program inputs' dynamic dims."""
+    """Two prompts with two images and a video of two temporal patches each, of different grids,
+    through the real input preparation; and the program inputs' dynamic dims."""
     config = model.config
     merge = config.vision_config.spatial_merge_size
     grid = torch.tensor([[1, 2 * merge, 2 * merge], [1, merge, 3 * merge]] * 2)
+    videos = torch.tensor([[2, merge, 2 * merge]] * 2)
     row = []
     for count in (grid.prod(-1) // merge**2).tolist()[:2]:
         row += [1, 2] + [config.image_token_id] * count + [3]
+    for _ in range(int(videos[0, 0])):  # each temporal patch its own group, as the processor lays them out
+        row += [4, 2] + [config.video_token_id] * int(videos[0, 1:].prod() // merge**2) + [3]
     input_ids = torch.tensor([row + [4, 5]] * 2)
-    pixel_values = torch.zeros(int(grid.prod(-1).sum()), _patch_width(config.vision_config))
-    inputs = prepare_inputs(model, IMAGES, input_ids, with_images=True, pixel_values=pixel_values, image_grid_thw=grid)
+    width = _patch_width(config.vision_config)
+    inputs = prepare_inputs(model, IMAGES, input_ids, with_images=True,
+                            pixel_values=torch.zeros(int(grid.prod(-1).sum()), width), image_grid_thw=grid,
+                            pixel_values_videos=torch.zeros(int(videos.prod(-1).sum()), width), video_grid_thw=videos)
     batch, seq = Dim("batch", min=1), Dim("seq", min=1)
-    images, blocks = Dim("images", min=1), Dim("merge_blocks", min=1)
+    # the images and videos' temporal patches (the tower's spans), and the image tokens + 1
+    images, blocks, split = Dim("images", min=1), Dim("merge_blocks", min=1), Dim("image_tokens_and_one", min=1)
     patches = merge**2 * blocks  # as multiples() says
     dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq},
                "position_ids": {1: batch, 2: seq}, "pixel_values": {0: patches}, "image_grid_thw": {0: images},
                "image_cu_seqlens": {0: images + 1}, "image_position_ids": {0: patches},
-               "image_interp_indices": {0: patches}, "image_interp_weights": {0: patches}}
+               "image_interp_indices": {0: patches}, "image_interp_weights": {0: patches}, "video_start": {0: split}}
     return inputs, dynamic
 
 
@@ -83,19 +96,15 @@ def _patch_width(vision_config) -> int:
 @contextlib.contextmanager
 def patches(model):
     """While exporting the image-text program: the vision attention runs once over all patches
-    (``qgraph::varlen_attention``, through transformers' varlen path), and the image features stay
-    packed instead of being split per image with ``tolist()``."""
+    (``qgraph::varlen_attention``, through transformers' varlen path), and one tower run over the
+    images then the videos gives both scatters their packed part (``qwen_video.packed_features``)
+    instead of features split per image with ``tolist()``."""
     from transformers import AttentionInterface
 
-    image_model = type(model.model)  # the class whose get_image_features splits per image
-    original_features = image_model.get_image_features
     AttentionInterface.register(_VARLEN, _varlen_attention)
-    image_model.get_image_features = _packed_image_features
-    try:
-        with attn_implementation_set(model.model.visual.config, _VARLEN):
-            yield
-    finally:
-        image_model.get_image_features = original_features
+    with qwen_video.packed_features(type(model.model), _packed_features), \
+            attn_implementation_set(model.model.visual.config, _VARLEN):
+        yield
 
 
 # transformers takes its varlen (cu_seqlens) path for implementations named *flash*
@@ -106,71 +115,68 @@ def _varlen_attention(module, query, key, value, attention_mask=None, scaling=No
     return torch.ops.qgraph.varlen_attention(query, key, value, cu_seq_lens_q, scaling), None
 
 
-def _packed_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
-    """get_image_features, the features left packed. The model's forward passes on its other keyword
-    arguments: the ``image_*`` ones (the precomputed inputs) reach the ViT without the prefix, as
-    transformers' own get_image_features takes them; ``video_*`` ones are not for it."""
+def _packed_features(self, pixel_values, grid_thw, kwargs):
+    """The tower's one run over the call's packed patches. The model's forward passes on its other
+    keyword arguments: the ``image_*`` ones (the precomputed inputs) reach the ViT without the prefix,
+    as transformers' own get_image_features takes them; ``video_*`` ones are not for it."""
     kwargs = {name.removeprefix("image_"): value for name, value in kwargs.items() if not name.startswith("video_")}
-    outputs = self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw, **vision_forward_kwargs(kwargs))
-    outputs.pooler_output = (outputs.pooler_output,)  # one packed tensor: the caller concatenates
-    return outputs
+    return self.visual(pixel_values.type(self.visual.dtype), grid_thw=grid_thw, **vision_forward_kwargs(kwargs))
 
 
-def _images(model, input_ids, pixel_values, image_grid_thw, mm_token_type_ids):
-    """The image inputs, checked against each other and the prompt; pixel_values in the vision tower's dtype."""
+def _images(model, input_ids, pixel_values, grid_thw, what: str):
+    """One kind's (``image`` or ``video``) inputs, checked against each other and the prompt's tokens of
+    that kind; pixels in the vision tower's dtype. ``(None, None)`` for a kind the call does not have."""
     config = model.config
-    if image_grid_thw is None:
-        raise InvalidArgument("pixel_values came without image_grid_thw: pass both, as the processor returns them "
-                              "(ig(**processor(text=..., images=..., return_tensors='pt')))")
-    image_grid_thw = _grid(as_tensor(image_grid_thw, "image_grid_thw"), config.vision_config.spatial_merge_size)
-    pixel_values = _pixels(model, as_tensor(pixel_values, "pixel_values"), input_ids.device)
+    pixels, grid = ("pixel_values", "image_grid_thw") if what == "image" else qwen_video.VIDEO_KEYS
+    token_id = config.image_token_id if what == "image" else config.video_token_id
     merge = config.vision_config.spatial_merge_size
-    patches = int(image_grid_thw.prod(-1).sum())
+    if pixel_values is None:
+        if grid_thw is not None:
+            raise InvalidArgument(f"{grid} came without {pixels}: pass both, as the processor returns them")
+        qwen_video.check_tokens(input_ids, token_id, 0, what, None)
+        return None, None
+    if grid_thw is None:
+        raise InvalidArgument(f"{pixels} came without {grid}: pass both, as the processor returns them "
+                              f"(ig(**processor(text=..., {what}s=..., return_tensors='pt')))")
+    grid_thw = _grid(as_tensor(grid_thw, grid), merge, grid)
+    pixel_values = _pixels(model, as_tensor(pixel_values, pixels), input_ids.device, pixels)
+    patches = int(grid_thw.prod(-1).sum())
     if pixel_values.shape[0] != patches:
-        raise InvalidArgument(f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_thw "
-                              f"{image_grid_thw.tolist()} describes {patches}")
-    expected = patches // merge**2
-    found = int((input_ids == config.image_token_id).sum())
-    if found != expected:
-        raise InvalidArgument(f"input_ids hold {found} image tokens (id {config.image_token_id}) but the images give "
-                              f"{expected} (image_grid_thw {image_grid_thw.tolist()}, {merge}x{merge} patches per "
-                              f"token): build the prompt with the processor so each image's placeholder is expanded")
-    if mm_token_type_ids is not None:
-        mm_token_type_ids = as_tensor(mm_token_type_ids, "mm_token_type_ids")
-        if mm_token_type_ids.shape != input_ids.shape:
-            raise InvalidArgument(f"mm_token_type_ids has shape {tuple(mm_token_type_ids.shape)} but input_ids has "
-                                  f"{tuple(input_ids.shape)}; they must match (or leave it out: it is computed from "
-                                  f"the image tokens)")
-    return pixel_values, image_grid_thw, mm_token_type_ids
+        raise InvalidArgument(f"{pixels} has {pixel_values.shape[0]} patch rows but {grid} "
+                              f"{grid_thw.tolist()} describes {patches}")
+    qwen_video.check_tokens(input_ids, token_id, patches // merge**2, what, grid_thw)
+    return pixel_values, grid_thw
 
 
-def _grid(image_grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
-    """image_grid_thw as a LongTensor [images, 3] of positive (t, h, w), h and w multiples of the merge."""
+def _grid(image_grid_thw: torch.Tensor, merge: int, name: str = "image_grid_thw") -> torch.Tensor:
+    """image_grid_thw (or video_grid_thw) as a LongTensor [images, 3] of positive (t, h, w), h and w
+    multiples of the merge."""
+    kind = name.split("_")[0]
     if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3:
-        raise InvalidArgument(f"image_grid_thw has shape {tuple(image_grid_thw.shape)}; it must be [images, 3], one "
-                         f"(t, h, w) row per image, as the processor returns it (image_grid_thw[None] for one image)")
+        raise InvalidArgument(f"{name} has shape {tuple(image_grid_thw.shape)}; it must be [{kind}s, 3], one "
+                              f"(t, h, w) row per {kind}, as the processor returns it ({name}[None] for one {kind})")
     image_grid_thw = image_grid_thw.long()
     bad = (image_grid_thw < 1).any(-1) | (image_grid_thw[:, 1:] % merge != 0).any(-1)
     if bool(bad.any()):
-        raise InvalidArgument(f"image_grid_thw rows {image_grid_thw[bad].tolist()} are not image grids: t, h and w must be "
+        raise InvalidArgument(f"{name} rows {image_grid_thw[bad].tolist()} are not {kind} grids: t, h and w must be "
                               f"positive and h, w multiples of the {merge}x{merge} merge; pass the processor's "
-                              f"image_grid_thw")
+                              f"{name}")
     return image_grid_thw
 
 
-def _pixels(model, pixel_values: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _pixels(model, pixel_values: torch.Tensor, device: torch.device, name: str = "pixel_values") -> torch.Tensor:
     """pixel_values as [patches, patch width] in the vision tower's dtype (as Hugging Face casts them)."""
     vision = model.config.vision_config
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     if pixel_values.dim() != 2 or pixel_values.shape[1] != width:
-        raise InvalidArgument(f"pixel_values has shape {tuple(pixel_values.shape)}; it must be [patches, {width}] (each row "
+        raise InvalidArgument(f"{name} has shape {tuple(pixel_values.shape)}; it must be [patches, {width}] (each row "
                               f"one {vision.temporal_patch_size}x{vision.patch_size}x{vision.patch_size} patch of "
                               f"{vision.in_channels} channels): pass the processor's pixel_values, not an image tensor")
     if not pixel_values.is_floating_point():
-        raise InvalidType(f"pixel_values is {pixel_values.dtype}; it must be the processor's normalised floating "
+        raise InvalidType(f"{name} is {pixel_values.dtype}; it must be the processor's normalised floating "
                           f"patches, not raw pixels")
     if pixel_values.device != device:
-        raise InvalidArgument(f"pixel_values is on {pixel_values.device} but input_ids is on {device}: move both to the "
+        raise InvalidArgument(f"{name} is on {pixel_values.device} but input_ids is on {device}: move both to the "
                               f"model's device")
     return pixel_values.to(model.model.visual.dtype)
 
@@ -205,6 +211,9 @@ VALUES = (
               "The last block's stream, what the projector reads", Port("projector", "input", BATCH1, absolute=True)),
     ValueSpec("image_features", "vision", "ImageFeatures [image_tokens hidden_size]",
               "The image features the text model receives at the image tokens, flat over them", ScatterSource()),
+    ValueSpec("video_features", "vision", "VideoFeatures [video_tokens hidden_size]",
+              "The video features the text model receives at the video tokens, flat over them (every video's "
+              "temporal patches in turn)", Port("video_features", "output")),
     ValueSpec("layer_input", "vision_layer", "Patches [1 patches vision_hidden_size]",
               "The tower's stream entering the block", Port("", "input", BATCH1)),
     ValueSpec("attention_norm_output", "vision_layer", "Patches [1 patches vision_hidden_size]",
@@ -224,10 +233,12 @@ VALUES = (
     ValueSpec("attention_values", "vision_self_attn", "Values [1 vision_num_heads patches vision_head_dim]",
               "The values of every image", VarlenAttention("values")),
     ValueSpec("attention_scores", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
-              "Each image's scaled scores entering the softmax: a list, one tensor per image; read-only",
+              "Each image's scaled scores entering the softmax: a list, one tensor per image, then one per "
+              "temporal patch of each video; read-only",
               Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_scores")),
     ValueSpec("attention_probabilities", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
-              "Each image's attention pattern: a list, one tensor per image; read-only",
+              "Each image's attention pattern: a list, one tensor per image, then one per temporal patch of each "
+              "video; read-only",
               Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_probabilities")),
     ValueSpec("attention_head_outputs", "vision_self_attn", "HeadOutputs [1 patches vision_num_heads vision_head_dim]",
               "The per-head outputs before the output projection", VarlenAttention("head_outputs")),
