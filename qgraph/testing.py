@@ -21,12 +21,14 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
 VOCAB_SIZE = 272  # 256 bytes + specials, rounded up
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-# Qwen3.5's template shape: content is a string or a list of {"type": "text"|"image"} items; the
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+# Qwen3.5's template shape: content is a string or a list of {"type": "text"|"image"|"video"} items; the
 # generation prompt closes an empty think block unless enable_thinking=True (as on 0.8B and 2B).
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for item in message['content'] %}{% if item['type'] == 'image' %}" + IMAGE_PLACEHOLDER +
+    "{% elif item['type'] == 'video' %}" + VIDEO_PLACEHOLDER +
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking %}<think>\n"
@@ -188,31 +190,97 @@ def load_processor(path: str | os.PathLike):
 
 
 class ImageTextProcessor:
-    """What Qwen3.5's processor does for images: each ``<|image_pad|>`` becomes one token per merged
-    2x2 patch block of its image, and ``mm_token_type_ids`` marks them (1) among text (0)."""
+    """What Qwen3.5's processor does for images and videos, without a video processor (which needs
+    torchvision): each ``<|image_pad|>`` becomes one token per merged 2x2 patch block of its image;
+    each video's placeholder (``<|vision_start|><|video_pad|><|vision_end|>``, or a bare
+    ``<|video_pad|>``) becomes, per temporal patch, its timestamp ``<t seconds>``, a vision start,
+    one ``<|video_pad|>`` per merged block of the frame and a vision end, as the Qwen3-VL processor
+    lays them out; ``mm_token_type_ids`` marks image tokens 1 and video tokens 2 among text (0).
+    A video is ``[frames, height, width, 3]`` uint8 (``qgraph.testing.video``), patched by ``video_patches``."""
 
     image_token = "<|image_pad|>"
+    video_token = "<|video_pad|>"
 
     def __init__(self, image_processor, tokenizer):
         self.image_processor, self.tokenizer = image_processor, tokenizer
 
-    def __call__(self, text, images=None, return_tensors="pt", **tokenizer_kwargs):
+    def __call__(self, text, images=None, videos=None, return_tensors="pt", fps: float = 2.0, **tokenizer_kwargs):
         texts = [text] if isinstance(text, str) else list(text)
         image_inputs = self.image_processor(images=images, return_tensors="pt") if images else {}
+        merge = self.image_processor.merge_size
         if images:
-            merge = self.image_processor.merge_size
             counts = iter((image_inputs["image_grid_thw"].prod(-1) // merge**2).tolist())
             texts = [self._expand(t, counts) for t in texts]
+        video_inputs = video_patches(videos, self.image_processor) if videos else {}
+        if videos:
+            grids = iter(video_inputs["video_grid_thw"].tolist())
+            texts = [self._expand_videos(t, grids, fps) for t in texts]
         encoded = self.tokenizer(texts, return_tensors=return_tensors, **tokenizer_kwargs)
-        image_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
-        return {**encoded, **image_inputs, "mm_token_type_ids": (encoded["input_ids"] == image_id).int()}
+        ids = encoded["input_ids"]
+        types = (ids == self.tokenizer.convert_tokens_to_ids(self.image_token)).int() + \
+            2 * (ids == self.tokenizer.convert_tokens_to_ids(self.video_token)).int()
+        return {**encoded, **image_inputs, **video_inputs, "mm_token_type_ids": types}
 
     def _expand(self, text: str, counts) -> str:
         parts = text.split(self.image_token)
         return parts[0] + "".join(self.image_token * next(counts) + part for part in parts[1:])
 
+    def _expand_videos(self, text: str, grids, fps: float) -> str:
+        placeholder = VIDEO_PLACEHOLDER if VIDEO_PLACEHOLDER in text else self.video_token
+        parts = text.split(placeholder)
+        return parts[0] + "".join(self._video_tokens(next(grids), fps) + part for part in parts[1:])
+
+    def _video_tokens(self, grid: list[int], fps: float) -> str:
+        """One video's tokens: per temporal patch its timestamp (the mean of its frames' times), then
+        its frame's tokens between a vision start and end."""
+        t, h, w = grid
+        step = self.image_processor.temporal_patch_size
+        per_frame = h * w // self.image_processor.merge_size**2
+        times = [(k * step + (k * step + step - 1)) / 2 / fps for k in range(t)]
+        return "".join(f"<{time:.1f} seconds><|vision_start|>" + self.video_token * per_frame + "<|vision_end|>"
+                       for time in times)
+
     def apply_chat_template(self, messages, **kwargs):
         return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+
+def video(frames: int, height: int, width: int, seed: int = 0):
+    """A random video, ``[frames, height, width, 3]`` uint8 (what ``ImageTextProcessor(videos=...)`` takes)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8, generator=generator)
+
+
+def video_patches(videos, image_processor) -> dict:
+    """``pixel_values_videos`` and ``video_grid_thw`` of ``videos`` as the Qwen3-VL video processor
+    makes them: each frame resized to a multiple of patch x merge pixels, rescaled and normalised with
+    the image processor's mean and std, the frames padded to a multiple of the temporal patch with the
+    last one, then cut into patches in merge-block order (the image processor's layout)."""
+    p, step, merge = image_processor.patch_size, image_processor.temporal_patch_size, image_processor.merge_size
+    mean = torch.tensor(image_processor.image_mean).view(1, 3, 1, 1)
+    std = torch.tensor(image_processor.image_std).view(1, 3, 1, 1)
+    pixels, grids = [], []
+    for clip in videos:
+        clip = torch.as_tensor(clip).permute(0, 3, 1, 2).float() / 255  # [frames, 3, height, width]
+        unit = p * merge
+        size = [max(unit, round(side / unit) * unit) for side in clip.shape[-2:]]
+        clip = torch.nn.functional.interpolate(clip, size=size, mode="bilinear", antialias=True, align_corners=False)
+        clip = (clip - mean) / std
+        if clip.shape[0] % step:
+            clip = torch.cat([clip, clip[-1:].expand(step - clip.shape[0] % step, -1, -1, -1)])
+        t, h, w = clip.shape[0] // step, size[0] // p, size[1] // p
+        patches = clip.reshape(t, step, 3, h // merge, merge, p, w // merge, merge, p)
+        pixels.append(patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * h * w, 3 * step * p * p))
+        grids.append([t, h, w])
+    return {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)}
+
+
+def video_prompt(processor, videos: int = 1, images: int = 0, text: str = "what happens here?") -> str:
+    """A user turn with ``images`` images, then ``videos`` videos, then ``text``, through the chat
+    template with the generation prompt (thinking off): what ``processor(text=..., images=...,
+    videos=...)`` expands."""
+    content = [{"type": "image"}] * images + [{"type": "video"}] * videos + [{"type": "text", "text": text}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
 
 
 def cached_tiny_qwen3_5(cache_dir: str | os.PathLike | None = None) -> Path:
