@@ -101,7 +101,8 @@ def test_globs_over_aliases_select_every_blocks_value(ig):
     assert ig.resolve("blocks.*.hook_resid_post") == [f"layers.{i}.layer_output" for i in range(4)]
     assert ig.resolve("blocks.*.hook_attn_out") == [*(f"layers.{i}.linear_attn.attention_output" for i in range(3)),
                                                     "layers.3.self_attn.attention_output"]
-    assert ig.resolve("blocks.*.attn.hook_pattern") == ["layers.3.self_attn.attention_probabilities"]
+    assert ig.resolve("blocks.*.attn.hook_pattern") == [*(f"layers.{i}.linear_attn.effective_attention" for i in range(3)),
+                                                        "layers.3.self_attn.attention_probabilities"]
 
 
 def test_hf_module_paths_are_the_spec_names(ig):
@@ -112,14 +113,15 @@ def test_hf_module_paths_are_the_spec_names(ig):
         f"layers.{i}.mlp.down_proj.input" for i in range(4)]
 
 
-def test_a_pattern_on_a_deltanet_block_says_what_the_block_has(ig, ids):
+def test_scores_on_a_deltanet_block_say_what_the_block_has(ig, ids):
+    assert ig.resolve("blocks.0.attn.hook_pattern") == ["layers.0.linear_attn.effective_attention"]
     with pytest.raises(qgraph.UnknownValue) as error:
-        ig.resolve("blocks.0.attn.hook_pattern")
+        ig.resolve("blocks.0.attn.hook_attn_scores")
     message = str(error.value)
-    assert "block 0 is a gated DeltaNet" in message and "attention pattern" in message
+    assert "block 0 is a gated DeltaNet" in message
     assert "decays" in message and "states" in message and "[3]" in message
     with pytest.raises(qgraph.UnknownValue, match="gated DeltaNet"):
-        ig(ids, edits={"blocks.1.attn.hook_pattern": qgraph.Zero()})
+        ig(ids, edits={"blocks.1.attn.hook_attn_scores": qgraph.Zero()})
 
 
 def test_unknown_hooks_and_blocks_are_named(ig):
