@@ -25,7 +25,7 @@ from .errors import EditError, InvalidArgument, InvalidType
 # Which layout dims each selector addresses, in order of preference.
 _AXES = {
     "batch": ("batch",),
-    "positions": ("seq", "query", "image_tokens", "patches"),
+    "positions": ("seq", "query", "image_tokens", "video_tokens", "patches"),
     "heads": ("num_heads", "num_kv_heads", "key_heads", "value_heads", "heads"),
     "neurons": ("intermediate_size", "shared_intermediate_size", "expert_intermediate_size", "d_sae"),
     "experts": ("num_experts",),

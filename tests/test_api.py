@@ -15,7 +15,8 @@ ROOT = ["logits", "token_embeddings", "final_norm_output", "lm_head_output", "ne
 LAYER = ["layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output"]
 DELTANET = ["attention_queries", "attention_keys", "attention_values", "decays", "betas", "state_input",
             "attention_head_outputs", "state_output", "attention_output"]
-BY_NAME_ONLY = ["states", "state", "conv_state_input", "conv_state_output"]  # they rewrite the block
+BY_NAME_ONLY = ["states", "state", "conv_state_input", "conv_state_output",  # they rewrite the block
+                "effective_attention", "initial_state_output", "write_values"]
 ATTENTION = ["attention_queries", "attention_keys", "attention_values", "attention_scores",
              "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output",
              "attention_gate"]

@@ -12,7 +12,7 @@ from qgraph.families import FAMILIES, family_for
 from qgraph.kernels.ops import STATES_OP
 from qgraph.passes.base import GraphPass, run_passes
 from qgraph.passes.locate import OnRequest
-from qgraph.passes.on_request import DecomposeSdpa, OpenConvContext, SwapForStates
+from qgraph.passes.on_request import DecomposeSdpa, OpenConvContext, ReadAsAttention, SwapForStates, SwapForWrites
 from qgraph.program import Program
 from qgraph.render.graph import GraphView
 
@@ -102,7 +102,8 @@ def test_on_request_values_are_typed_rewrites(sdpa_model):
              if isinstance(entry.location, OnRequest)}
     assert kinds == {"attention_scores": DecomposeSdpa, "attention_probabilities": DecomposeSdpa,
                      "states": SwapForStates, "state": SwapForStates, "conv_state_input": OpenConvContext,
-                     "conv_state_output": OpenConvContext}
+                     "conv_state_output": OpenConvContext, "effective_attention": ReadAsAttention,
+                     "initial_state_output": ReadAsAttention, "write_values": SwapForWrites}
 
 
 def test_the_diagram_reads_the_program_the_builder_makes(sdpa_model):

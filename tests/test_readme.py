@@ -198,6 +198,17 @@ def images(ns):
     torch.testing.assert_close(ns["out"].logits, expected, rtol=0, atol=1e-5)
 
 
+def videos(ns):
+    # "one [heads, h*w, h*w] per image, then per temporal patch"; the logits are the model's
+    inputs, out = ns["inputs"], ns["out"]
+    patterns = out["vision.layers.1.self_attn.attention_probabilities"]
+    image, frames = inputs["image_grid_thw"][0], inputs["video_grid_thw"][0]
+    assert [p.shape[-1] for p in patterns] == [int(image.prod())] + [int(frames[1] * frames[2])] * int(frames[0])
+    with torch.no_grad():
+        expected = ns["model"](**inputs).logits
+    torch.testing.assert_close(out.logits, expected, rtol=0, atol=1e-5)
+
+
 def diagrams(ns):
     for name in ("block3.svg", "block0-ops.png", "model.svg"):
         assert Path(name).stat().st_size > 1000, name
@@ -305,6 +316,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("DeltaNet states", "second = ig("): continued_prompt,
     ("The DeltaNet read as attention", "rebuilt = "): delta_attention,
     ("Images", "AutoModelForImageTextToText"): images,
+    ("Videos", "video_prompt("): videos,
     ("Diagrams", "qgraph.render("): diagrams,
     ("Generation", "ig.generate("): generation,
     ("Capturing a dataset", "qgraph.capture("): capturing,

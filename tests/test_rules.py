@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from qgraph.families import FAMILIES
-from qgraph.families.rules import (ConvContext, DeltaRule, DeltaRuleStates, Derived, Port, ProgramInput, ProgramOutput,
-                                   Routing, Rule, SAEPart)
+from qgraph.families.rules import (ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites, Derived,
+                                   Port, ProgramInput, ProgramOutput, Routing, Rule, SAEPart)
 from qgraph.passes.locate import LOCATORS, Locator, Missing
 from qgraph.values import derive
 
@@ -63,7 +63,10 @@ def test_traits_on_the_rule_classes():
                                         ProgramInput("x"), DeltaRuleStates(True), ConvContext("input"),
                                         Port("", "output"), Derived((), "size"))] == \
         [True, False, True, False, True, True, False, False, True]
-    assert {kind for kind in Rule.__subclasses__() if kind.by_name_only} == {DeltaRuleStates, ConvContext}
+    assert {kind for kind in Rule.__subclasses__() if kind.by_name_only} == {DeltaRuleStates, ConvContext,
+                                                                             DeltaRuleReads, DeltaRuleWrites}
+    assert {kind for kind in Rule.__subclasses__() if kind.region_edits_only} == {DeltaRuleWrites}
+    assert [DeltaRuleReads("attention").read_only, DeltaRuleReads("initial_state").read_only] == [False, True]
     assert {kind for kind in Rule.__subclasses__() if kind.derived} == {Derived}
     assert repr(Routing("indices")) == "Routing(part='indices')"  # reprs (and equality) stay the dataclasses'
     with pytest.raises(AttributeError):
@@ -72,15 +75,16 @@ def test_traits_on_the_rule_classes():
 
 # What Entry.read_only / by_name_only / derived gave on the tiny model before the traits moved onto the rules
 READ_ONLY = ["next_token_probs", "input_ids", "attention_mask", "input_size",
-             *(f"layers.{i}.linear_attn.{name}" for i in range(3) for name in ("states", "state"))]
+             *(f"layers.{i}.linear_attn.{name}" for i in range(3) for name in ("states", "state", "initial_state_output"))]
 BY_NAME_ONLY = [f"layers.{i}.linear_attn.{name}" for i in range(3)
-                for name in ("states", "state", "conv_state_input", "conv_state_output")]
+                for name in ("states", "state", "conv_state_input", "conv_state_output", "effective_attention",
+                             "initial_state_output", "write_values")]
 DERIVED = ["next_token_probs", "input_size"]
 
 
 def test_catalogue_traits_are_unchanged(ig):
     catalogue = ig.catalogue
-    assert len(READ_ONLY) == 10
+    assert len(READ_ONLY) == 13
     assert sorted(name for name, entry in catalogue.items() if entry.read_only) == sorted(READ_ONLY)
     assert sorted(name for name, entry in catalogue.items() if entry.by_name_only) == sorted(BY_NAME_ONLY)
     assert sorted(name for name, entry in catalogue.items() if entry.derived) == sorted(DERIVED)

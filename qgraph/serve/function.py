@@ -36,7 +36,8 @@ from ..saved import sandbox
 from ..saved.fxdata import graph_data, graph_from_data, held_name
 
 FORMAT = 1
-DYNAMIC = {"batch": 2**12, "seq": 2**16, "query": 2**16, "key": 2**16, "patches": 2**16, "image_tokens": 2**16}
+DYNAMIC = {"batch": 2**12, "seq": 2**16, "query": 2**16, "key": 2**16, "patches": 2**16, "image_tokens": 2**16,
+           "video_tokens": 2**16}
 FLOATS = ("float32", "float16", "bfloat16", "float64")
 HELD_DTYPES = (*FLOATS, "int64", "int32", "bool")  # what the wire carries (serve.wire.DTYPES)
 LIMITS = {"nodes": 4096, "dims": 8, "size": 2**20, "tensors": 64, "elements": 2**24, "depth": 24}
