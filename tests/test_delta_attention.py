@@ -81,7 +81,10 @@ def test_the_values_are_the_kernels_inputs(sdpa_model, reads, monkeypatch):
         sdpa_model(input_ids=ids)
     for block, call in zip(DELTA, calls):
         for name, given in zip(INPUTS[:5], call[:5]):
-            torch.testing.assert_close(out[f"{P.format(block)}.{name}"], given, rtol=0, atol=0)
+            ours = out[f"{P.format(block)}.{name}"]
+            if ours.shape != given.shape:  # releases before 5.23 repeat q and k to the value heads before the kernel
+                ours = ours.repeat_interleave(given.shape[2] // ours.shape[2], dim=2)
+            torch.testing.assert_close(ours, given, rtol=1e-5, atol=1e-8)  # (5.9: rounding of the exported ops)
 
 
 @pytest.mark.parametrize("with_state", [False, True])

@@ -75,8 +75,9 @@ def packed_features(image_model: type, vision_forward):
     over images then videos to both scatters: ``get_image_features`` runs it (``vision_forward(self,
     pixel_values, grid, kwargs)`` -> the merged features, packed) and keeps the rows from
     ``video_start``'s length on for ``get_video_features``, which returns them behind a port marker."""
-    originals = image_model.forward, image_model.get_image_features, image_model.get_video_features
-    forward, _, _ = originals
+    names = ("forward", "get_image_features", "get_video_features", "get_placeholder_mask")
+    originals = {name: getattr(image_model, name) for name in names}
+    forward = originals["forward"]
     held: dict = {}
 
     def model_forward(self, *args, video_start=None, **kwargs):
@@ -101,9 +102,18 @@ def packed_features(image_model: type, vision_forward):
         from transformers.modeling_outputs import BaseModelOutputWithPooling
         return BaseModelOutputWithPooling(pooler_output=(torch.ops.qgraph.mark(held.pop("videos"), VIDEO_FEATURES_PORT),))
 
-    image_model.forward, image_model.get_image_features, image_model.get_video_features = \
-        model_forward, get_image_features, get_video_features
+    def get_placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
+        # The masks alone: the counts are checked before the call (check_tokens). Releases before 5.23
+        # (5.9) check them by indexing the embeddings with the mask, a size export bounds by the
+        # example's (at least one image), which a call with videos only would then fail.
+        config = self.config
+        return tuple((input_ids == token).unsqueeze(-1).expand_as(inputs_embeds)
+                     for token in (config.image_token_id, config.video_token_id))
+
+    for name, function in zip(names, (model_forward, get_image_features, get_video_features, get_placeholder_mask)):
+        setattr(image_model, name, function)
     try:
         yield
     finally:
-        image_model.forward, image_model.get_image_features, image_model.get_video_features = originals
+        for name, function in originals.items():
+            setattr(image_model, name, function)
