@@ -178,7 +178,7 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
             family_patches, patches, \
             constants.recording(twin) as reads:
         program = compat.export(twin, example, dynamic)
-    return program, frozenset(reads)
+    return program, frozenset(read for read in reads if read[1] not in family.cache_indices)
 
 
 def _with_signature(model: torch.nn.Module, names: tuple[str, ...], forward_kwargs: dict) -> torch.nn.Module:

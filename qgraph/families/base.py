@@ -140,6 +140,9 @@ class Family:
     export_methods: dict[str, Callable] = field(default_factory=dict)
     forward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every exported forward
     check: Check | None = None
+    # attributes a block's forward reads only to index a cache (the program is exported with none, and a
+    # decode step's memory is its own inputs): a read of one bakes nothing, so blocks differing in it repeat
+    cache_indices: tuple[str, ...] = ()
     # names other libraries give its values: a TransformerLens hook name ({i}: a text block) -> {host kind:
     # value name}, the value of the first host kind the block carries (a mixer's only on blocks with it);
     # values.names resolves them (HF module paths need none: module_renames renames them)

@@ -222,5 +222,6 @@ QWEN3_5 = register_family(Family(
     repeated_blocks=(RepeatedBlocks("model.layers", "layer_types"),
                      RepeatedBlocks("model.language_model.layers", "layer_types")),
     aliases=ALIASES,
+    cache_indices=("layer_idx",),  # transformers 5.25 passes it to the conv's cache lookup, with no cache
     export_methods={"_update_linear_attn_mask": _padding_mask_as_given},
 ).with_images(IMAGES))

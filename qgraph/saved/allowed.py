@@ -49,7 +49,7 @@ _GROUPS = {
     "shapes and views (no copy, or a copy of their input)": """
         view.default reshape.default _unsafe_view.default flatten.using_ints unflatten.int squeeze.dim
         squeeze.dims squeeze.default unsqueeze.default transpose.int permute.default t.default expand.default
-        expand_as.default slice.Tensor select.int narrow.default split.Tensor split_with_sizes.default
+        expand_as.default slice.Tensor select.int narrow.default split.Tensor split_with_sizes.default tensor_split.indices
         chunk.default unbind.int contiguous.default clone.default alias.default detach.default view_as.default
         repeat.default repeat_interleave.self_int tril.default triu.default diagonal.default movedim.int""",
     "joining, indexing and scattering into new tensors": """
