@@ -61,12 +61,15 @@ class Edit:
                 setattr(self, selector, indices(chosen, selector, f"{type(self).__name__}({selector}=...)"))
 
     def apply(self, x: torch.Tensor, target: Target) -> torch.Tensor:
+        """``x`` with the selected region (``positions``, ``heads``, ``neurons``) replaced by ``change`` of it;
+        ``x`` itself is not modified."""
         index = self._region(x, target)
         out = x.clone()
         out[index] = self.change(x[index], target, index)
         return out
 
     def change(self, region: torch.Tensor, target: Target, index) -> torch.Tensor:
+        """The new values of ``region`` (the value at ``index``): what a subclass defines."""
         raise NotImplementedError
 
     def _region(self, x: torch.Tensor, target: Target):
@@ -116,6 +119,7 @@ class Replace(Edit):
         _check_data(self.tensor, "Replace(tensor=...)")
 
     def change(self, region, target, index):
+        """The tensor given, broadcast to the region."""
         return self._fit(self.tensor, region, target)
 
 
@@ -134,6 +138,7 @@ class Add(Edit):
                               f"give a tensor as Add's tensor instead")
 
     def change(self, region, target, index):
+        """The region plus ``scale`` times the tensor."""
         return region + self.scale * self._fit(self.tensor, region, target)
 
 
@@ -149,6 +154,7 @@ class Scale(Edit):
             _check_data(self.factor, "Scale(factor=...)")
 
     def change(self, region, target, index):
+        """The region times ``factor``."""
         return region * (self.factor if _is_number(self.factor) else self._fit(self.factor, region, target))
 
 
@@ -157,6 +163,7 @@ class Zero(Edit):
     """Set the value (or the selected region) to zero: ablation."""
 
     def change(self, region, target, index):
+        """Zeros of the region's shape."""
         return torch.zeros_like(region)
 
 

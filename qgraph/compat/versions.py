@@ -10,7 +10,7 @@ from importlib import metadata
 # transformers' floor is 5.9 (TransformerLens 4's): 5.2 to 5.8 compute the ViT's position embeddings
 # from the image grids with Python loops that export cannot follow. torch's floor is 2.10; older
 # releases are not tested. What differs inside the ranges: README "Supported versions".
-TESTED = {"torch": ("2.10", "2.14"), "transformers": ("5.9", "5.24")}
+TESTED = {"torch": ("2.10", "2.14"), "transformers": ("5.9", "5.25")}
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -99,14 +99,17 @@ class CrossLayerTranscoder(torch.nn.Module):
     # the widths a block's splice checks (as a per-layer Transcoder's)
     @property
     def d_in(self) -> int:
+        """The width a block's splice reads: the model's hidden size."""
         return self.d_model
 
     @property
     def d_out(self) -> int:
+        """The width it writes: the model's hidden size."""
         return self.d_model
 
     @property
     def d_sae(self) -> int:
+        """The number of features per layer."""
         return self.d_transcoder
 
     @property

@@ -134,6 +134,7 @@ class SAE(torch.nn.Module):
                                   f"load the SAE trained on this model and value")
 
     def extra_repr(self) -> str:
+        """The SAE's widths, activation and where it reads, for its repr."""
         kind = f"topk k={self.k}" + ("" if self.topk_relu else " (raw values)") if self.activation == "topk" \
             else self.activation
         return (f"{kind}, d_in={self.d_in}, d_sae={self.d_sae}, subtract_b_dec={self.subtract_b_dec}, "

@@ -88,5 +88,6 @@ class Transcoder(SAE):
                                   f"'{name}' has hidden_size {hidden_size}: load the transcoder trained on this model")
 
     def extra_repr(self) -> str:
+        """The transcoder's widths, skip, layer and what it reads, for its repr."""
         return (f"{super().extra_repr()}, d_out={self.d_out}, skip={self.W_skip is not None}, layer={self.layer}, "
                 f"reads={self.reads!r}")

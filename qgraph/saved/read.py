@@ -209,6 +209,7 @@ class LoadedProgram:
 
     @property
     def graph(self) -> torch.fx.Graph:
+        """The loaded program's ``torch.fx`` graph (what ``qgraph.render`` draws)."""
         return self.module.graph
 
     def __call__(self, input_ids=None, attention_mask=None, *, edits: Mapping | None = None) -> Output:
