@@ -115,8 +115,8 @@ def browser():
     driver.quit()
 
 
-@pytest.mark.parametrize("page, text", [("index.html", "standard value"), ("catalogue.html", "effective_attention"),
-                                        ("api/circuits.html", "attribution_graph")])
+@pytest.mark.parametrize("page, text", [("index.html", "standard value"), ("deltanet.html", "initial_state_output"),
+                                        ("catalogue.html", "effective_attention"), ("api/circuits.html", "attribution_graph")])
 def test_a_page_renders_in_chromium(served, browser, page, text):
     from selenium.webdriver.common.by import By
     browser.get(f"{served}/{page}")

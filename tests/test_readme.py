@@ -1,4 +1,5 @@
-"""Every code block of README.md runs as written, on the tiny checkpoints (issue 12, part 8).
+"""Every code block of README.md and of the docs site's pages (docs/*.md) runs as written, on the tiny
+checkpoints (issue 12, part 8; issue 40). A ```text block is shown, not run.
 
 Each ```python block is exec'd unchanged in a namespace of the free names it mentions (``path``,
 ``model``, ``ids``, ``v``, ``processor``, ...), built from the session's tiny checkpoints, in a tmp
@@ -22,7 +23,9 @@ from PIL import Image
 import qgraph
 from conftest import hf_logits, random_ids
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the site's hand-written pages (hooks write the rest)
 
 
 def readme_blocks(text: str) -> list[tuple[str, str, str]]:
@@ -36,17 +39,19 @@ def readme_blocks(text: str) -> list[tuple[str, str, str]]:
     return blocks
 
 
-def block_id(index: int, heading: str, source: str) -> str:
-    """The block's position, section and first line: a failure names the block."""
+def block_id(page: Path, index: int, heading: str, source: str) -> str:
+    """The block's page, position, section and first line: a failure names the block."""
     first = source.strip().splitlines()[0].strip()
-    return f"{index}:{heading}:{first[:60]}"
+    where = "" if page == README else f"{page.name}:"
+    return f"{where}{index}:{heading}:{first[:60]}"
 
 
-BLOCKS = readme_blocks(README.read_text())
-PYTHON = [pytest.param(heading, source, id=block_id(i, heading, source))
-          for i, (language, heading, source) in enumerate(BLOCKS) if language == "python"]
-BASH = [pytest.param(heading, source, id=block_id(i, heading, source))
-        for i, (language, heading, source) in enumerate(BLOCKS) if language == "bash"]
+PAGE_BLOCKS = [(page, i, block) for page in PAGES for i, block in enumerate(readme_blocks(page.read_text()))]
+BLOCKS = [block for _, _, block in PAGE_BLOCKS]
+PYTHON = [pytest.param(heading, source, id=block_id(page, i, heading, source))
+          for page, i, (language, heading, source) in PAGE_BLOCKS if language == "python"]
+BASH = [pytest.param(heading, source, id=block_id(page, i, heading, source))
+        for page, i, (language, heading, source) in PAGE_BLOCKS if language == "bash"]
 
 
 def test_the_readme_has_the_blocks_we_run():
@@ -55,7 +60,7 @@ def test_the_readme_has_the_blocks_we_run():
             "Capturing a dataset", "Sparse autoencoders", "Mixtures of experts",
             "Saved programs and stages", "Serving a lab"} <= headings
     assert len(PYTHON) >= 8 and len(BASH) >= 2
-    assert all(language in ("python", "bash") for language, _, _ in BLOCKS), "a block in an unchecked language"
+    assert all(language in ("python", "bash", "text") for language, _, _ in BLOCKS), "a block in an unchecked language"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -138,6 +143,24 @@ def reading_values(ns):
     table = qgraph.support(ns["model"])
     assert table["layers.3.self_attn.attention_scores"].available
     assert table["layers.3.self_attn.attention_probabilities"].available
+
+
+def main_job(ns):
+    # "out.logits: the model's own"; the zeroed last token moves the logits
+    model, batch, out = ns["model"], ns["batch"], ns["out"]
+    torch.testing.assert_close(out.logits, hf_logits(model, **batch), rtol=0, atol=1e-5)
+    assert isinstance(out.plot("layers.0.linear_attn.effective_attention"), qgraph.Figure)
+    assert not torch.allclose(ns["ablated"].logits, out.logits)
+
+
+def getting_started(ns):
+    # "the model's own logits"; the zeroed last token moves block 2's output there, and only there
+    model, batch, out, ablated = ns["model"], ns["batch"], ns["out"], ns["ablated"]
+    torch.testing.assert_close(out.logits, hf_logits(model, **batch), rtol=0, atol=1e-5)
+    probs = out["layers.3.self_attn.attention_probabilities"]
+    torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), rtol=0, atol=1e-5)
+    moved = (ablated["layers.2.layer_output"] != out["layers.2.layer_output"]).any(-1)
+    assert moved[:, -1].all() and not moved[:, :-1].any()
 
 
 def editing_values(ns):
@@ -310,7 +333,9 @@ def serving(ns):
 
 CLAIMS = {  # the section and a line of its block -> the check of what the README says it gives
     ("Reading values", "out.logits"): reading_values,
+    ("The main job", "effective_attention"): main_job,
     ("Editing values", "Zero(heads=[2])"): editing_values,
+    ("The tiny model, its first values and a first edit", "cached_tiny_qwen3_5()"): getting_started,
     ("Gradients", ".backward("): gradients,
     ("DeltaNet states", "states\": {}"): states,
     ("DeltaNet states", "second = ig("): continued_prompt,
