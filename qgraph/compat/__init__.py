@@ -4,7 +4,7 @@ releases it supports, each with its reason.
 Every use of a private attribute lives here, so a torch or transformers upgrade breaks in one
 place. A difference between supported releases is told by feature detection (does this function,
 attribute or argument exist?), never by comparing version strings. ``versions.TESTED`` holds the ranges the
-tests ran on (README "Supported versions"); ``check_versions`` refuses a release older than a
+tests ran on (docs/versions.md); ``check_versions`` refuses a release older than a
 range's floor and warns about one newer than its top.
 
 The internals are split by library: ``torch_internals`` (hooks, autograd inside custom ops, building

@@ -9,7 +9,7 @@ from importlib import metadata
 # does not import (an ImportError names the floor); past the newest it imports with a warning.
 # transformers' floor is 5.9 (TransformerLens 4's): 5.2 to 5.8 compute the ViT's position embeddings
 # from the image grids with Python loops that export cannot follow. torch's floor is 2.10; older
-# releases are not tested. What differs inside the ranges: README "Supported versions".
+# releases are not tested. What differs inside the ranges: docs/versions.md.
 TESTED = {"torch": ("2.10", "2.14"), "transformers": ("5.9", "5.25")}
 
 
