@@ -43,7 +43,8 @@ def _build_fails_with(tmp_path, page: str, text: str) -> str:
     shutil.copy(ROOT / "benchmarks" / "results.md", tmp_path / "benchmarks" / "results.md")
     (tmp_path / "docs" / page).write_text((tmp_path / "docs" / page).read_text() + text)
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "QGRAPH_DOCS_TOUR": "saved"})  # links, not the tour
     assert result.returncode != 0, "the build passed"
     return result.stdout + result.stderr
 
@@ -122,6 +123,24 @@ def test_a_page_renders_in_chromium(served, browser, page, text):
     browser.get(f"{served}/{page}")
     body = browser.find_element(By.CSS_SELECTOR, "article").text
     assert text in body
+    assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []
+
+
+def test_the_tour_page_shows_the_outputs_the_notebook_gives_now(served, browser):
+    """The build ran the notebook: its pictures are on the page, each in its frame, drawn."""
+    from selenium.webdriver.common.by import By
+    browser.get(f"{served}/tour.html")
+    frames = browser.find_elements(By.CSS_SELECTOR, "iframe.qgraph-output")
+    assert len(frames) == 4  # the output's table, the pattern, the decays, the explorer
+    shown = []
+    for frame in frames:
+        browser.switch_to.frame(frame)
+        shown.append(browser.find_element(By.TAG_NAME, "body").text)
+        browser.switch_to.default_content()
+    assert "layers.3.self_attn.attention_probabilities" in shown[0]
+    assert "head 3" in shown[1] and "layers.3.self_attn.attention_probabilities" in shown[1]
+    assert "layers.0.linear_attn.decays" in shown[2]
+    assert all(frame.size["height"] > 100 for frame in frames)
     assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []
 
 
