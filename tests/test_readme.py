@@ -58,7 +58,7 @@ def test_the_readme_has_the_blocks_we_run():
     headings = {heading for _, heading, _ in BLOCKS}
     assert {"Reading values", "Editing values", "DeltaNet states", "Images", "Diagrams", "Generation",
             "Capturing a dataset", "Sparse autoencoders", "Mixtures of experts",
-            "Saved programs and stages", "Serving a lab"} <= headings
+            "Saved programs", "Stages", "Activation patching", "Serving a lab"} <= headings
     assert len(PYTHON) >= 8 and len(BASH) >= 2
     assert all(language in ("python", "bash", "text") for language, _, _ in BLOCKS), "a block in an unchecked language"
 
@@ -292,16 +292,31 @@ def saes(ns):
 
 
 def saved_programs(ns):
-    ig, probe, out, ids, staged = ns["ig"], ns["probe"], ns["out"], ns["ids"], ns["staged"]
+    ig, out, ids = ns["ig"], ns["out"], ns["ids"]
     # "edits at its saved slots": the instrumented model's edited call, exactly
     expected = ig(ids, edits={"layers.1.layer_output": qgraph.Zero(positions=[-1])})
     assert torch.equal(out.logits, expected.logits) and not torch.equal(out.logits, ig(ids).logits)
     assert all(torch.equal(out[name], expected[name]) for name in expected.values)
-    plain, cut = ig(ids), staged(ids)
+
+
+def stages_cut(ns):
+    # "cut at block boundaries": the unsplit program's values; "exported on meta": the checkpoint's weights
+    ids = random_ids(2, 12, seed=7)
+    plain, cut = qgraph.instrument(ns["model"], values=["layers.*.layer_output"])(ids), ns["staged"](ids)
     assert torch.equal(plain.logits, cut.logits) and all(torch.equal(plain[n], cut[n]) for n in plain.values)
     assert "model.layers.3.mlp.down_proj.weight" in ns["names"]
     low = ns["low"](ids)
     assert torch.equal(low.logits, plain.logits) and all(p.is_meta for p in ns["big"].parameters())
+
+
+def patching(ns):
+    # patching the last block's output at the last position gives the clean run's metric exactly
+    ig, clean, metric = ns["ig"], ns["clean"], ns["metric"]
+    last = f"layers.{len(ns['model'].model.layers) - 1}.layer_output"
+    assert ns["sweep"][last].shape == (clean.shape[1],)
+    torch.testing.assert_close(ns["sweep"][last][-1], metric(ig(clean).logits).detach(), rtol=0, atol=1e-5)
+    assert ns["heads"]["layers.3.self_attn.attention_head_outputs"].shape == (clean.shape[1], 4)
+    assert ns["scores"]["layers.2.layer_output"].shape == ns["sweep"]["layers.2.layer_output"].shape
 
 
 def stages_with_loss(ns):
@@ -347,8 +362,10 @@ CLAIMS = {  # the section and a line of its block -> the check of what the READM
     ("Capturing a dataset", "qgraph.capture("): capturing,
     ("Sparse autoencoders", "qgraph.SAE.load("): saes,
     ("Mixtures of experts", "tiny_qwen3_5_moe("): mixtures_of_experts,
-    ("Saved programs and stages", "ig.save("): saved_programs,
-    ("Saved programs and stages", "loss=fn"): stages_with_loss,
+    ("Activation patching", "positions=\"each\""): patching,
+    ("Saved programs", "ig.save("): saved_programs,
+    ("Stages", "stages=2)"): stages_cut,
+    ("Gradients through the stages", "loss=fn"): stages_with_loss,
     ("Serving a lab", "qgraph.remote("): serving,
 }
 

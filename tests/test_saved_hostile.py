@@ -2,7 +2,7 @@
 ``qgraph.load`` with a ``SavedProgramError`` naming the field or node, and nothing was read, written or
 changed (a canary file's bytes and its folder, ``torch.nn.Module``'s and ``GraphModule``'s attributes, the
 process's peak memory). The sandbox's own bounds at call time, and the positive list's promises (every op on
-it pure, registered, and written by ``ig.save``), are tested here too (docs/threat-model.md)."""
+it pure, registered, and written by ``ig.save``), are tested here too (docs/security.md)."""
 from __future__ import annotations
 
 import json
