@@ -330,3 +330,22 @@ def test_plot_and_explore_show_the_effective_attention(reads):
     assert torch.isnan(shown[:, ~lower]).all()  # the future is blank, not a zero of the colour scale
     page = qgraph.explore(reads, out)._repr_html_()
     assert name in page and page.count(f'data-value="{name}"') >= 1
+
+
+@pytest.mark.parametrize("build", ["tiny_qwen3_5_moe", "tiny_qwen3_next"])
+def test_the_other_families_read_as_attention(build, tmp_path):
+    """The MoE and Qwen3-Next families' own rules: the reads equal the float64 recurrence, the identity holds."""
+    from transformers import AutoModelForCausalLM
+
+    import qgraph.testing
+
+    model = AutoModelForCausalLM.from_pretrained(getattr(qgraph.testing, build)(tmp_path)).eval()
+    blocks = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
+    ig = qgraph.instrument(model, values=names(*READS, *INPUTS, "attention_head_outputs", blocks=blocks))
+    out = ig(random_ids(2, 24, seed=4) % model.config.vocab_size)
+    for block in blocks:
+        prefix = P.format(block)
+        attention, initial, writes = reference(*(out[f"{prefix}.{name}"] for name in INPUTS))
+        torch.testing.assert_close(out[f"{prefix}.effective_attention"].double(), attention, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(out[f"{prefix}.write_values"].double(), writes, rtol=1e-4, atol=1e-6)
+        assert _identity_error(out, block) < 1e-5
