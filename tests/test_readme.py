@@ -315,7 +315,8 @@ def patching(ns):
     last = f"layers.{len(ns['model'].model.layers) - 1}.layer_output"
     assert ns["sweep"][last].shape == (clean.shape[1],)
     torch.testing.assert_close(ns["sweep"][last][-1], metric(ig(clean).logits).detach(), rtol=0, atol=1e-5)
-    assert ns["heads"]["layers.3.self_attn.attention_head_outputs"].shape == (clean.shape[1], 4)
+    heads = ns["model"].config.num_attention_heads
+    assert ns["heads"]["layers.3.self_attn.attention_head_outputs"].shape == (clean.shape[1], heads)
     assert ns["scores"]["layers.2.layer_output"].shape == ns["sweep"]["layers.2.layer_output"].shape
 
 
