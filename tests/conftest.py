@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import os
 import re
+import resource
 
 import pytest
 import torch
@@ -232,3 +233,16 @@ def remote(url):
     return qgraph.remote(url, api_key=KEY)
 
 
+@pytest.fixture
+def canary(tmp_path):
+    """A file an attacker would read or write, and a snapshot of what must not change."""
+    (tmp_path / "canary").mkdir()
+    secret = tmp_path / "canary" / "secret.bin"
+    secret.write_bytes(b"the canary's bytes: nothing reads or writes me")
+    before = {name: value for name, value in vars(torch.nn.Module).items()}, dict(vars(torch.fx.GraphModule))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield secret
+    assert secret.read_bytes() == b"the canary's bytes: nothing reads or writes me"
+    assert [p.name for p in secret.parent.iterdir()] == ["secret.bin"]
+    assert dict(vars(torch.nn.Module)) == before[0] and dict(vars(torch.fx.GraphModule)) == before[1]
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 * 1024  # KiB: no large allocation

@@ -154,11 +154,16 @@ def replace_child(parent: torch.nn.Module, name: str, replace) -> torch.nn.Modul
     return child
 
 
-# -- reading and running ops (qgraph.render.labels, qgraph.compile) ---------------------------------
+# -- reading and running ops (qgraph.render.labels, qgraph.compile, qgraph.saved) -----------------------
 # Alike in torch 2.13 and 2.14. An op's argument names are only on its schema (``_schema``,
 # public in practice but underscored); and a compiled program's dynamic dims are marked with dynamo's
 # ``maybe_mark_dynamic`` (``torch.compiler`` has no public counterpart), so the first call with a new
 # batch or length does not recompile.
+def op_schema(op) -> torch.FunctionSchema:
+    """An ATen or custom op's schema: its arguments (names, defaults, which it writes) and returns."""
+    return op._schema
+
+
 def op_argument_names(op) -> list[str]:
     """The names of an ATen or custom op's arguments, in order."""
     return [argument.name for argument in op._schema.arguments]

@@ -9,6 +9,8 @@ the functional siblings that the supported transformers releases write for the s
 no op here opens a file, prints, warns, reads or advances a random generator, or touches state outside its
 arguments. No ``.out`` overload, no ``_foreach`` op, no higher-order op (a subgraph) and no TorchScript builtin
 is here. Three ops write in place (``INPLACE``); the sandbox lets them write only tensors the graph made itself.
+Which results are new storage is a positive list too (``FRESH``): every other op's result is taken to alias all
+its tensor arguments, annotated or not (a view, a cast to the dtype it has, ``_unsafe_view``, a list of views).
 Two ops take a random generator when told to (``dropout`` with ``train=True``, ``sdpa`` with a dropout
 probability); ``CONSTANT`` pins those arguments to what makes them pure.
 
@@ -44,24 +46,37 @@ _GROUPS = {
         min.default argmax.default argmin.default any.default any.dim all.default all.dim topk.default sort.default
         argsort.default cumsum.default prod.dim_int var.correction norm.ScalarOpt_dim""",
     "linear algebra, convolution and attention": """
-        linear.default matmul.default mm.default bmm.default addmm.default baddbmm.default einsum.default
+        linear.default matmul.default mm.default bmm.default addmm.default baddbmm.default
         conv1d.default embedding.default scaled_dot_product_attention.default""",
-    "shapes and views (no copy, or a copy of their input)": """
-        view.default reshape.default _unsafe_view.default flatten.using_ints unflatten.int squeeze.dim
-        squeeze.dims squeeze.default unsqueeze.default transpose.int permute.default t.default expand.default
-        expand_as.default slice.Tensor select.int narrow.default split.Tensor split_with_sizes.default tensor_split.indices
-        chunk.default unbind.int contiguous.default clone.default alias.default detach.default view_as.default
-        repeat.default repeat_interleave.self_int tril.default triu.default diagonal.default movedim.int""",
+    "copies of a shape's worth of their input": """
+        clone.default repeat.default repeat_interleave.self_int tril.default triu.default""",
     "joining, indexing and scattering into new tensors": """
         cat.default stack.default index.Tensor index_select.default gather.default scatter.src scatter.value
         scatter_add.default index_put.default constant_pad_nd.default pad.default one_hot.default""",
-    "dtype and device casts (the device checked against this machine at load)": """
-        to.dtype to.device to.dtype_layout to.other type_as.default _to_copy.default""",
+    "a cast into a new tensor (the device checked against this machine at load)": """
+        _to_copy.default""",
     "tensors made from sizes and literals (every size bounded at load)": """
         zeros.default ones.default full.default empty.memory_format arange.default arange.start
         arange.start_step zeros_like.default ones_like.default full_like.default empty_like.default
         new_zeros.default new_ones.default new_full.default new_empty.default scalar_tensor.default
         lift_fresh_copy.default""",
+}
+# Ops whose result may share storage with an argument: views (their schema says so), and ops that return an
+# argument itself or a view of it with no annotation to say so. The sandbox takes each result of these to
+# alias every tensor argument of its node; a result of any other op on the list is fresh storage (FRESH).
+_ALIASING = {
+    "shapes and views: a view of their input, or the input itself where no copy is needed": """
+        view.default reshape.default _unsafe_view.default flatten.using_ints unflatten.int squeeze.dim
+        squeeze.dims squeeze.default unsqueeze.default transpose.int permute.default t.default expand.default
+        expand_as.default slice.Tensor select.int narrow.default split.Tensor split_with_sizes.default
+        tensor_split.indices chunk.default unbind.int contiguous.default alias.default detach.default
+        view_as.default diagonal.default movedim.int""",
+    "casts that return their input itself when it already has the dtype and device": """
+        to.dtype to.device to.dtype_layout to.other type_as.default""",
+    "einsum (a one-operand equation is a permuted view of it)": """
+        einsum.default""",
+    "dropout in eval mode (train=False: the identity, its input itself, no random numbers)": """
+        dropout.default""",
     "checks that export writes (they raise, or do nothing)": """
         _assert_tensor_metadata.default _assert_scalar.default sym_constrain_range_for_size.default
         sym_size.int""",
@@ -77,10 +92,14 @@ _QGRAPH = {
 }
 OPS: dict[str, str] = {f"aten.{name}": reason for reason, names in _GROUPS.items() for name in names.split()}
 OPS.update({f"qgraph.{name}": reason for reason, names in _QGRAPH.items() for name in names.split()})
+# every result of these is new storage: aten's own (tests/test_saved_aliasing.py runs each on the arguments
+# most likely to hand back an input: identity pads, powers, casts, one-operand joins), and qgraph's kernels,
+# whose results torch.library's custom ops may not alias an input (torch checks it at each call)
+FRESH = frozenset(OPS)
+OPS.update({f"aten.{name}": reason for reason, names in _ALIASING.items() for name in names.split()})
 INPLACE = frozenset(("aten.copy_.default", "aten.detach_.default", "aten.index_put_.default"))
 # argument position -> the one value it may hold (otherwise the op reads the global random generator)
 CONSTANT = {"aten.dropout.default": {2: False}, "aten.scaled_dot_product_attention.default": {4: 0.0}}
-OPS["aten.dropout.default"] = "dropout in eval mode (train=False: the identity, no random numbers)"
 
 # the size arithmetic export writes between ops (on symbolic sizes, never on tensors)
 FUNCTIONS = {

@@ -5,9 +5,9 @@ module checks what the graph does with them, at load:
 
 - **Pure ops stay pure.** An op that takes a random generator when told to (``dropout``, ``sdpa``'s dropout)
   holds the one argument that makes it pure (``allowed.CONSTANT``).
-- **Nothing outside the graph is written, or handed out.** An in-place op (``allowed.INPLACE``) may write
-  only a tensor the graph made; a view (an op whose schema says its result aliases an argument) of an
-  input or a held tensor is followed to that tensor. No output is a weight, a held tensor or a view of one.
+- **Nothing outside the graph is written, or handed out** (``saved.aliasing``): an in-place op may write
+  only a tensor the graph made; only a result of ``allowed.FRESH``'s ops is taken to be new storage, any
+  other to alias every tensor it was given. No output is a weight, a held tensor or a view of one.
 - **Every tensor it can make is bounded.** The graph runs once on fake tensors (shapes, no data), every
   size of the call's inputs a symbol: every node's arguments must fit its op (a malformed node is refused
   here, by name, not at the call), and each tensor's size in bytes is an expression of those symbols. Each
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import os
 
 import sympy
@@ -29,7 +28,8 @@ from torch.fx import GraphModule, Node
 
 from .. import compat
 from ..errors import InvalidArgument, SavedProgramError
-from .allowed import CONSTANT, INPLACE
+from . import aliasing
+from .allowed import CONSTANT
 from .fxdata import device
 
 DEGREE = 3  # batch × length², the attention pattern's size
@@ -45,7 +45,8 @@ def check(module: GraphModule, placeholders: list[dict], symbols: dict, weights:
     graph = module.graph
     for node in graph.nodes:
         _constant_arguments(node, where)
-    _aliasing(graph, {node for node, weight in zip(graph.find_nodes(op="placeholder"), weights) if not weight}, where)
+    aliasing.check(graph, {node for node, weight in zip(graph.find_nodes(op="placeholder"), weights) if not weight},
+                   where)
     return _sizes(module, placeholders, symbols, where)
 
 
@@ -53,67 +54,13 @@ def _constant_arguments(node: Node, where: str) -> None:
     if node.op != "call_function" or not isinstance(node.target, _OP_OVERLOAD):
         return
     pinned = CONSTANT.get(str(node.target), {})
-    schema = node.target._schema
+    schema = compat.op_schema(node.target)
     for index, value in pinned.items():
         name = schema.arguments[index].name
         given = node.args[index] if index < len(node.args) else node.kwargs.get(name, schema.arguments[index].default_value)
         if given != value or isinstance(given, Node):
             raise SavedProgramError(f"{where}: node {node.name} calls {node.target} with {name}={given!r}; a saved "
                                     f"program holds it only with {name}={value!r} (otherwise it draws random numbers)")
-
-
-def _roots(value, roots: dict) -> set:
-    """The inputs and held tensors that ``value`` (an argument: a node, or a list of them) may alias."""
-    if isinstance(value, Node):
-        return roots.get(value, set())
-    if isinstance(value, (list, tuple)):
-        return set().union(*(_roots(item, roots) for item in value)) if value else set()
-    return set()
-
-
-def _aliasing(graph: torch.fx.Graph, calls: set, where: str) -> None:
-    """Refuse a write into an input or held tensor, and an output that is a weight or held tensor
-    (the call's own ``calls`` inputs it may hand back: a value of ``input_ids``)."""
-    roots: dict[Node, set] = {}
-    for node in graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
-            roots[node] = {node}
-        elif node.op == "call_function" and node.target is operator.getitem:
-            roots[node] = _roots(node.args[0], roots)
-        elif node.op == "call_function" and isinstance(node.target, _OP_OVERLOAD):
-            schema, bound = node.target._schema, _bound_arguments(node)
-            for argument in schema.arguments:
-                info = argument.alias_info
-                if info is not None and info.is_write and argument.name in bound:
-                    hit = _roots(bound[argument.name], roots)
-                    if hit or str(node.target) not in INPLACE:
-                        raise SavedProgramError(
-                            f"{where}: node {node.name} ({node.target}) writes in place into "
-                            f"{_named(hit) if hit else 'its argument ' + argument.name}: a saved program may write "
-                            f"only tensors it made itself")
-            shared = set()  # the alias sets its results are in: a view shares its argument's
-            for result in schema.returns:
-                if result.alias_info is not None:
-                    shared |= set(result.alias_info.before_set)
-            roots[node] = set().union(*(_roots(bound.get(a.name), roots) for a in schema.arguments
-                                        if a.alias_info is not None and set(a.alias_info.before_set) & shared)) \
-                if shared else set()
-        elif node.op == "output":
-            hit = _roots(list(node.args[0]) if isinstance(node.args[0], (list, tuple)) else node.args[0], roots) - calls
-            if hit:
-                raise SavedProgramError(f"{where}: the graph returns {_named(hit)} (or a view of it): a saved program "
-                                        f"returns tensors it computed, never its weights or held tensors")
-
-
-def _bound_arguments(node: Node) -> dict:
-    schema = node.target._schema
-    bound = dict(zip((a.name for a in schema.arguments if not a.kwarg_only), node.args))
-    bound.update(node.kwargs)
-    return bound
-
-
-def _named(nodes: set) -> str:
-    return ", ".join(sorted(f"{'its input' if n.op == 'placeholder' else 'its held tensor'} {n.name}" for n in nodes))
 
 
 # -- sizes -------------------------------------------------------------------------------------------
