@@ -17,6 +17,7 @@ checked) again.
 """
 from __future__ import annotations
 
+import math
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -41,7 +42,7 @@ from .fxdata import device, graph_from_data
 from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
 
 
-def load(path, weights=None) -> "LoadedProgram":
+def load(path, weights=None, *, max_work: float | None = None) -> "LoadedProgram":
     """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` file, or the
     shards' ``.safetensors.index.json``, written beside it by ``save(..., weights=True)``), a model
     (its parameters, read at each call; re-read when a submodule is replaced), a safetensors file, a
@@ -49,14 +50,17 @@ def load(path, weights=None) -> "LoadedProgram":
     Hugging Face checkpoint; its index if it has one); only the files holding a tensor it reads are
     opened. Weights that lack a tensor the program reads, or hold one the model it was saved from
     never had, are refused.
+    Its work is known at load (``loaded.work(batch, length)``: floating-point operations, ``saved.work``);
+    with ``max_work`` a call that would do more is refused before it runs.
     A bar of its stages shows past 2 s (``qgraph.progress``)."""
     with stages(f"qgraph: loading {Path(path).name}", ("read the weights", "load the program")) as stage:
-        return _load(path, weights, stage)
+        return _load(path, weights, stage, max_work)
 
 
-def _load(path, weights, stage) -> "LoadedProgram":
+def _load(path, weights, stage, max_work=None) -> "LoadedProgram":
     path = Path(path)
     meta, data, module, bounds = check(path)
+    bounds.max_work = max_work
     stage("read the weights")
     tensors = _weights(path, meta, weights)
     stage("load the program")
@@ -89,6 +93,9 @@ def check(path) -> tuple[dict, dict, torch.fx.GraphModule, sandbox.Bounds]:
                                 f"graph.json says what feeds {len(data['inputs'])}")
     bounds = sandbox.check(module, data["placeholders"], data["symbols"], ["parameter" in item for item in data["inputs"]],
                            str(path))
+    elements = sum(math.prod(spec["shape"]) for spec, item in zip(data["placeholders"], data["inputs"])
+                   if "parameter" in item) + sum(tensor.numel() for tensor in held.values())
+    bounds.check_work_per_weight(elements, str(path))
     return meta, data, module, bounds
 
 
@@ -206,6 +213,15 @@ class LoadedProgram:
         no longer fit are refused by name."""
         if self._model is not None and fingerprint(self._model) != self._fingerprint:
             self._use(_weights(self.path, self.meta, self._model))
+
+    def work(self, batch: int = 1, length: int = 1) -> float:
+        """The floating-point operations a call of ``batch`` prompts of ``length`` tokens does, as the
+        sandbox counts them from the graph (contractions' multiply-adds twice, other ops their elements)."""
+        ids = torch.empty(batch, length, dtype=torch.long)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        user = [ids, inputs["attention_mask"], *(source(inputs) for source in self._extra)]
+        shapes = [user[source].shape if isinstance(source, int) else () for source in self._sources]
+        return self._bounds.work_at(shapes)
 
     @property
     def graph(self) -> torch.fx.Graph:

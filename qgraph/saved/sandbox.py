@@ -31,8 +31,10 @@ from ..errors import InvalidArgument, SavedProgramError
 from . import aliasing
 from .allowed import CONSTANT
 from .fxdata import device
+from .work import evaluate, graph_work
 
 DEGREE = 3  # batch × length², the attention pattern's size
+WORK_PER_WEIGHT = 64  # operations a saved program may do per weight per token (a forward does about 2 to 3)
 _OP_OVERLOAD = type(torch.ops.aten.add.Tensor)
 _METADATA = torch.ops.aten._assert_tensor_metadata.default
 
@@ -111,13 +113,14 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
                                         f"sandbox's example, so what it makes cannot be bounded for every call: a "
                                         f"saved program's sizes stay symbolic")
             symbols[expression] = (index, dim, limits[size])
+    work = graph_work(made)
     found: dict = {}  # bytes expression -> (node, device)
     for node, value in made:
         for tensor in (value if isinstance(value, (list, tuple)) else [value]):
             if isinstance(tensor, torch.Tensor):
                 size = sympy.sympify(compat.size_expression(tensor.numel())) * tensor.element_size()
                 found.setdefault(size, (node, tensor.device))
-    return Bounds(found, symbols, where)
+    return Bounds(found, symbols, where, work)
 
 
 def _hint(low: int, high: int | None, taken: int) -> int:
@@ -194,10 +197,16 @@ class Bounds:
     """The size in bytes of every tensor a graph can make, as expressions of its inputs' sizes; checked at
     load (the degree, and the smallest call) and by each call on its own sizes."""
 
-    def __init__(self, found: dict, symbols: dict, where: str):
+    def __init__(self, found: dict, symbols: dict, where: str, work=0):
         self.symbols = symbols  # symbol -> (placeholder index, dim, {"min", "max"})
         self.sizes = found
+        self.work = work  # floating-point operations of one call (saved.work), an expression of the symbols
+        self.max_work: float | None = None  # a call over it is refused (qgraph.load(..., max_work=))
         self._seen: set = set()
+        if set(getattr(work, "free_symbols", ())) - set(symbols):
+            raise SavedProgramError(f"{where}: its work depends on its data ({work} operations), which a saved "
+                                    f"program cannot bound")
+        _upper(work, None, where)  # a polynomial of the sizes, or refused
         low = {symbol: max(1, int(limits["min"])) for symbol, (_, _, limits) in symbols.items()}
         for size, (node, on) in found.items():
             unknown = size.free_symbols - set(symbols)
@@ -210,19 +219,49 @@ class Bounds:
                 raise SavedProgramError(f"{where}: node {node.name} makes a tensor of {least:,} bytes at the smallest "
                                         f"call, more than this machine's memory")
 
-    def check(self, args: list) -> None:
-        """Refuse a call (its arguments ``args``) whose sizes are out of the graph's range, or for which the
-        graph would make a tensor larger than the memory of its device."""
+    def check_work_per_weight(self, elements: int, where: str) -> None:
+        """Refuse a program that computes more than a model of its ``elements`` weights could: per row and
+        token (every term linear in each size, the constant too) ``WORK_PER_WEIGHT`` operations per weight,
+        and per pair of tokens (a size squared: attention) that many per square root of the weights (an
+        attention head's reads per pair of tokens grow as the hidden size, the weights as its square)."""
+        bound = sympy.Poly(sympy.expand(_upper(self.work, None, where)), *self.symbols) if self.symbols \
+            else sympy.Poly(sympy.expand(self.work), sympy.Symbol("unused"))
+        for powers, coefficient in bound.terms():
+            square = any(power > 1 for power in powers)
+            most = WORK_PER_WEIGHT * (math.isqrt(elements) + 1 if square else max(elements, 1))
+            if coefficient > most:
+                term = sympy.Mul(*(symbol ** power for symbol, power in zip(self.symbols, powers)))
+                raise SavedProgramError(
+                    f"{where}: its graph computes {float(coefficient):.3g} operations per {term} (a row, a token"
+                    f"{', a pair of tokens' if square else ''}), more than {most:.3g}, the most a model of its "
+                    f"{elements:,} weights does ({WORK_PER_WEIGHT} per weight{'s square root' if square else ''}): "
+                    f"it is not a program ig.save writes")
+
+    def work_at(self, shapes: list) -> float:
+        """The floating-point operations of a call whose inputs have ``shapes`` (one per input)."""
+        return evaluate(self.work, self._values(shapes))
+
+    def _values(self, shapes: list) -> dict:
         values = {}  # the call's size for each symbol: all the sizes depend on (the weights' are fixed)
         for symbol, (index, dim, limits) in self.symbols.items():
-            value = args[index].shape[dim]
+            value = shapes[index][dim]
             if limits["max"] is not None and value > limits["max"]:
                 raise InvalidArgument(f"this program takes at most {limits['max']} along dim {dim} of its input "
                                       f"{index}; the call has {value}")
             values[symbol] = value
+        return values
+
+    def check(self, args: list) -> None:
+        """Refuse a call (its arguments ``args``) whose sizes are out of the graph's range, for which the
+        graph would make a tensor larger than the memory of its device, or do more work than ``max_work``."""
+        values = self._values([getattr(arg, "shape", ()) for arg in args])
         key = tuple(values.values())
         if key in self._seen:
             return
+        if self.max_work is not None and evaluate(self.work, values) > self.max_work:
+            raise InvalidArgument(f"this call would compute {evaluate(self.work, values):.3g} floating-point "
+                                  f"operations, more than max_work={self.max_work:.3g} given to qgraph.load: call "
+                                  f"with fewer or shorter prompts, or load with a larger max_work")
         for size, (node, on) in self.sizes.items():
             needed = int(size.xreplace(values)) if size.free_symbols else int(size)
             if needed > memory_limit(on):
@@ -243,7 +282,7 @@ def _degree(size, symbols: list, node: Node, where: str) -> None:
                                 f"the call's sizes than any tensor a saved program makes (at most batch × length²)")
 
 
-def _upper(expr, node: Node, where: str):
+def _upper(expr, node: Node | None, where: str):
     """A polynomial at least ``expr`` for sizes of at least 1: a floor division by its dividend, a remainder
     by its divisor, a max or min by the sum of its arguments."""
     if isinstance(expr, (sympy.Symbol, sympy.Integer, sympy.Rational)):
@@ -261,5 +300,5 @@ def _upper(expr, node: Node, where: str):
         return sympy.Add(*(_upper(arg, node, where) for arg in expr.args))
     if name in ("CeilDiv", "CeilToInt", "FloorToInt", "TruncToInt"):
         return _upper(expr.args[0], node, where) + 1
-    raise SavedProgramError(f"{where}: node {node.name} makes a tensor of {expr} bytes, a size a saved program "
-                            f"cannot bound ({name})")
+    what = f"node {node.name} makes a tensor of {expr} bytes" if node is not None else f"its work is {expr} operations"
+    raise SavedProgramError(f"{where}: {what}, which a saved program cannot bound ({name})")

@@ -30,6 +30,9 @@ def add_arguments(parser) -> None:
                         help="requests that may wait (429 beyond it)")
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s, metavar="SECONDS",
                         help="the time limit of one request, from its arrival (504 beyond it)")
+    parser.add_argument("--max-edit-work", type=float, default=defaults.max_edit_work, metavar="X",
+                        help="a request's function edits may compute at most X times its forward (413 beyond it): "
+                             "bounds what a key holder can make the server compute")
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, ...)")
     parser.add_argument("--stages", type=_positive, default=1, metavar="N",
                         help="split the model into N pipeline stages, one per process of "
@@ -74,7 +77,8 @@ def main(args, load) -> int:
         raise UsageError(f"--host {args.host} without --api-keys would serve the model to anyone who can reach it: "
                          f"give --api-keys FILE, or listen on 127.0.0.1")
     limits = Limits(args.max_batch_tokens, args.max_request_bytes, args.max_new_tokens, args.max_queue,
-                    max_reply_bytes=args.max_reply_bytes, timeout_s=args.timeout)
+                    max_reply_bytes=args.max_reply_bytes, timeout_s=args.timeout,
+                    max_edit_work=args.max_edit_work)
     if args.stages > 1:
         from .stages import serve_stages
         return serve_stages(args, keys, load, limits)

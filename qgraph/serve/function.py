@@ -297,6 +297,10 @@ class _Loaded:
             raise SavedProgramError(f"{self.where}: its graph returns {got}; a function edit returns a floating "
                                     f"tensor of its input's shape {list(value.shape)}")
 
+    def work(self, shape: list) -> float:
+        """The floating-point operations of one call on a value of ``shape`` (``saved.work``)."""
+        return self.on(torch.device("cpu"))[1].work_at([shape])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layout = f"[{' '.join(self.dims)}]"
         if not isinstance(x, torch.Tensor) or x.dim() != len(self.dims) or x.dtype != self.dtype or any(

@@ -15,3 +15,4 @@ class Limits:
     max_values: int = 512  # names a request may capture
     max_reply_bytes: int = 1 << 30  # what one reply may hold, estimated before the forward (413 beyond it)
     timeout_s: float = 120.0  # from arrival to reply
+    max_edit_work: float = 1.0  # a request's function edits compute at most this x its forward (serve/work.py)

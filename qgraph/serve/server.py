@@ -28,6 +28,7 @@ from ..errors import InternalError, QgraphError
 from .batcher import Batcher
 from .limits import Limits
 from .request import Unprocessable, request_of
+from .work import check_edit_work
 from .wire import Bounds, WireError, pack, parse
 
 log = logging.getLogger("qgraph.serve")
@@ -47,6 +48,7 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
     """The app serving ``runner`` (``serve.run.Runner``) within ``limits``; ``keys=None`` takes no key."""
     state = {}
     info = runner.info()
+    parameters = sum(p.numel() for p in runner.model.parameters())  # a forward's work: about 2 per token each
 
     @asynccontextmanager
     async def lifespan(app):
@@ -85,6 +87,8 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
         try:
             call, tensors = await run_in_threadpool(parse, body, Bounds())
             parsed = request_of(call, tensors, limits)
+            if parsed.edits:
+                await run_in_threadpool(check_edit_work, parsed, runner.base.resolve, parameters, limits)
             parsed.body = body
             future = state["batcher"].submit(parsed)
         except QgraphError as error:
