@@ -208,3 +208,16 @@ def test_writes_and_views_past_the_annotations_are_refused_at_load(program, cana
     assert fingerprint(sdpa_model, program, ids) == before
     torch.testing.assert_close(qgraph.load(program, weights=sdpa_model)(ids).logits, sdpa_model(ids).logits,
                                rtol=0, atol=1e-5)
+
+
+def test_an_index_past_the_end_at_the_call_is_a_saved_program_error(program, sdpa_model, tmp_path):
+    """The sandbox cannot know an index the graph computes; the call's IndexError is the file's, named."""
+    def change(data):
+        index = {**node("hostile_index", "full.default", [1], 1000), "kwargs": {"dtype": {"dtype": "int64"}}}
+        returning(node("hostile_a", "zeros.default", [4]), index, node("hostile_fill", "ones.default", [1]),
+                  call(f"{OPS}.index_put_.default", {"node": "hostile_a"}, [{"node": "hostile_index"}],
+                       {"node": "hostile_fill"}))(data)
+    loaded = qgraph.load(rewrite(program, tmp_path / "past.qgraph", graph=change), weights=sdpa_model)
+    with pytest.raises(qgraph.SavedProgramError, match=r"past.qgraph indexes past the end of a tensor at this call "
+                                                       r"\(index 1000 is out of bounds"):
+        loaded(torch.tensor([[34, 155, 11]]))

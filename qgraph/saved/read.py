@@ -240,6 +240,11 @@ class LoadedProgram:
         with editing(self._edits(edits)):
             try:
                 results = list(self.module(*args))
+            except IndexError as error:  # an index its graph computes past a tensor's end: the file's doing
+                raise SavedProgramError(f"{self.path.name} indexes past the end of a tensor at this call "
+                                        f"({str(error).splitlines()[0][:200]}): a program ig.save writes does not, so "
+                                        f"the file was changed after it was saved; save it again from the model"
+                                        ) from None
             except RuntimeError as error:
                 need = next((need for need in self._needs if need in str(error)), None)
                 if need is None:
