@@ -246,3 +246,12 @@ def canary(tmp_path):
     assert [p.name for p in secret.parent.iterdir()] == ["secret.bin"]
     assert dict(vars(torch.nn.Module)) == before[0] and dict(vars(torch.fx.GraphModule)) == before[1]
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 * 1024  # KiB: no large allocation
+
+
+@pytest.fixture(scope="session")
+def saved_probe(sdpa_model, tmp_path_factory):
+    """A small saved program of the tiny model (one value, one edit slot), its weights beside it: what the
+    hostile-file tests rewrite."""
+    folder = tmp_path_factory.mktemp("probe")
+    return qgraph.instrument(sdpa_model, values=["layers.1.layer_output"],
+                             edits={"layers.2.layer_output": None}).save(folder / "probe.qgraph", weights=True)

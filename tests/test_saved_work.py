@@ -14,9 +14,8 @@ from hostile import OPS, call, returning, rewrite, sized
 
 
 @pytest.fixture(scope="module")
-def program(sdpa_model, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("work")
-    return qgraph.instrument(sdpa_model, values=["layers.1.layer_output"]).save(folder / "probe.qgraph", weights=True)
+def program(saved_probe):
+    return saved_probe
 
 
 def chained(count: int, size, columns: int):
@@ -25,7 +24,7 @@ def chained(count: int, size, columns: int):
     nodes[0]["name"], nodes[1]["name"] = "hostile_x", "hostile_w"
     for index in range(count):
         nodes.append({"name": f"hostile_mm{index}", "op": "call_function", "target": f"{OPS}.mm.default",
-                      "args": [{"node": f"hostile_x" if index == 0 else f"hostile_mm{index - 1}"}, {"node": "hostile_w"}]})
+                      "args": [{"node": "hostile_x" if index == 0 else f"hostile_mm{index - 1}"}, {"node": "hostile_w"}]})
     return nodes
 
 

@@ -20,7 +20,8 @@ from torch.fx import Node
 from .. import compat
 
 _OP_OVERLOAD = type(torch.ops.aten.add.Tensor)
-CHUNK = 64  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
+CHUNK = 64
+_UNWRITTEN = ("aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default")  # no element touched  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
 
 
 def _shape(tensor: torch.Tensor) -> list:
@@ -97,6 +98,8 @@ def _contraction(target: str, args: list, out) -> sympy.Expr | None:
 def node_work(target: str, args: list, kwargs: dict, out) -> sympy.Expr:
     """The floating-point operations of one node (``target`` its op's name), from its fake arguments and
     results: a contraction's, plus the elements it reads and writes."""
+    if target in _UNWRITTEN:
+        return sympy.Integer(0)
     traffic = sum((_numel(t) for t in _tensors((args, kwargs)) + _tensors(out)), sympy.Integer(0))
     if target in ("aten.sort.default", "aten.argsort.default", "aten.topk.default"):
         traffic *= 16
