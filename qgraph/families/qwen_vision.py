@@ -21,7 +21,7 @@ from ..errors import InvalidArgument, InvalidType
 from ..compat import attn_implementation_set, vision_forward_kwargs, vision_inputs
 from ..inputs import as_tensor
 from ..inputs import prepare as prepare_inputs
-from . import qwen_video
+from . import qwen_layout, qwen_video
 from .base import Images, RepeatedBlocks
 from .rules import BATCH1, Derived, Port, ScatterSource, ValueSpec, VarlenAttention
 
@@ -39,6 +39,7 @@ def prepare(model, input_ids, attention_mask, pixel_values=None, image_grid_thw=
     pixel_values, image_grid_thw = _images(model, input_ids, pixel_values, image_grid_thw, "image")
     pixel_values_videos, video_grid_thw = _images(model, input_ids, pixel_values_videos, video_grid_thw, "video")
     mm_token_type_ids = qwen_video.type_ids(input_ids, config, mm_token_type_ids)
+    qwen_layout.check_runs(input_ids, attention_mask, config, image_grid_thw, video_grid_thw)
     position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
                                                  image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                                  attention_mask=attention_mask)
