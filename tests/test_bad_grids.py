@@ -167,3 +167,19 @@ def test_a_group_under_the_attention_mask(ig, one_video):
                                                      r"temporal patch 1, grid row \[2, 4, 6\]\) needs 6 tokens but the "
                                                      r"real tokens of input_ids \(attention_mask 1\) hold only 1 in all"):
         call(ig, one_video, attention_mask=mask)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda types, video: torch.zeros_like(types), r"mm_token_type_ids mark 12 positions unlike input_ids' tokens, the "
+                                                   r"first row 0, position (\d+): 0 at token {video}, where 2 is its "
+                                                   r"type \(0 text, 1 image token \d+, 2 video token {video}\); pass the "
+                                                   r"processor's mm_token_type_ids with its input_ids, or leave it out"),
+    (lambda types, video: types.roll(1, 1), r"mm_token_type_ids mark 4 positions unlike input_ids' tokens, the first "
+                                            r"row 0, position \d+: 0 at token {video}, where 2 is its type"),
+])
+def test_type_ids_that_do_not_mark_the_prompt_s_tokens(ig, one_video, change, match):
+    """get_rope_index groups the tokens by mm_token_type_ids: ones that disagree with input_ids would lay
+    out other groups than the scatters fill (a RuntimeError, or positions silently off)."""
+    video_token = ig.config.video_token_id
+    with pytest.raises(qgraph.InvalidArgument, match=match.format(video=video_token)):
+        call(ig, one_video, mm_token_type_ids=change(one_video["mm_token_type_ids"], video_token))
