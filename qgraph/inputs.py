@@ -137,14 +137,17 @@ def _mask(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:
     return attention_mask.long()
 
 
-def as_tensor(data, what: str) -> torch.Tensor:
-    """A tensor from a tensor, a nested list or an array; a named error for anything else."""
+_PAD = "pad them (tokenizer(texts, padding=True, return_tensors='pt')) and pass the attention_mask"
+
+
+def as_tensor(data, what: str, ragged: str = _PAD) -> torch.Tensor:
+    """A tensor from a tensor, a nested list or an array; a named error for anything else (``ragged``
+    says what to do about rows of different lengths)."""
     if isinstance(data, torch.Tensor):
         return data
     try:
         return torch.as_tensor(data)
     except (TypeError, ValueError, RuntimeError) as error:
-        ragged = isinstance(data, (list, tuple)) and "sequence" in str(error)
-        problem = ("its rows have different lengths: pad them (tokenizer(texts, padding=True, return_tensors='pt')) "
-                   "and pass the attention_mask") if ragged else f"{type(data).__name__} is not a tensor of integers"
-        raise (ValueError if ragged else TypeError)(f"{what}: {problem}") from None
+        if isinstance(data, (list, tuple)) and "sequence" in str(error):
+            raise InvalidArgument(f"{what}: its rows have different lengths: {ragged}") from None
+        raise InvalidType(f"{what}: {type(data).__name__} is not a tensor of integers") from None

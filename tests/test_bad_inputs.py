@@ -89,9 +89,11 @@ def test_a_list_of_token_ids_is_converted(small, sdpa_model, ids6):
 
 
 def test_ragged_lists_of_token_ids(small):
-    with pytest.raises(ValueError, match=r"input_ids: its rows have different lengths: pad them "
-                                         r"\(tokenizer\(texts, padding=True"):
+    with pytest.raises(qgraph.InvalidArgument, match=r"input_ids: its rows have different lengths: pad them "
+                                                     r"\(tokenizer\(texts, padding=True"):
         call(small, [[1, 2, 3], [4, 5]])
+    with pytest.raises(qgraph.InvalidType, match=r"input_ids: object is not a tensor of integers"):
+        call(small, object())
 
 
 def test_text_instead_of_token_ids(small):

@@ -38,16 +38,26 @@ def check_tokens(input_ids: torch.Tensor, token_id: int, expected: int, what: st
 
 
 def type_ids(input_ids: torch.Tensor, config, mm_token_type_ids) -> torch.Tensor:
-    """``mm_token_type_ids`` as the processor makes them (text 0, image tokens 1, video tokens 2), or
-    the caller's, checked against the prompt's shape."""
+    """``mm_token_type_ids`` as the processor makes them (text 0, image tokens 1, video tokens 2); the
+    caller's must be those (``get_rope_index`` groups the tokens by them, the scatters by input_ids)."""
+    types = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
     if mm_token_type_ids is None:
-        return (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
+        return types
     mm_token_type_ids = as_tensor(mm_token_type_ids, "mm_token_type_ids")
     if mm_token_type_ids.shape != input_ids.shape:
         raise InvalidArgument(f"mm_token_type_ids has shape {tuple(mm_token_type_ids.shape)} but input_ids has "
                               f"{tuple(input_ids.shape)}; they must match (or leave it out: it is computed from "
                               f"the image and video tokens)")
-    return mm_token_type_ids
+    wrong = mm_token_type_ids.to(types.device) != types
+    if bool(wrong.any()):
+        row, position = wrong.nonzero()[0].tolist()
+        given, token = mm_token_type_ids[row, position].item(), int(input_ids[row, position])
+        raise InvalidArgument(f"mm_token_type_ids mark {int(wrong.sum())} positions unlike input_ids' tokens, the "
+                              f"first row {row}, position {position}: {given} at token {token}, where "
+                              f"{int(types[row, position])} is its type (0 text, 1 image token {config.image_token_id}, "
+                              f"2 video token {config.video_token_id}); pass the processor's mm_token_type_ids with "
+                              f"its input_ids, or leave it out: it is computed from the image and video tokens")
+    return types
 
 
 def frames(video_grid_thw: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ..errors import InvalidArgument, InvalidType
 from ..compat import attn_implementation_set, vision_forward_kwargs, vision_inputs
 from ..inputs import as_tensor
 from ..inputs import prepare as prepare_inputs
-from . import qwen_video
+from . import qwen_layout, qwen_video
 from .base import Images, RepeatedBlocks
 from .rules import BATCH1, Derived, Port, ScatterSource, ValueSpec, VarlenAttention
 
@@ -39,6 +39,7 @@ def prepare(model, input_ids, attention_mask, pixel_values=None, image_grid_thw=
     pixel_values, image_grid_thw = _images(model, input_ids, pixel_values, image_grid_thw, "image")
     pixel_values_videos, video_grid_thw = _images(model, input_ids, pixel_values_videos, video_grid_thw, "video")
     mm_token_type_ids = qwen_video.type_ids(input_ids, config, mm_token_type_ids)
+    qwen_layout.check_runs(input_ids, attention_mask, config, image_grid_thw, video_grid_thw)
     position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
                                                  image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                                  attention_mask=attention_mask)
@@ -138,7 +139,8 @@ def _images(model, input_ids, pixel_values, grid_thw, what: str):
     if grid_thw is None:
         raise InvalidArgument(f"{pixels} came without {grid}: pass both, as the processor returns them "
                               f"(ig(**processor(text=..., {what}s=..., return_tensors='pt')))")
-    grid_thw = _grid(as_tensor(grid_thw, grid), merge, grid)
+    grid_thw = _grid(as_tensor(grid_thw, grid, f"pass the processor's {grid}, one (t, h, w) row per {what}"),
+                     merge, grid)
     pixel_values = _pixels(model, as_tensor(pixel_values, pixels), input_ids.device, pixels)
     patches = int(grid_thw.prod(-1).sum())
     if pixel_values.shape[0] != patches:
@@ -150,11 +152,16 @@ def _images(model, input_ids, pixel_values, grid_thw, what: str):
 
 def _grid(image_grid_thw: torch.Tensor, merge: int, name: str = "image_grid_thw") -> torch.Tensor:
     """image_grid_thw (or video_grid_thw) as a LongTensor [images, 3] of positive (t, h, w), h and w
-    multiples of the merge."""
+    multiples of the merge, at least one row."""
     kind = name.split("_")[0]
     if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3:
         raise InvalidArgument(f"{name} has shape {tuple(image_grid_thw.shape)}; it must be [{kind}s, 3], one "
                               f"(t, h, w) row per {kind}, as the processor returns it ({name}[None] for one {kind})")
+    if image_grid_thw.dtype == torch.bool or image_grid_thw.is_floating_point() or image_grid_thw.is_complex():
+        raise InvalidArgument(f"{name} is {image_grid_thw.dtype}; it must be an integer tensor [{kind}s, 3] of "
+                              f"patch counts, as the processor returns it ({name}.long() if it holds whole numbers)")
+    if image_grid_thw.shape[0] == 0:
+        raise InvalidArgument(f"{name} has no rows: a call without {kind}s leaves out both {name} and its pixels")
     image_grid_thw = image_grid_thw.long()
     bad = (image_grid_thw < 1).any(-1) | (image_grid_thw[:, 1:] % merge != 0).any(-1)
     if bool(bad.any()):
