@@ -74,6 +74,15 @@ class Runner:
                 self._instruments.popitem(last=False)
         return ig
 
+    def check(self, request: Request) -> None:
+        """What the server checks against the model before it queues ``request`` (its fields are checked as
+        it is read): a generate's settings, by the check ``generate`` itself runs before anything
+        (``qgraph.generate.check_settings``): a value transformers refuses is a 422 naming it."""
+        if request.generate is not None:
+            from ..generate import check_settings
+            settings = {key: value for key, value in request.generate.items() if key != "steps"}
+            check_settings(self.model, request.input_ids, **settings)
+
     # -- running -----------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> list:
         """Each request's reply ``(call, tensors)``, or the exception that request alone raises: together in

@@ -75,6 +75,13 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
     async def describe(request: HTTPRequest) -> Response:
         return authorized(request) or JSONResponse(info)
 
+    def checked(call: dict, tensors: dict):
+        """The call's ``Request``, its fields checked (serve/request.py) and then against the model
+        (``runner.check``: a generate's settings), before it is queued; off the event loop."""
+        parsed = request_of(call, tensors, limits)
+        runner.check(parsed)
+        return parsed
+
     async def run(request: HTTPRequest) -> Response:
         refused = authorized(request)
         if refused:
@@ -84,7 +91,7 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
             return body
         try:
             call, tensors = await run_in_threadpool(parse, body, Bounds())
-            parsed = request_of(call, tensors, limits)
+            parsed = await run_in_threadpool(checked, call, tensors)
             parsed.body = body
             future = state["batcher"].submit(parsed)
         except QgraphError as error:
