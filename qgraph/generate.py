@@ -23,7 +23,7 @@ import torch
 
 from . import compat
 from .values import derive
-from .errors import InvalidArgument, InvalidType, NotCaptured, NotSupported
+from .errors import InvalidArgument, InvalidType, NotCaptured, NotSupported, QgraphError
 from .export import export_model
 from .inputs import image_keys, prepare
 from .values.names import canonical
@@ -232,6 +232,57 @@ def _limit_lengths(model, config, max_length, prompt_length: int) -> None:
                       f"({config.max_length}): generation stops at max_length", UserWarning, stacklevel=5)
 
 
+def check_settings(model, prompt_ids: torch.Tensor, *, max_new_tokens=None, max_length=None, min_new_tokens=None,
+                   min_length=None, do_sample: bool = False, temperature=None, top_k=None, top_p=None, eos_token_id=None,
+                   pad_token_id=None, seed=None, **generation_kwargs):
+    """Every generation setting checked, before anything runs (``generate`` calls this first, and ``qgraph
+    serve`` before it queues a request): ``(processors, config)``, HF's own logits processors for the settings
+    and a prompt of ``prompt_ids``, and the generation config they come from. A setting HF refuses
+    (``temperature=0`` or ``top_k=-5`` with sampling, ``repetition_penalty=0``, ...) is an InvalidArgument
+    naming it; an unknown one a TypeError, an unsupported one a NotImplementedError."""
+    lengths = {"max_new_tokens": max_new_tokens, "max_length": max_length, "min_new_tokens": min_new_tokens,
+               "min_length": min_length}
+    for name, value in lengths.items():
+        _check_length(name, value)
+    _check_keywords(generation_kwargs)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not -2**63 <= seed < 2**64):
+        raise InvalidArgument(f"seed is {str(seed)[:40]}: give an int from -2**63 to 2**64 - 1 (what a torch "
+                              f"generator takes), or leave it out")
+    settings = {"do_sample": do_sample, **{name: value for name, value in lengths.items() if value is not None},
+                **generation_kwargs}
+    for name, setting in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                          ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if setting is not None:
+            settings[name] = setting
+    try:
+        return _processors(model, settings, prompt_ids)  # checks the lengths against the prompt
+    except QgraphError:
+        raise
+    except ValueError as error:  # HF refuses a value (its processors check theirs as they are made)
+        reason = " ".join(str(error).split())[:400] or type(error).__name__
+        name = _refused(model, settings, prompt_ids)
+        if name is None:
+            raise InvalidArgument(f"transformers refuses these generation settings ({reason}): change "
+                                  f"{', '.join(sorted(settings))}, or leave them out") from None
+        raise InvalidArgument(f"generate's {name}={settings[name]!r} is refused by transformers ({reason}): change "
+                              f"{name}, or leave it out for the model's default") from None
+
+
+def _refused(model, settings: dict, prompt_ids: torch.Tensor) -> str | None:
+    """The setting HF refuses: the first that fails beside do_sample and the lengths alone (None if none does)."""
+    base = {name: value for name, value in settings.items() if name == "do_sample" or name in LENGTHS}
+    for name, value in settings.items():
+        if name not in base:
+            try:
+                _processors(model, {**base, name: value}, prompt_ids)
+            except QgraphError:
+                continue
+            except ValueError:
+                return name
+    return None
+
+
 def _processors(model, generation_kwargs: dict, prompt_ids: torch.Tensor):
     """HF's own logits processors for these settings (temperature, top_k, top_p, repetition
     penalty, min_new_tokens, ...), and the generation config they come from, its ``max_length``
@@ -261,28 +312,21 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     ``model.generation_config``, 20 new tokens (HF's default); ``min_new_tokens`` / ``min_length`` keep
     eos out until reached. Other HF generation settings pass through to HF's logits processors
     (``SETTINGS``); unknown keyword arguments raise a TypeError, unsupported ones (``num_beams > 1``,
-    ``num_return_sequences > 1``, ...) a NotImplementedError, both before any work."""
+    ``num_return_sequences > 1``, ...) a NotImplementedError, values HF refuses an InvalidArgument naming
+    them, all before any work (``check_settings``)."""
     if any(generation_kwargs.get(key) is not None for key in image_keys(ig.family)):
         raise NotSupported("generate with images is not supported yet: generate takes text only "
                            "(input_ids, attention_mask); a text-only prompt works on the image-text model")
     for key in image_keys(ig.family):
         generation_kwargs.pop(key, None)
-    lengths = {"max_new_tokens": max_new_tokens, "max_length": max_length, "min_new_tokens": min_new_tokens,
-               "min_length": min_length}
-    for name, value in lengths.items():
-        _check_length(name, value)
-    _check_keywords(generation_kwargs)
-    ig.refresh()
     model = ig.model
     prepared = prepare(model, None, input_ids, attention_mask)
     ids, mask = prepared["input_ids"], prepared["attention_mask"]
-    settings = {"do_sample": do_sample, **{name: value for name, value in lengths.items() if value is not None},
-                **generation_kwargs}
-    for name, setting in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                          ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-        if setting is not None:
-            settings[name] = setting
-    processors, config = _processors(model, settings, ids)  # checks the lengths against the prompt
+    processors, config = check_settings(
+        model, ids, max_new_tokens=max_new_tokens, max_length=max_length, min_new_tokens=min_new_tokens,
+        min_length=min_length, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed, **generation_kwargs)
+    ig.refresh()
     max_new_tokens = config.max_length - ids.shape[1]  # new tokens at most: HF's rules resolved
     eos = config.eos_token_id
     if eos is None:

@@ -310,6 +310,18 @@ def test_negative_min_new_tokens_is_rejected(gen_ig, prompt):
     _rejected(gen_ig, prompt, ValueError, ["min_new_tokens", ">= 0"], min_new_tokens=-1)
 
 
+@pytest.mark.parametrize("settings, named", [
+    ({"do_sample": True, "temperature": 0.0}, ["temperature=0.0", "strictly positive", "do_sample=False"]),
+    ({"do_sample": True, "top_k": -5}, ["top_k=-5", "strictly positive"]),
+    ({"repetition_penalty": 0.0}, ["repetition_penalty=0.0", "strictly positive"]),
+    ({"do_sample": True, "top_p": -1.0}, ["top_p=-1.0"]),
+    ({"do_sample": True, "seed": 2**70}, ["seed is 1180591620717411303424", "2**64 - 1"]),
+], ids=["temperature", "top_k", "repetition_penalty", "top_p", "seed"])
+def test_values_transformers_refuses_are_rejected_naming_the_setting(gen_ig, prompt, settings, named):
+    message = _rejected(gen_ig, prompt, qgraph.InvalidArgument, named, max_new_tokens=2, **settings)
+    assert "leave it out" in message
+
+
 def test_non_int_min_length_is_rejected(gen_ig, prompt):
     _rejected(gen_ig, prompt, ValueError, ["min_length", "must be an int"], min_length=4.5)
 

@@ -134,6 +134,33 @@ def test_concurrent_clients_are_batched_and_each_reply_is_its_own(url, remote, l
     assert after["forwards"] - before["forwards"] < len(jobs)  # some shared a forward
 
 
+def test_function_edits_from_many_client_threads_at_once_each_equal_the_request_alone(url, remote, sdpa_model):
+    """torch.export is not thread-safe: the clients' exports (and the server's checks of what they send, beside
+    the exports of the programs they ask for) run one at a time, so none fails and each reply is its own."""
+    ig = remote.instrument(values=["layers.3.layer_output"])
+    names = ["layers.0.layer_output", "layers.1.layer_output", "layers.2.layer_mid", "layers.1.mlp.mlp_neurons",
+             "layers.0.linear_attn.attention_output", "layers.2.layer_output", "layers.1.layer_output",
+             "layers.2.layer_mid"]  # some new programs for the server (exported there), some one program
+    jobs = [(prompts(1 + k % 2, 4 + k, seed=200 + k)[0], name, lambda x, k=k: x * (1 + 0.1 * k) + torch.tanh(x) * k / 8)
+            for k, name in enumerate(names)]
+    start = threading.Barrier(len(jobs))
+
+    def send(job):
+        ids, name, fn = job
+        start.wait()  # every thread exports and sends at once
+        return ig(ids, edits={name: fn})
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(send, jobs))
+    local = qgraph.instrument(sdpa_model, values=["layers.3.layer_output"], edits=list(dict.fromkeys(names)))
+    for (ids, name, fn), out in zip(jobs, outs):
+        alone = ig(ids, edits={name: fn})
+        close(out.logits, alone.logits)
+        close(out["layers.3.layer_output"], alone["layers.3.layer_output"])
+        close(out.logits, local(ids, edits={name: fn}).logits)  # and what the function computes, run locally
+    assert not torch.allclose(outs[1].logits, local(jobs[1][0]).logits)  # the edits did something
+
+
 # -- the recipes on a remote instrument -----------------------------------------------------------------
 def test_attribution_patch_patch_and_logit_lens_run_remotely(remote, local):
     clean, _ = prompts(1, 5, seed=5)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -119,6 +122,23 @@ def test_a_call_outside_the_bounds_is_refused():
         loaded(torch.ones(1, 9, 16))
     with pytest.raises(qgraph.EditError, match="this value is torch.float32 \\(1, 8, 15\\)"):
         loaded(torch.ones(1, 8, 15))
+
+
+def test_functions_exported_from_many_threads_at_once_each_compute_their_own():
+    """torch.export is not thread-safe ("Trying to pop empty mode stack"): the exports run one at a time."""
+    fns = [lambda x, k=k: x * (k + 2) + torch.tanh(x) * k - x.mean(1, keepdim=True) for k in range(6)]
+    start, stderr = threading.Barrier(len(fns)), sys.stderr
+
+    def export(fn):
+        start.wait()
+        return sent(fn)
+
+    with ThreadPoolExecutor(len(fns)) as pool:
+        loaded = list(pool.map(export, fns))
+    x = torch.randn(3, 7, 16)
+    for fn, function in zip(fns, loaded):
+        assert torch.allclose(function(x), fn(x), atol=1e-6)
+    assert sys.stderr is stderr  # no export's quieting redirect of stderr was left behind
 
 
 # -- refused on the client ---------------------------------------------------------------------------

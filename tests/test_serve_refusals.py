@@ -94,6 +94,20 @@ def test_requests_that_cannot_run_get_422(url, bad, words):
     refused(call(url, bad, tensors), 422, *words)
 
 
+@pytest.mark.parametrize("settings, words", [
+    ({"do_sample": True, "temperature": 0}, ["generate's temperature=0.0", "strictly positive", "do_sample=False"]),
+    ({"do_sample": True, "top_k": -5}, ["generate's top_k=-5", "leave it out"]),
+    ({"repetition_penalty": 0}, ["generate's repetition_penalty=0.0", "leave it out"]),
+    ({"do_sample": True, "top_p": -1.0}, ["generate's top_p=-1.0", "leave it out"]),
+    ({"do_sample": True, "seed": 2**70}, ["seed is 1180591620717411303424", "leave it out"]),
+], ids=["temperature", "top_k", "repetition_penalty", "top_p", "seed"])
+def test_generation_settings_transformers_refuses_get_422_before_anything_runs(url, settings, words):
+    before = httpx.get(f"{url}/v1/health").json()
+    refused(call(url, {"generate": {"max_new_tokens": 2, **settings}}), 422, *words)
+    after = httpx.get(f"{url}/v1/health").json()
+    assert after["forwards"] == before["forwards"] and after["requests"] == before["requests"]  # refused unqueued
+
+
 def test_a_reply_over_the_limit_gets_413_before_the_forward(url):
     before = httpx.get(f"{url}/v1/health").json()["forwards"]
     body = pack({"values": ["layers.*.linear_attn.states"]}, {"input_ids": ids_of(4, 64)})  # 3 blocks x 1 MiB
@@ -149,6 +163,9 @@ class _SlowRunner:
 
     def batchable(self, request):
         return True
+
+    def check(self, request):
+        pass
 
     def run(self, requests):
         self.release.wait(10)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import threading
 
 import torch
 from torch._C import DispatchKey
@@ -184,6 +185,22 @@ def size_expression(size):
     return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
+# -- one trace at a time --------------------------------------------------------------------------------
+# Alike in torch 2.13 and 2.14. torch.export and a fake-tensor run over symbolic sizes are not thread-safe:
+# a trace keeps process-wide state that a trace in another thread reads, replaces or clears (the proxy
+# mode's slot, export's module hierarchy, the tracer each symbolic size belongs to), so two at once fail
+# ("Trying to pop empty mode stack", "ProxyTorchDispatchMode slot already occupied", "s26 ... is not
+# tracked with proxy"). Every export and fake run of qgraph's holds this one lock (``export`` below, a
+# function edit's export and check in serve/function.py, the sandbox's fake run, ig.save's exports);
+# reentrant, as an export may check what it made inside it.
+_TRACING = threading.RLock()
+
+
+def tracing() -> threading.RLock:
+    """The lock every trace holds (``with compat.tracing(): ...``): one export or fake run at a time."""
+    return _TRACING
+
+
 # -- fake tensors with symbolic sizes (qgraph.saved.sandbox) -----------------------------------------
 # Alike in torch 2.13 and 2.14. The sandbox runs an untrusted graph on fake tensors (shapes, no data) to
 # know every tensor it can make before anything real runs; FakeTensorMode is only in torch._subclasses.
@@ -235,8 +252,9 @@ def _named_dims_solve_repeats() -> bool:
 
     from torch._dynamo.exc import UserError
     try:
-        torch.export.export(Repeat(), (torch.zeros(2, 2, 5, 16),), strict=False,
-                            dynamic_shapes=({0: torch.export.Dim("b", min=1), 2: torch.export.Dim("s", min=1)},))
+        with _TRACING:
+            torch.export.export(Repeat(), (torch.zeros(2, 2, 5, 16),), strict=False,
+                                dynamic_shapes=({0: torch.export.Dim("b", min=1), 2: torch.export.Dim("s", min=1)},))
     except UserError:
         return False
     return True
@@ -260,17 +278,20 @@ def export(module: torch.nn.Module, kwargs: dict, dynamic_shapes) -> ExportedPro
     """``torch.export.export(module, (), kwargs, strict=False)`` over ``dynamic_shapes`` (``export_dims``).
     Where named dims fail for another reason the probe cannot see (torch 2.13 with transformers 5.9:
     the ViT's derived patch dims fail export's range check, "tgt_bound ... not a subset of src_bound"),
-    the export runs once more with ``Dim.DYNAMIC`` dims; if that fails too, the first error is raised."""
-    named = _named_dims_solve_repeats()
-    try:
-        return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, named), strict=False)
-    except QgraphError:
-        raise  # qgraph's own refusal while tracing: not a matter of dims
-    except Exception as error:
-        if not named:
-            raise
+    the export runs once more with ``Dim.DYNAMIC`` dims; if that fails too, the first error is raised.
+    One at a time (``tracing``)."""
+    with _TRACING:
+        named = _named_dims_solve_repeats()
         try:
-            return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, False),
+            return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, named),
                                        strict=False)
-        except Exception:  # noqa: BLE001 (the named dims' error says more)
-            raise error from None
+        except QgraphError:
+            raise  # qgraph's own refusal while tracing: not a matter of dims
+        except Exception as error:
+            if not named:
+                raise
+            try:
+                return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, False),
+                                           strict=False)
+            except Exception:  # noqa: BLE001 (the named dims' error says more)
+                raise error from None

@@ -23,6 +23,7 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
+from .. import compat
 from ..errors import NotSupported
 
 
@@ -92,7 +93,7 @@ def _export(called: torch.nn.Module, node: Node):
         shapes.append(tuple(spec))
     with torch.no_grad():
         returns_tuple = isinstance(called(*examples), tuple)
-    with warnings.catch_warnings():
+    with compat.tracing(), warnings.catch_warnings():  # one trace at a time in the process (compat.tracing)
         warnings.simplefilter("ignore")
         first = torch.export.export(called, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
         # again with each dynamic dim's range as the first export found it (a lower bound such as an

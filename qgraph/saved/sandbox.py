@@ -49,7 +49,8 @@ def check(module: GraphModule, placeholders: list[dict], symbols: dict, weights:
         _constant_arguments(node, where)
     aliasing.check(graph, {node for node, weight in zip(graph.find_nodes(op="placeholder"), weights) if not weight},
                    where)
-    return _sizes(module, placeholders, symbols, where)
+    with compat.tracing():  # its fake run: one trace at a time in the process (compat.tracing)
+        return _sizes(module, placeholders, symbols, where)
 
 
 def _constant_arguments(node: Node, where: str) -> None:

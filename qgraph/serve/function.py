@@ -84,7 +84,7 @@ def export_function(fn, value: torch.Tensor, dims: tuple[str, ...], name: str) -
         raise refuse(f"it returned {got} for a value of shape {tuple(shape)}; it must return a tensor of its shape")
     axes = {i: Dim(d, min=1, max=DYNAMIC[d]) for i, d in enumerate(dims) if d in DYNAMIC}
     try:
-        with _quiet():
+        with compat.tracing(), _quiet():  # one export at a time (client threads); _quiet's redirect is global too
             exported = compat.export(_Call(fn), {"value": example}, {"value": axes})
             try:
                 graph, tensors = _as_data(exported)
@@ -260,6 +260,10 @@ class _Loaded:
         self.dtype = getattr(torch, data["placeholders"][0]["dtype"])
 
     def on(self, device: torch.device):
+        with compat.tracing():  # its checks' fake runs: one trace at a time in the process (compat.tracing)
+            return self._on(device)
+
+    def _on(self, device: torch.device):
         if device not in self._built:
             try:
                 nodes = _on_device(self.data["graph"]["nodes"], str(device))

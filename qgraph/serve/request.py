@@ -178,6 +178,8 @@ def _generate(settings, limits: Limits) -> dict | None:
             number and value == value and abs(value) < 1e6 if kind is float else isinstance(value, list))
         if not fits:
             raise Unprocessable(f"generate's {key} takes {kind.__name__}, not {str(value)[:40]}")
+        if kind is float:
+            settings[key] = float(value)  # JSON's 0 for 0.0: what a local call passes
     if "steps" in settings and not (len(settings["steps"]) <= limits.max_new_tokens + 1 and all(
             isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= limits.max_new_tokens
             for s in settings["steps"])):

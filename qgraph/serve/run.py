@@ -6,6 +6,16 @@ along the batch. Positions follow the attention mask, so each row computes what 
 edit applies to its request's rows, cropped to that request's own positions (``positions=[0]`` is its
 first token, not a pad), and each reply takes its rows back, cropped the same way. A batch that fails
 runs again one request at a time, so one request's bad edit fails that request alone.
+
+Padding changes nothing a request reads or edits along its tokens: the pads are masked out of attention,
+the DeltaNet's input is zero there, and a zero state stays zero through them. It does change what enters
+a row before its first token: a state given at a DeltaNet's ``state_input`` decays through the pads (its
+``g`` and ``beta`` are not masked) and a conv context given at ``conv_state_input`` is pushed out by
+them. So a program that edits a value with no token axis (``Runner._row_wide``: those two, and any other
+value of a row as a whole, such as ``state_output``, whatever the edit) shares a forward only with
+requests of its own length, which need no padding; every other program's requests are padded to the
+longest. (Values read are safe: a row's ``state_output`` and ``conv_state_output`` after zero-state pads
+are its own; generate, a backward and the lens never share a forward.)
 """
 from __future__ import annotations
 
@@ -17,6 +27,7 @@ import torch
 from ..edits import apply_edit
 from .limits import Limits
 from .request import Request, TooLarge, Unprocessable
+from .work import check_edit_work
 
 SEQUENCE_DIMS = ("seq", "query", "key")  # the axes of a value that run along the tokens
 PROGRAMS = 16  # instruments kept (one per program asked), least recently used dropped
@@ -29,6 +40,7 @@ class Runner:
         import qgraph
         self.model, self.name, self.stages = model, name, stages  # stages: a Stages under torchrun (serve/stages.py)
         self.limits = limits
+        self.parameters = sum(p.numel() for p in model.parameters())  # a forward: about 2 operations each a token
         self.base = qgraph.instrument(model, stages=stages)
         self._instruments: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -64,25 +76,58 @@ class Runner:
                 self._instruments.popitem(last=False)
         return ig
 
+    def check(self, request: Request) -> None:
+        """What the server checks against the model before it queues ``request`` (its fields are checked as
+        it is read): a generate's settings, by the check ``generate`` itself runs before anything
+        (``qgraph.generate.check_settings``): a value transformers refuses is a 422 naming it; and the work
+        of its function edits, against its forward's (``serve.work``: 413 past ``--max-edit-work``)."""
+        if request.edits:
+            check_edit_work(request, self.base.resolve, self.parameters, self.limits)
+        if request.generate is not None:
+            from ..generate import check_settings
+            settings = {key: value for key, value in request.generate.items() if key != "steps"}
+            check_settings(self.model, request.input_ids, **settings)
+
     # -- running -----------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> list:
         """Each request's reply ``(call, tensors)``, or the exception that request alone raises: together in
         one forward where they can share one, else (or where that fails) one by one."""
         device = self.model.get_input_embeddings().weight.device
         requests = [request.to(device) for request in requests]
-        if len(requests) > 1 and all(request.batchable for request in requests):
-            try:
-                if self._shares_rows(requests[0]):
-                    return self._batch(requests)
-            except Exception:  # one request's edit (or function) failed: each runs alone, to fail alone
-                pass
-        replies = []
-        for request in requests:
-            try:
-                replies.append(self._alone(request))
-            except Exception as error:
-                replies.append(error)
+        replies: list = [None] * len(requests)
+        for group in self._forwards(requests):
+            if len(group) > 1:
+                try:
+                    for index, reply in zip(group, self._batch([requests[index] for index in group])):
+                        replies[index] = reply
+                    continue
+                except Exception:  # noqa: BLE001, S110 — one request's edit (or function) failed:
+                    pass  # each runs alone, to fail alone
+            for index in group:
+                try:
+                    replies[index] = self._alone(requests[index])
+                except Exception as error:  # noqa: BLE001 — that request's answer
+                    replies[index] = error
         return replies
+
+    def _forwards(self, requests: list[Request]) -> list[list[int]]:
+        """The requests (by index) that share each forward: all of them, where they can share rows and
+        padding changes nothing they edit; those of one length, where it would (``_row_wide``); else each
+        alone."""
+        alone = [[index] for index in range(len(requests))]
+        if len(requests) < 2 or not all(request.batchable for request in requests):
+            return alone
+        try:
+            if not self._shares_rows(requests[0]):
+                return alone
+            if not self._row_wide(requests[0]):
+                return [list(range(len(requests)))]
+        except Exception:  # noqa: BLE001 — its program cannot be made: each runs alone, to fail alone
+            return alone
+        lengths: dict[int, list[int]] = {}
+        for index, request in enumerate(requests):
+            lengths.setdefault(request.input_ids.shape[1], []).append(index)
+        return list(lengths.values())
 
     def _alone(self, request: Request):
         ig = self.instrument(request)
@@ -174,6 +219,14 @@ class Runner:
             raise TooLarge(f"the reply would hold about {estimate:,} bytes, more than this server's --max-reply-bytes "
                            f"{self.limits.max_reply_bytes:,}: ask for fewer values (attention patterns grow as the "
                            f"length squared), fewer rows or a shorter prompt")
+
+    def _row_wide(self, request: Request) -> bool:
+        """Whether the program edits a value with no token axis (a DeltaNet's ``state_input`` or
+        ``conv_state_input``, ...): what such an edit gives enters the row before its first token, and the
+        pads of a longer request would change it (see the module's doc), so it runs with its length only."""
+        ig = self.instrument(request)
+        return any(not set(SEQUENCE_DIMS) & set(_dims(ig.catalogue[name]))
+                   for pattern in request.edits for name in ig.resolve(pattern))
 
     def _shares_rows(self, request: Request) -> bool:
         """Whether the program's values and edited values all lie along the batch (and, if at all, the tokens)."""

@@ -28,7 +28,6 @@ from ..errors import InternalError, QgraphError
 from .batcher import Batcher
 from .limits import Limits
 from .request import Unprocessable, request_of
-from .work import check_edit_work
 from .wire import Bounds, WireError, pack, parse
 
 log = logging.getLogger("qgraph.serve")
@@ -48,7 +47,6 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
     """The app serving ``runner`` (``serve.run.Runner``) within ``limits``; ``keys=None`` takes no key."""
     state = {}
     info = runner.info()
-    parameters = sum(p.numel() for p in runner.model.parameters())  # a forward's work: about 2 per token each
 
     @asynccontextmanager
     async def lifespan(app):
@@ -77,6 +75,14 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
     async def describe(request: HTTPRequest) -> Response:
         return authorized(request) or JSONResponse(info)
 
+    def checked(call: dict, tensors: dict):
+        """The call's ``Request``, its fields checked (serve/request.py) and then against the model
+        (``runner.check``: a generate's settings, the work of its function edits), before it is queued;
+        off the event loop."""
+        parsed = request_of(call, tensors, limits)
+        runner.check(parsed)
+        return parsed
+
     async def run(request: HTTPRequest) -> Response:
         refused = authorized(request)
         if refused:
@@ -86,9 +92,7 @@ def create_app(runner, limits: Limits = Limits(), keys: list[bytes] | None = Non
             return body
         try:
             call, tensors = await run_in_threadpool(parse, body, Bounds())
-            parsed = request_of(call, tensors, limits)
-            if parsed.edits:
-                await run_in_threadpool(check_edit_work, parsed, runner.base.resolve, parameters, limits)
+            parsed = await run_in_threadpool(checked, call, tensors)
             parsed.body = body
             future = state["batcher"].submit(parsed)
         except QgraphError as error:

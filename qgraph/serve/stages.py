@@ -60,6 +60,9 @@ class Leader:
     def info(self) -> dict:
         return self.runner.info()
 
+    def check(self, request) -> None:
+        self.runner.check(request)  # on rank 0 alone: a request it refuses is never sent to the others
+
     def run(self, requests: list) -> list:
         _send([request.body for request in requests], self.group)
         return self.runner.run(requests)
