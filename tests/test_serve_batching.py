@@ -18,6 +18,7 @@ from qgraph.serve.edits import encode
 from qgraph.serve.limits import Limits
 from qgraph.serve.run import Runner
 from qgraph.serve.wire import pack, parse
+from conftest import hooked_blocks
 from tests.serving import MEDIA, serve_in_process
 
 DELTANET = [f"layers.{i}.linear_attn" for i in range(3)]  # the tiny model's blocks 0-2 (3 is attention)
@@ -168,8 +169,10 @@ def test_every_kind_of_request_batched_with_a_longer_one_equals_it_alone(served,
             if differences(replies[content], alone[content]):
                 wrong[f"{case} ({which})"] = differences(replies[content], alone[content])
     assert not wrong, wrong
-    with torch.no_grad():  # a continuation from a given state is the prompt run whole (the DeltaNet blocks)
-        hidden = sdpa_model(whole, output_hidden_states=True).hidden_states[3][:, 5:]
+    # a continuation from a given state is the prompt run whole (the DeltaNet blocks); read by a forward hook
+    # (output_hidden_states would leave transformers' capturing hooks on the session's model)
+    _, seen = hooked_blocks(sdpa_model, whole, {2: lambda out: out[0] if isinstance(out, tuple) else out})
+    hidden = seen[2][:, 5:]
     for reply in (replies, alone):
         got = reply[requests["continued"][0][0]][1]["value.layers.2.layer_output"]
         assert torch.allclose(got, hidden, atol=1e-5), (got - hidden).abs().max()
