@@ -65,6 +65,8 @@ def cases():
         "any.default": [(mask,)], "any.dim": [(mask, 0)], "all.default": [(mask,)], "all.dim": [(mask, 0)],
         "topk.default": [(x, 6)], "sort.default": [(x,)], "argsort.default": [(x,)], "cumsum.default": [(x, 0)],
         "prod.dim_int": [(torch.randn(1, 6), 0)], "var.correction": [(x, [1])], "norm.ScalarOpt_dim": [(x, 2, [1])],
+        "var.dim": [(x, [1])], "std.dim": [(x, [1])], "logsumexp.default": [(x, [1]), (torch.randn(1, 6), [0])],
+        "linalg_vector_norm.default": [(x, 2, [1], True), (torch.randn(6, 1), 2, [1], True)],
         "linear.default": [(x, torch.eye(6))], "matmul.default": [(x, torch.eye(6)), (torch.randn(6), torch.eye(6))],
         "mm.default": [(x, torch.eye(6))], "bmm.default": [(x[None], torch.eye(6)[None])],
         "addmm.default": [kw(x, x, torch.zeros(6, 6), beta=1, alpha=0)],

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -41,7 +42,7 @@ def close(a, b, tol=1e-5):
 
 
 # -- the routes and the keys -------------------------------------------------------------------------------
-def test_health_takes_no_key_and_info_takes_one(url, remote):
+def test_health_takes_no_key_and_info_takes_one(url, remote, checkpoint):
     assert httpx.get(f"{url}/v1/health").json()["status"] == "ok"
     missing = httpx.get(f"{url}/v1/info")
     assert missing.status_code == 401 and "Authorization: Bearer" in missing.json()["error"]
@@ -51,6 +52,7 @@ def test_health_takes_no_key_and_info_takes_one(url, remote):
     assert other.status_code == 200
     info = remote.info()
     assert info["model"]["model_type"] == "qwen3_5_text" and info["model"]["blocks"] == 4
+    assert info["model"]["name"] == Path(checkpoint).name and str(Path(checkpoint).parent) not in other.text  # no path
     assert info["model"]["dtype"] == "float32" and info["model"]["family"] == "qwen3_5_text"
     entry = info["values"]["layers.0.linear_attn.attention_queries"]
     assert entry["dims"][:2] == ["batch", "seq"] and "key_heads" in entry["dims"]

@@ -44,7 +44,8 @@ _GROUPS = {
     "reductions and ordering": """
         sum.default sum.dim_IntList mean.default mean.dim amax.default amin.default max.dim min.dim max.default
         min.default argmax.default argmin.default any.default any.dim all.default all.dim topk.default sort.default
-        argsort.default cumsum.default prod.dim_int var.correction norm.ScalarOpt_dim""",
+        argsort.default cumsum.default prod.dim_int var.correction var.dim std.dim norm.ScalarOpt_dim
+        linalg_vector_norm.default logsumexp.default""",
     "linear algebra, convolution and attention": """
         linear.default matmul.default mm.default bmm.default addmm.default baddbmm.default
         conv1d.default embedding.default scaled_dot_product_attention.default""",

@@ -41,8 +41,9 @@ def target_name(target) -> str:
         name = _BY_ID.get(id(target))
     if name is None or _resolve(name) is not target:
         raise NotSupported(f"the program calls {getattr(target, '__qualname__', target)!r}, which is not on the "
-                           f"positive list of what a saved program may call (qgraph/saved/allowed.py: add it there, "
-                           f"with its reason, if it is a pure function of its tensors)")
+                           f"positive list of what a saved program or a function edit may call (the docs' page "
+                           f"'What a program may call', qgraph.saved.allowed.OPS: each group with its reason); "
+                           f"write it with the ops listed there")
     return name
 
 

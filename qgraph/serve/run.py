@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
@@ -33,12 +34,19 @@ SEQUENCE_DIMS = ("seq", "query", "key")  # the axes of a value that run along th
 PROGRAMS = 16  # instruments kept (one per program asked), least recently used dropped
 
 
+def public_name(path: str) -> str:
+    """What ``/v1/info`` calls the model: a hub id as given, a folder of the server's disk by its last part
+    alone (no path of the server's disk leaves it)."""
+    local = Path(path)
+    return local.name if local.is_absolute() or local.exists() or str(path).startswith(".") else str(path)
+
+
 class Runner:
     """Runs requests on ``model`` (in the batcher's one thread)."""
 
     def __init__(self, model: torch.nn.Module, name: str = "", stages=None, limits: Limits = Limits()):
         import qgraph
-        self.model, self.name, self.stages = model, name, stages  # stages: a Stages under torchrun (serve/stages.py)
+        self.model, self.name, self.stages = model, public_name(name), stages  # stages: a Stages under torchrun
         self.limits = limits
         self.parameters = sum(p.numel() for p in model.parameters())  # a forward: about 2 operations each a token
         self.base = qgraph.instrument(model, stages=stages)
