@@ -214,18 +214,20 @@ def test_fewer_feature_nodes_keep_the_most_influential(dense):
 
 def test_the_features_kept_are_chosen_as_the_dense_rounds_choose_them(dense, tmp_path):
     """Rounds of batch_size on the full graph's rows, the influence through them by graph.influence on the
-    dense square (circuit-tracer's way), pick the same features as the one-pass influence over the rows;
-    offload="disk" gives the same graph and leaves no file."""
+    dense square (each row normalised over every source: features, errors, embeddings), pick the same
+    features as the one-pass influence over the rows; offload="disk" gives the same graph and leaves no
+    file. (test_feature_selection.py holds the choice against circuit-tracer's own.)"""
     from qgraph.circuits.graph import influence
     model, transcoders, graph = dense
     features = [i for i, n in enumerate(graph.nodes) if n.kind == "feature"]
     logits = [i for i, n in enumerate(graph.nodes) if n.kind == "logit"]
+    sources = [i for i, n in enumerate(graph.nodes) if n.kind != "logit"]
     weights = torch.tensor([graph.nodes[i].probability for i in logits])
     done: list[int] = []
     while len(done) < 20:
         square = torch.zeros(len(graph.nodes), len(graph.nodes))
         for row in logits + [features[j] for j in done]:
-            square[row, features] = graph.adjacency[row, features]
+            square[row, sources] = graph.adjacency[row, sources]
         start = torch.zeros(len(graph.nodes))
         start[logits] = weights
         score = influence(square, start)[features]
