@@ -213,10 +213,10 @@ def test_fewer_feature_nodes_keep_the_most_influential(dense):
 
 
 def test_the_features_kept_are_chosen_as_the_dense_rounds_choose_them(dense, tmp_path):
-    """Rounds of batch_size on the full graph's rows, the influence through them by graph.influence on the
-    dense square (each row normalised over every source: features, errors, embeddings), pick the same
-    features as the one-pass influence over the rows; offload="disk" gives the same graph and leaves no
-    file. (test_feature_selection.py holds the choice against circuit-tracer's own.)"""
+    """Rounds of batch_size (update_interval=1) on the full graph's rows, the influence through them by
+    graph.influence on the dense square (each row normalised over every source: features, errors,
+    embeddings), pick the same features as the one-pass influence over the rows; offload="disk" gives
+    the same graph and leaves no file. (test_feature_selection.py checks the choice against circuit-tracer.)"""
     from qgraph.circuits.graph import influence
     model, transcoders, graph = dense
     features = [i for i, n in enumerate(graph.nodes) if n.kind == "feature"]
@@ -237,7 +237,7 @@ def test_the_features_kept_are_chosen_as_the_dense_rounds_choose_them(dense, tmp
             for j in done}
     for offload in (None, "disk"):
         few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8,
-                                       offload=offload)
+                                       update_interval=1, offload=offload)
         assert {(n.layer, n.position, n.feature) for n in few.nodes if n.kind == "feature"} == want
         assert few.adjacency.shape == (len(few.nodes),) * 2 and len(few.nodes) == len(graph.nodes) - len(features) + 20
         if offload is None:
@@ -281,6 +281,8 @@ def test_bad_requests_are_named(dense):
         qgraph.attribution_graph(model, torch.stack([PROMPT, PROMPT]), transcoders)
     with pytest.raises(qgraph.InvalidArgument, match="desired_logit_prob"):
         qgraph.attribution_graph(model, PROMPT, transcoders, desired_logit_prob=0)
+    with pytest.raises(qgraph.InvalidArgument, match="update_interval takes a positive int"):
+        qgraph.circuits.estimate(model, PROMPT, transcoders, update_interval=0)
 
 
 @pytest.mark.parametrize("bad", [-1, "vocab"])

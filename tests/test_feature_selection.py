@@ -91,12 +91,14 @@ def whole(request, sdpa_model, tmp_path_factory):
     return sdpa_model, transcoders, qgraph.attribution_graph(sdpa_model, PROMPT, transcoders, batch_size=64)
 
 
-@pytest.mark.parametrize("max_feature_nodes, batch_size", [(60, 4), (40, 8)])
-def test_the_features_kept_are_circuit_tracers(whole, monkeypatch, max_feature_nodes, batch_size):
+@pytest.mark.parametrize("max_feature_nodes, batch_size, update_interval", [(60, 4, None), (40, 8, 1)])
+def test_the_features_kept_are_circuit_tracers(whole, monkeypatch, max_feature_nodes, batch_size, update_interval):
+    """circuit-tracer's choice with its defaults (4 batches between rankings) and with update_interval=1."""
     model, transcoders, graph = whole
     assert graph.count("feature") > 2 * max_feature_nodes  # a choice to make
-    want = circuit_tracers_choice(graph, max_feature_nodes, batch_size, monkeypatch, update_interval=1)
+    options = {} if update_interval is None else {"update_interval": update_interval}  # None: each one's default
+    want = circuit_tracers_choice(graph, max_feature_nodes, batch_size, monkeypatch, **options)
     few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=max_feature_nodes,
-                                   batch_size=batch_size)
+                                   batch_size=batch_size, **options)
     assert len(want) == few.count("feature") == max_feature_nodes
     assert _kept(few) == want

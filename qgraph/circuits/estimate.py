@@ -47,7 +47,8 @@ class Estimate:
 
 
 def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
-             max_feature_nodes: int | None = None, batch_size: int = 32, offload: str | None = None) -> Estimate:
+             max_feature_nodes: int | None = None, batch_size: int = 32, update_interval: int = 4,
+             offload: str | None = None) -> Estimate:
     """The memory ``attribution_graph`` with these arguments will add and the backward passes it will
     take (see the module's docstring for how), from one forward that keeps nothing."""
     from ..instrument import InstrumentedModel
@@ -57,7 +58,7 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
     ids = _prompt(input_ids, model)
-    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size)
+    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
     if offload not in OFFLOADS:
         from ..errors import InvalidArgument
         raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
@@ -78,8 +79,10 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     nodes = kept + blocks * seq + seq + len(logit_ids)
     graph = 2 * nodes * nodes * 4
     parts = {"forward": int(forward), "rows": int(rows), "batch": int(flight), "graph": int(graph)}
-    rounds = [kept] if kept == active else [min(batch_size, kept - start) for start in range(0, kept, batch_size)]
-    passes = math.ceil(len(logit_ids) / run.chunk) + sum(math.ceil(size / run.chunk) for size in rounds)
+    # the feature targets go in one call with every feature kept, else in batches of batch_size (update_interval
+    # of them between rankings: the batches are the same whatever it is), each a pass per run.chunk of them
+    batches = [kept] if kept == active else [min(batch_size, kept - start) for start in range(0, kept, batch_size)]
+    passes = math.ceil(len(logit_ids) / run.chunk) + sum(math.ceil(size / run.chunk) for size in batches)
     return Estimate(int(forward + rows + max(flight, graph)), passes, parts, active, kept, len(logit_ids))
 
 
