@@ -18,7 +18,7 @@ import torch
 from ..errors import InvalidArgument
 
 OFFLOADS = (None, "disk")
-CHUNK = 256  # rows read at a time from the store (the influence's |rows| and the kept columns)
+READ = 1 << 22  # floats read from the store at once (16 MiB): the working memory of spread (one copy of that many)
 
 
 class Rows:
@@ -50,19 +50,26 @@ class Rows:
         self.count += n
 
     def columns(self, rows: list[int], columns: torch.Tensor) -> torch.Tensor:
-        """``features[rows][:, columns]``, read a part at a time (never every column of every row at once)."""
+        """``features[rows][:, columns]``, gathered element by element (no copy of a whole row)."""
+        out = torch.empty(len(rows), len(columns))
         order = torch.tensor(rows, dtype=torch.long)
-        return torch.cat([self.features[order[start:start + CHUNK]][:, columns]
-                          for start in range(0, len(order), CHUNK)]) if rows else torch.zeros(0, len(columns))
+        step = max(1, READ // max(1, len(columns)))
+        for start in range(0, len(order), step):
+            out[start:start + step] = self.features[order[start:start + step, None], columns]
+        return out
 
     def spread(self, coefficients: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``coefficients @ |features[rows]|``, each row normalised by its magnitude (over every column, the
-        errors' and embeddings' too): what those rows pass on to the features."""
+        errors' and embeddings' too): what those rows pass on to the features. The rows are read
+        ``working_rows`` at a time: one copy of at most ``READ`` floats."""
         total = torch.zeros(self.features.shape[1])
         scale = coefficients / self.magnitude[rows].clamp(min=1e-10)
-        for start in range(0, len(rows), CHUNK):
-            part = rows[start:start + CHUNK]
-            total += scale[start:start + CHUNK] @ self.features[part].abs()
+        step = max(1, min(len(rows), working_rows(self.features.shape[1])))
+        buffer = torch.empty(step, self.features.shape[1])  # the one copy, reused
+        for start in range(0, len(rows), step):
+            part = rows[start:start + step]
+            read = torch.index_select(self.features, 0, part, out=buffer[:len(part)]).abs_()
+            total += scale[start:start + step] @ read
         return total
 
     def close(self) -> None:
@@ -70,6 +77,11 @@ class Rows:
             del self.features
             self._folder.cleanup()
             self._folder = None
+
+
+def working_rows(features: int) -> int:
+    """The rows of ``features`` columns that ``spread`` reads at once (``READ`` floats at most, one row at least)."""
+    return max(1, READ // max(1, features))
 
 
 def feature_influence(rows: Rows, n_logits: int, weights: torch.Tensor, done: list[int],
