@@ -253,21 +253,31 @@ def test_the_features_kept_are_chosen_as_the_dense_rounds_choose_them(dense, tmp
 
 def test_the_estimate_counts_what_the_call_does_and_keeps_nothing(dense, monkeypatch):
     """estimate's counts are the graph's (active features, kept features, logits) and its backward passes
-    the backwards the call runs; its own forward keeps no tensor for a backward."""
+    the backwards the call runs, each of targets_per_pass targets at most; its own forward keeps no tensor
+    for a backward; its parts add up as the module says (the rows read a bounded part at a time)."""
     from qgraph.circuits import attribute
+    from qgraph.circuits.rows import READ
     model, transcoders, graph = dense
     passes = []
     original = attribute._Run._backward
     monkeypatch.setattr(attribute._Run, "_backward", lambda run, chunk: passes.append(len(chunk)) or original(run, chunk))
-    e = qgraph.circuits.estimate(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8)
-    assert passes == []  # the estimate ran no backward
-    few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8)
-    assert e.backward_passes == len(passes) and e.feature_nodes == few.count("feature") == 20
+    for update_interval in (1, 4):
+        e = qgraph.circuits.estimate(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8,
+                                     update_interval=update_interval)
+        assert passes == []  # the estimate ran no backward
+        few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8,
+                                       update_interval=update_interval)
+        assert e.backward_passes == len(passes) and max(passes) == e.targets_per_pass <= 8
+        passes.clear()
+    assert e.feature_nodes == few.count("feature") == 20
     assert e.logit_nodes == few.count("logit") and e.active_features == graph.count("feature")
-    nodes = len(few.nodes)
+    nodes, active, targets = len(few.nodes), e.active_features, e.logit_nodes + 20
+    assert set(e.parts) == {"program", "left", "forward", "rows", "reads", "batch", "graph"}
     assert e.parts["graph"] == 2 * nodes * nodes * 4 and e.bytes == sum(e.parts.values()) - min(
         e.parts["batch"], e.parts["graph"])
-    assert e.parts["rows"] == (e.logit_nodes + 20) * (e.active_features + 4 * 7 + 7 + 2) * 4
+    assert e.parts["rows"] == targets * (active + 4 * 7 + 7 + 2) * 4
+    assert e.parts["reads"] == min(targets, READ // active) * active * 4
+    assert min(e.parts.values()) >= 0 and e.parts["forward"] > 0
     disk = qgraph.circuits.estimate(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8, offload="disk")
     assert disk.parts["rows"] == (e.logit_nodes + 20) * (4 * 7 + 7 + 2) * 4
     assert repr(e).startswith("Estimate(") and "backward passes" in repr(e)

@@ -97,8 +97,9 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
                for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
     inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
-    from .memory import SavedBytes, in_flight
+    from .memory import SavedBytes, in_flight, resident
     counter = counter or SavedBytes(keep=True)
+    counter.built = resident()  # the export (if this process had none) and the build are held from here
     counter.hold(model, transcoders)  # the weights autograd saves are held already
     with torch.enable_grad(), keep_recomputation(), torch.autograd.graph.saved_tensors_hooks(counter.pack,
                                                                                               counter.unpack):

@@ -1,6 +1,10 @@
 """What an attribution graph's forward saves for its backwards, and what targets in flight hold: the
-counts ``attribute`` bounds its batches with and ``estimate`` adds up."""
+counts ``attribute`` bounds its batches with and ``estimate`` adds up; and the process's resident
+memory, which ``estimate`` reads around its own export, build and forward."""
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 
@@ -20,6 +24,7 @@ class SavedBytes:
 
     def __init__(self, keep: bool = False):
         self.bytes, self.seen, self.keep = 0, set(), keep
+        self.built = None  # resident() once the program is built (replacement_run sets it), before the forward
 
     def hold(self, model, transcoders) -> None:
         held = [*model.parameters(), *model.buffers()]
@@ -47,3 +52,19 @@ def storage_bytes(tensors, seen: set) -> int:
             seen.add(key)
             total += storage.nbytes()
     return total
+
+
+def resident() -> int:
+    """The process's resident memory now, in bytes (Linux: ``/proc/self/statm``); elsewhere its peak so far
+    (``getrusage``: then what ``estimate`` reads as a rise is a lower bound), 0 where neither is known."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
