@@ -272,7 +272,7 @@ def test_the_estimate_counts_what_the_call_does_and_keeps_nothing(dense, monkeyp
     assert e.feature_nodes == few.count("feature") == 20
     assert e.logit_nodes == few.count("logit") and e.active_features == graph.count("feature")
     nodes, active, targets = len(few.nodes), e.active_features, e.logit_nodes + 20
-    assert set(e.parts) == {"program", "left", "forward", "rows", "reads", "batch", "graph"}
+    assert set(e.parts) == {"program", "forward", "transient", "rows", "reads", "batch", "graph"}
     assert e.parts["graph"] == 2 * nodes * nodes * 4 and e.bytes == sum(e.parts.values()) - min(
         e.parts["batch"], e.parts["graph"])
     assert e.parts["rows"] == targets * (active + 4 * 7 + 7 + 2) * 4

@@ -10,9 +10,11 @@ process as it was before the estimate: the peak RSS the call reaches over that. 
 
     program   the export (once a process: the estimate's is kept for the call) and the program's build,
               as the estimate's own run raised the resident memory (``memory.resident``)
-    left      what the estimate's forward left resident once its tensors were freed: memory the allocator
-              keeps, which the call's forward takes again beyond what it holds
     forward   what autograd keeps (counted) + the outputs the call holds (logits, features, errors)
+    transient what the forward holds beyond its tensors, as the estimate's forward showed it: the larger
+              of how far it raised the resident memory over the build (read as each tensor is saved) and
+              what it left resident beyond the forward's tensors once they were freed (memory the
+              allocator keeps, which the call's forward takes again)
     rows      (logits + kept features) x (active features + error nodes + embeddings + 2) x 4
               (the feature part in a file with offload="disk": not counted)
     reads     the rows read from the store at once (the influence's ``|rows|``, the kept columns):
@@ -25,8 +27,8 @@ process as it was before the estimate: the peak RSS the call reaches over that. 
               (``3 x active features`` floats a target)
     graph     the kept nodes' adjacency and the rows it is read from, ``2 x nodes^2 x 4``
 
-and the peak is program + left + forward + rows + reads + the larger of batch and graph (they do not
-overlap). A call made with no estimate before it adds about as much (its export and its forward's
+and the peak is program + forward + transient + rows + reads + the larger of batch and graph (they do
+not overlap). A call made with no estimate before it adds about as much (its export and its forward's
 leftovers are its own); one made after another call or estimate on the same model adds less (the
 export is held, and the allocator's memory is taken again): ``parts`` says by how much.
 """
@@ -88,7 +90,8 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     chunk = run.chunk
     del run
     gc.collect()
-    program, left = max(0, counter.built - start), max(0, resident() - counter.built)
+    program, left, rose = counter.built - start, resident() - counter.built, counter.high - counter.built
+    transient = max(0, rose, left - forward)
     targets = len(logit_ids) + kept
     columns = (0 if offload == "disk" else active) + blocks * seq + seq + 2
     rows = targets * columns * 4
@@ -97,7 +100,7 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     flight = in_flight(batch, blocks, seq, width, counter.bytes) + 3 * batch * active * 4
     nodes = kept + blocks * seq + seq + len(logit_ids)
     graph = 2 * nodes * nodes * 4
-    parts = {"program": program, "left": left, "forward": forward, "rows": rows, "reads": reads,
+    parts = {"program": max(0, program), "forward": forward, "transient": transient, "rows": rows, "reads": reads,
              "batch": flight, "graph": graph}
     parts = {name: int(size) for name, size in parts.items()}
     # the feature targets go in one call with every feature kept, else in batches of batch_size (update_interval

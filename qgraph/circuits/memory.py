@@ -20,11 +20,13 @@ def in_flight(targets: int, blocks: int, seq: int, width: int, saved: int) -> fl
 
 class SavedBytes:
     """Counts the bytes of the distinct storages autograd saves (not those ``hold`` names); keeps them
-    (``keep=True``: the real run) or none (the estimate's forward, never run backward)."""
+    (``keep=True``: the real run) or none (the estimate's forward, never run backward: it also reads the
+    resident memory at each, the forward's high-water mark as near as it can be read without a reset)."""
 
     def __init__(self, keep: bool = False):
         self.bytes, self.seen, self.keep = 0, set(), keep
         self.built = None  # resident() once the program is built (replacement_run sets it), before the forward
+        self.high = 0  # the highest resident() read as the forward saved a tensor (the estimate's forward only)
 
     def hold(self, model, transcoders) -> None:
         held = [*model.parameters(), *model.buffers()]
@@ -33,6 +35,8 @@ class SavedBytes:
 
     def pack(self, tensor: torch.Tensor):
         self.bytes += storage_bytes([tensor], self.seen)
+        if not self.keep:
+            self.high = max(self.high, resident())
         return tensor if self.keep else None
 
     def unpack(self, packed):
