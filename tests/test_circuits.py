@@ -213,19 +213,21 @@ def test_fewer_feature_nodes_keep_the_most_influential(dense):
 
 
 def test_the_features_kept_are_chosen_as_the_dense_rounds_choose_them(dense, tmp_path):
-    """Rounds of batch_size on the full graph's rows, the influence through them by graph.influence on the
-    dense square (circuit-tracer's way), pick the same features as the one-pass influence over the rows;
-    offload="disk" gives the same graph and leaves no file."""
+    """Rounds of batch_size (update_interval=1) on the full graph's rows, the influence through them by
+    graph.influence on the dense square (each row normalised over every source: features, errors,
+    embeddings), pick the same features as the one-pass influence over the rows; offload="disk" gives
+    the same graph and leaves no file. (test_feature_selection.py checks the choice against circuit-tracer.)"""
     from qgraph.circuits.graph import influence
     model, transcoders, graph = dense
     features = [i for i, n in enumerate(graph.nodes) if n.kind == "feature"]
     logits = [i for i, n in enumerate(graph.nodes) if n.kind == "logit"]
+    sources = [i for i, n in enumerate(graph.nodes) if n.kind != "logit"]
     weights = torch.tensor([graph.nodes[i].probability for i in logits])
     done: list[int] = []
     while len(done) < 20:
         square = torch.zeros(len(graph.nodes), len(graph.nodes))
         for row in logits + [features[j] for j in done]:
-            square[row, features] = graph.adjacency[row, features]
+            square[row, sources] = graph.adjacency[row, sources]
         start = torch.zeros(len(graph.nodes))
         start[logits] = weights
         score = influence(square, start)[features]
@@ -235,7 +237,7 @@ def test_the_features_kept_are_chosen_as_the_dense_rounds_choose_them(dense, tmp
             for j in done}
     for offload in (None, "disk"):
         few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8,
-                                       offload=offload)
+                                       update_interval=1, offload=offload)
         assert {(n.layer, n.position, n.feature) for n in few.nodes if n.kind == "feature"} == want
         assert few.adjacency.shape == (len(few.nodes),) * 2 and len(few.nodes) == len(graph.nodes) - len(features) + 20
         if offload is None:
@@ -251,21 +253,31 @@ def test_the_features_kept_are_chosen_as_the_dense_rounds_choose_them(dense, tmp
 
 def test_the_estimate_counts_what_the_call_does_and_keeps_nothing(dense, monkeypatch):
     """estimate's counts are the graph's (active features, kept features, logits) and its backward passes
-    the backwards the call runs; its own forward keeps no tensor for a backward."""
+    the backwards the call runs, each of targets_per_pass targets at most; its own forward keeps no tensor
+    for a backward; its parts add up as the module says (the rows read a bounded part at a time)."""
     from qgraph.circuits import attribute
+    from qgraph.circuits.rows import READ
     model, transcoders, graph = dense
     passes = []
     original = attribute._Run._backward
     monkeypatch.setattr(attribute._Run, "_backward", lambda run, chunk: passes.append(len(chunk)) or original(run, chunk))
-    e = qgraph.circuits.estimate(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8)
-    assert passes == []  # the estimate ran no backward
-    few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8)
-    assert e.backward_passes == len(passes) and e.feature_nodes == few.count("feature") == 20
+    for update_interval in (1, 4):
+        e = qgraph.circuits.estimate(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8,
+                                     update_interval=update_interval)
+        assert passes == []  # the estimate ran no backward
+        few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8,
+                                       update_interval=update_interval)
+        assert e.backward_passes == len(passes) and max(passes) == e.targets_per_pass <= 8
+        passes.clear()
+    assert e.feature_nodes == few.count("feature") == 20
     assert e.logit_nodes == few.count("logit") and e.active_features == graph.count("feature")
-    nodes = len(few.nodes)
+    nodes, active, targets = len(few.nodes), e.active_features, e.logit_nodes + 20
+    assert set(e.parts) == {"program", "forward", "transient", "rows", "reads", "batch", "graph"}
     assert e.parts["graph"] == 2 * nodes * nodes * 4 and e.bytes == sum(e.parts.values()) - min(
         e.parts["batch"], e.parts["graph"])
-    assert e.parts["rows"] == (e.logit_nodes + 20) * (e.active_features + 4 * 7 + 7 + 2) * 4
+    assert e.parts["rows"] == targets * (active + 4 * 7 + 7 + 2) * 4
+    assert e.parts["reads"] == min(targets, READ // active) * active * 4
+    assert min(e.parts.values()) >= 0 and e.parts["forward"] > 0
     disk = qgraph.circuits.estimate(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8, offload="disk")
     assert disk.parts["rows"] == (e.logit_nodes + 20) * (4 * 7 + 7 + 2) * 4
     assert repr(e).startswith("Estimate(") and "backward passes" in repr(e)
@@ -279,6 +291,8 @@ def test_bad_requests_are_named(dense):
         qgraph.attribution_graph(model, torch.stack([PROMPT, PROMPT]), transcoders)
     with pytest.raises(qgraph.InvalidArgument, match="desired_logit_prob"):
         qgraph.attribution_graph(model, PROMPT, transcoders, desired_logit_prob=0)
+    with pytest.raises(qgraph.InvalidArgument, match="update_interval takes a positive int"):
+        qgraph.circuits.estimate(model, PROMPT, transcoders, update_interval=0)
 
 
 @pytest.mark.parametrize("bad", [-1, "vocab"])

@@ -34,14 +34,16 @@ GATHERED = 1 << 22  # elements of gradients gathered at once (16 MiB of float32)
 
 def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10,
                       desired_logit_prob: float = 0.95, max_feature_nodes: int | None = None,
-                      batch_size: int = 32, offload: str | None = None, tokenizer=None) -> AttributionGraph:
+                      batch_size: int = 32, update_interval: int = 4, offload: str | None = None,
+                      tokenizer=None) -> AttributionGraph:
     """The attribution graph of ``input_ids`` (one prompt, ``[seq]`` or ``[1, seq]``, used as given)
     through the replacement model with ``transcoders`` (``{block: qgraph.Transcoder}`` for every block,
     or a folder of a transcoder set that ``Transcoder.load(path, layer=i)`` reads). Logit nodes: the
     most likely next tokens until their probabilities reach ``desired_logit_prob``, at most
     ``max_n_logits``. Features: every active one (activation not 0), or the ``max_feature_nodes`` most
-    influential on the logits (found in rounds of ``batch_size``): the others are not nodes, and the
-    adjacency holds the kept nodes only. ``batch_size`` targets share each backward pass (memory does
+    influential on the logits, chosen as circuit-tracer chooses them (ranked by their influence through
+    the rows so far, ``update_interval`` batches attributed between rankings, circuit-tracer's default 4):
+    the others are not nodes, and the adjacency holds the kept nodes only. ``batch_size`` targets share each backward pass (memory does
     not grow with it: the forward runs once). ``offload="disk"``: the rows computed (one per target over
     every active feature, the largest thing held for a long prompt) live in a temporary file.
     ``qgraph.circuits.estimate`` says beforehand what a call will hold and how many backwards it takes.
@@ -50,7 +52,7 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
     ids = _prompt(input_ids, model)
-    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size)
+    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
     if offload not in OFFLOADS:
         raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
     run = replacement_run(model, ids, transcoders, batch_size)
@@ -64,7 +66,7 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
             done = list(range(len(active)))
             run.rows([("feature", tuple(f)) for f in active.tolist()], into=rows)
         else:
-            done = _most_influential(run, active, rows, probabilities, limit)
+            done = _most_influential(run, active, rows, probabilities, limit, update_interval)
         return _assemble(run, ids, active, done, logit_ids, probabilities, rows, tokenizer)
     finally:
         rows.close()
@@ -95,8 +97,9 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
                for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
     inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
-    from .memory import SavedBytes, in_flight
+    from .memory import SavedBytes, in_flight, resident
     counter = counter or SavedBytes(keep=True)
+    counter.built = resident()  # the export (if this process had none) and the build are held from here
     counter.hold(model, transcoders)  # the weights autograd saves are held already
     with torch.enable_grad(), keep_recomputation(), torch.autograd.graph.saved_tensors_hooks(counter.pack,
                                                                                               counter.unpack):
@@ -110,20 +113,23 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     return run
 
 
-def _most_influential(run, active, rows: Rows, probabilities, limit: int) -> list[int]:
+def _most_influential(run, active, rows: Rows, probabilities, limit: int, update_interval: int) -> list[int]:
     """The ``limit`` features most influential on the logits (active indices, in the order attributed),
-    their rows added to ``rows``, found as circuit-tracer does: in rounds of ``batch_size``, the features
-    not yet attributed with the most influence through the rows computed so far are attributed next."""
+    their rows added to ``rows``, found as circuit-tracer's ``attribute`` finds them: the features not yet
+    attributed are ranked by their influence through the rows computed so far, and the next
+    ``update_interval`` batches of ``batch_size`` of them are attributed before the next ranking."""
     done: list[int] = []
     layers = active[:, 0]
     with progress("attribution: the most influential features", total=limit, unit="feature") as bar:
         while len(done) < limit:
             score = feature_influence(rows, len(probabilities), probabilities, done, layers)
             score[done] = -1.0
-            take = score.topk(min(run.batch, limit - len(done))).indices.tolist()
-            run.rows([("feature", tuple(active[i].tolist())) for i in take], into=rows)
-            done += take
-            bar.update(len(take))
+            queue = score.topk(min(update_interval * run.batch, limit - len(done))).indices.tolist()
+            for start in range(0, len(queue), run.batch):
+                batch = queue[start:start + run.batch]
+                run.rows([("feature", tuple(active[i].tolist())) for i in batch], into=rows)
+                done += batch
+                bar.update(len(batch))
     return done
 
 
@@ -144,8 +150,9 @@ def _prompt(input_ids, model) -> torch.Tensor:
     return input_ids.long()
 
 
-def _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size) -> None:
-    for name, value in (("max_n_logits", max_n_logits), ("batch_size", batch_size)):
+def _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval) -> None:
+    for name, value in (("max_n_logits", max_n_logits), ("batch_size", batch_size),
+                        ("update_interval", update_interval)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InvalidArgument(f"{name} takes a positive int, not {value!r}")
     if not isinstance(desired_logit_prob, (int, float)) or not 0 < desired_logit_prob <= 1:

@@ -1,37 +1,50 @@
 """``qgraph.circuits.estimate``: what an attribution graph will hold and how many backward passes it
 takes, before it runs.
 
-It runs the replacement model's forward once (as ``attribution_graph`` does, at batch 1) with a
+It runs the replacement model's forward once (as ``attribute.replacement_run`` does, at batch 1) with a
 ``saved_tensors_hooks`` that counts what autograd would keep for the backwards and keeps none of it,
 so it costs one forward's time and no more than one forward's live activations. That forward also
 gives the exact counts the rest follows from: the active features (the columns of every row), the
-logit targets, the kept features. The memory a call adds is then, in bytes:
+logit targets, the kept features. ``bytes`` is what the estimate and the call add together to the
+process as it was before the estimate: the peak RSS the call reaches over that. Its parts:
 
+    program   the export (once a process: the estimate's is kept for the call) and the program's build,
+              as the estimate's own run raised the resident memory (``memory.resident``)
     forward   what autograd keeps (counted) + the outputs the call holds (logits, features, errors)
+    transient what the forward holds beyond its tensors, as the estimate's forward showed it: the larger
+              of how far it raised the resident memory over the build (read as each tensor is saved) and
+              what it left resident beyond the forward's tensors once they were freed (memory the
+              allocator keeps, which the call's forward takes again)
     rows      (logits + kept features) x (active features + error nodes + embeddings + 2) x 4
               (the feature part in a file with offload="disk": not counted)
+    reads     the rows read from the store at once (the influence's ``|rows|``, the kept columns):
+              ``rows.READ`` floats at most, a whole row at least
     batch     the targets in flight at once (``batch_size``, or fewer: the call runs a batch a part at a
               time so that this stays within ``attribute.IN_FLIGHT`` of what the forward keeps):
               directions and gradients at every block's MLP output and the embeddings, ``2 x (blocks +
               1) x seq x width`` floats a target, and the backward's own working memory, about
-              ``memory.TRANSIENT`` times what one block keeps, a target
+              ``memory.TRANSIENT`` times what one block keeps, a target; and their rows as they are made
+              (``3 x active features`` floats a target)
     graph     the kept nodes' adjacency and the rows it is read from, ``2 x nodes^2 x 4``
 
-and the peak is forward + rows + the larger of batch and graph (they do not overlap).
+and the peak is program + forward + transient + rows + reads + the larger of batch and graph (they do
+not overlap). A call made with no estimate before it adds about as much (its export and its forward's
+leftovers are its own); one made after another call or estimate on the same model adds less (the
+export is held, and the allocator's memory is taken again): ``parts`` says by how much.
 """
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass, field
-
-import torch
-
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """``bytes``: the memory the call adds (its peak RSS over what the process held before it);
-    ``backward_passes``; ``parts``: bytes by what holds them; the counts they follow from."""
+    """``bytes``: the memory the estimate and the call add (the call's peak RSS over what the process held
+    before the estimate); ``backward_passes``: the backwards the call runs, ``targets_per_pass`` targets
+    each at most (``batch_size``, or fewer where the in-flight bound says so); ``parts``: bytes by what
+    holds them; the counts they follow from."""
 
     bytes: int
     backward_passes: int
@@ -39,28 +52,32 @@ class Estimate:
     active_features: int = 0
     feature_nodes: int = 0
     logit_nodes: int = 0
+    targets_per_pass: int = 0
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{name} {_gib(size)}" for name, size in self.parts.items())
-        return (f"Estimate({_gib(self.bytes)}, {self.backward_passes} backward passes; {parts}; "
+        parts = ", ".join(f"{name} {_size(size)}" for name, size in self.parts.items())
+        return (f"Estimate({_size(self.bytes)}, {self.backward_passes} backward passes; {parts}; "
                 f"{self.feature_nodes} of {self.active_features} active features, {self.logit_nodes} logits)")
 
 
 def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
-             max_feature_nodes: int | None = None, batch_size: int = 32, offload: str | None = None) -> Estimate:
+             max_feature_nodes: int | None = None, batch_size: int = 32, update_interval: int = 4,
+             offload: str | None = None) -> Estimate:
     """The memory ``attribution_graph`` with these arguments will add and the backward passes it will
     take (see the module's docstring for how), from one forward that keeps nothing."""
     from ..instrument import InstrumentedModel
     from .attribute import _check_options, _prompt, _salient_logits, replacement_run
-    from .memory import SavedBytes, in_flight, storage_bytes
-    from .rows import OFFLOADS
+    from .memory import SavedBytes, in_flight, resident, storage_bytes
+    from .rows import OFFLOADS, working_rows
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
     ids = _prompt(input_ids, model)
-    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size)
+    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
     if offload not in OFFLOADS:
         from ..errors import InvalidArgument
         raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
+    gc.collect()
+    start = resident()
     counter = SavedBytes()  # keeps nothing: this forward is never run backward
     run = replacement_run(model, ids, transcoders, batch_size, counter)
     logit_ids, _ = _salient_logits(run.logits[0, -1].float(), max_n_logits, desired_logit_prob)
@@ -70,18 +87,29 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     width = model.get_input_embeddings().embedding_dim
     outputs = storage_bytes([run.logits, *run.features, *run.errors, run.embeddings, *run.inputs], counter.seen)
     forward = counter.bytes + outputs
+    chunk = run.chunk
+    del run
+    gc.collect()
+    program, left, rose = counter.built - start, resident() - counter.built, counter.high - counter.built
+    transient = max(0, rose, left - forward)
     targets = len(logit_ids) + kept
     columns = (0 if offload == "disk" else active) + blocks * seq + seq + 2
     rows = targets * columns * 4
-    batch = min(run.chunk, targets)  # the targets in flight at once (attribute.IN_FLIGHT)
-    flight = in_flight(batch, blocks, seq, width, counter.bytes)
+    reads = min(targets, working_rows(active)) * active * 4
+    batch = min(chunk, targets)  # the targets in flight at once (attribute.IN_FLIGHT)
+    flight = in_flight(batch, blocks, seq, width, counter.bytes) + 3 * batch * active * 4
     nodes = kept + blocks * seq + seq + len(logit_ids)
     graph = 2 * nodes * nodes * 4
-    parts = {"forward": int(forward), "rows": int(rows), "batch": int(flight), "graph": int(graph)}
-    rounds = [kept] if kept == active else [min(batch_size, kept - start) for start in range(0, kept, batch_size)]
-    passes = math.ceil(len(logit_ids) / run.chunk) + sum(math.ceil(size / run.chunk) for size in rounds)
-    return Estimate(int(forward + rows + max(flight, graph)), passes, parts, active, kept, len(logit_ids))
+    parts = {"program": max(0, program), "forward": forward, "transient": transient, "rows": rows, "reads": reads,
+             "batch": flight, "graph": graph}
+    parts = {name: int(size) for name, size in parts.items()}
+    # the feature targets go in one call with every feature kept, else in batches of batch_size (update_interval
+    # of them between rankings: the batches are the same whatever it is), each a pass per chunk of them
+    batches = [kept] if kept == active else [min(batch_size, kept - start) for start in range(0, kept, batch_size)]
+    passes = math.ceil(len(logit_ids) / chunk) + sum(math.ceil(size / chunk) for size in batches)
+    total = sum(parts.values()) - min(parts["batch"], parts["graph"])
+    return Estimate(total, passes, parts, active, kept, len(logit_ids), chunk)
 
 
-def _gib(size: float) -> str:
-    return f"{size / 2 ** 30:.2f} GiB"
+def _size(size: float) -> str:
+    return f"{size / 2 ** 30:.2f} GiB" if size >= 2 ** 30 else f"{size / 2 ** 20:.1f} MiB"

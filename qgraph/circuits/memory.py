@@ -1,6 +1,10 @@
 """What an attribution graph's forward saves for its backwards, and what targets in flight hold: the
-counts ``attribute`` bounds its batches with and ``estimate`` adds up."""
+counts ``attribute`` bounds its batches with and ``estimate`` adds up; and the process's resident
+memory, which ``estimate`` reads around its own export, build and forward."""
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 
@@ -16,10 +20,13 @@ def in_flight(targets: int, blocks: int, seq: int, width: int, saved: int) -> fl
 
 class SavedBytes:
     """Counts the bytes of the distinct storages autograd saves (not those ``hold`` names); keeps them
-    (``keep=True``: the real run) or none (the estimate's forward, never run backward)."""
+    (``keep=True``: the real run) or none (the estimate's forward, never run backward: it also reads the
+    resident memory at each, the forward's high-water mark as near as it can be read without a reset)."""
 
     def __init__(self, keep: bool = False):
         self.bytes, self.seen, self.keep = 0, set(), keep
+        self.built = None  # resident() once the program is built (replacement_run sets it), before the forward
+        self.high = 0  # the highest resident() read as the forward saved a tensor (the estimate's forward only)
 
     def hold(self, model, transcoders) -> None:
         held = [*model.parameters(), *model.buffers()]
@@ -28,6 +35,8 @@ class SavedBytes:
 
     def pack(self, tensor: torch.Tensor):
         self.bytes += storage_bytes([tensor], self.seen)
+        if not self.keep:
+            self.high = max(self.high, resident())
         return tensor if self.keep else None
 
     def unpack(self, packed):
@@ -47,3 +56,19 @@ def storage_bytes(tensors, seen: set) -> int:
             seen.add(key)
             total += storage.nbytes()
     return total
+
+
+def resident() -> int:
+    """The process's resident memory now, in bytes (Linux: ``/proc/self/statm``); elsewhere its peak so far
+    (``getrusage``: then what ``estimate`` reads as a rise is a lower bound), 0 where neither is known."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere

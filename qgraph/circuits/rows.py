@@ -18,7 +18,7 @@ import torch
 from ..errors import InvalidArgument
 
 OFFLOADS = (None, "disk")
-CHUNK = 256  # rows read at a time from the store (the influence's |rows| and the kept columns)
+READ = 1 << 22  # floats read from the store at once (16 MiB): the working memory of spread (one copy of that many)
 
 
 class Rows:
@@ -36,7 +36,9 @@ class Rows:
             self.features = torch.from_file(str(path), shared=True, size=capacity * features,
                                             dtype=torch.float32).view(capacity, features)
         self.errors, self.embeddings = torch.zeros(capacity, errors), torch.zeros(capacity, embeddings)
-        self.constants, self.magnitude = torch.zeros(capacity), torch.zeros(capacity)  # magnitude: sum |features|
+        # magnitude: a row's sum of |effects| over every column (features, errors, embeddings), what
+        # circuit-tracer's compute_partial_influences normalises each row by
+        self.constants, self.magnitude = torch.zeros(capacity), torch.zeros(capacity)
         self.count = 0
 
     def add(self, part: dict[str, torch.Tensor]) -> None:
@@ -44,22 +46,30 @@ class Rows:
         at = slice(self.count, self.count + n)
         self.features[at], self.errors[at] = part["features"], part["errors"]
         self.embeddings[at], self.constants[at] = part["embeddings"], part["constants"]
-        self.magnitude[at] = part["features"].abs().sum(1)
+        self.magnitude[at] = sum(part[name].abs().sum(1) for name in ("features", "errors", "embeddings"))
         self.count += n
 
     def columns(self, rows: list[int], columns: torch.Tensor) -> torch.Tensor:
-        """``features[rows][:, columns]``, read a part at a time (never every column of every row at once)."""
+        """``features[rows][:, columns]``, gathered element by element (no copy of a whole row)."""
+        out = torch.empty(len(rows), len(columns))
         order = torch.tensor(rows, dtype=torch.long)
-        return torch.cat([self.features[order[start:start + CHUNK]][:, columns]
-                          for start in range(0, len(order), CHUNK)]) if rows else torch.zeros(0, len(columns))
+        step = max(1, READ // max(1, len(columns)))
+        for start in range(0, len(order), step):
+            out[start:start + step] = self.features[order[start:start + step, None], columns]
+        return out
 
     def spread(self, coefficients: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``coefficients @ |features[rows]|`` normalised by each row's magnitude: what those rows pass on."""
+        """``coefficients @ |features[rows]|``, each row normalised by its magnitude (over every column, the
+        errors' and embeddings' too): what those rows pass on to the features. The rows are read
+        ``working_rows`` at a time: one copy of at most ``READ`` floats."""
         total = torch.zeros(self.features.shape[1])
         scale = coefficients / self.magnitude[rows].clamp(min=1e-10)
-        for start in range(0, len(rows), CHUNK):
-            part = rows[start:start + CHUNK]
-            total += scale[start:start + CHUNK] @ self.features[part].abs()
+        step = max(1, min(len(rows), working_rows(self.features.shape[1])))
+        buffer = torch.empty(step, self.features.shape[1])  # the one copy, reused
+        for start in range(0, len(rows), step):
+            part = rows[start:start + step]
+            read = torch.index_select(self.features, 0, part, out=buffer[:len(part)]).abs_()
+            total += scale[start:start + step] @ read
         return total
 
     def close(self) -> None:
@@ -69,14 +79,21 @@ class Rows:
             self._folder = None
 
 
+def working_rows(features: int) -> int:
+    """The rows of ``features`` columns that ``spread`` reads at once (``READ`` floats at most, one row at least)."""
+    return max(1, READ // max(1, features))
+
+
 def feature_influence(rows: Rows, n_logits: int, weights: torch.Tensor, done: list[int],
                       layers: torch.Tensor) -> torch.Tensor:
     """Each active feature's influence on the logits (weighted by ``weights``, their probabilities)
     through the rows computed so far: the logits' (rows ``0..n_logits``) and those of the features
     ``done`` (active indices, rows ``n_logits..`` in that order). This is ``graph.influence`` of the
-    square matrix these rows make (``weights @ (A + A^2 + ...)``, ``A`` the row-normalised ``|rows|``)
-    in one pass: a feature's row reaches only features of earlier blocks, so taking the done features
-    from the last block down, each one's influence is whole before it is passed on."""
+    square matrix these rows make (``weights @ (A + A^2 + ...)``, ``A`` the ``|rows|``, each normalised
+    over every column, errors and embeddings included, as there and in circuit-tracer's
+    ``compute_partial_influences``) in one pass: a feature's row reaches only features of earlier
+    blocks, so taking the done features from the last block down, each one's influence is whole before
+    it is passed on."""
     total = rows.spread(weights.float(), torch.arange(n_logits))
     done_t = torch.tensor(done, dtype=torch.long)
     done_layers = layers[done_t] if done else torch.zeros(0, dtype=torch.long)
