@@ -6,13 +6,14 @@ it pure, registered, and written by ``ig.save``), are tested here too (docs/secu
 from __future__ import annotations
 
 import json
+import random
 import zipfile
 
 import pytest
 import torch
 
 import qgraph
-from qgraph.saved import allowed, fxdata, sandbox
+from qgraph.saved import allowed, budget, fxdata, sandbox
 
 from conftest import random_ids
 from hostile import OPS, call, example_size, first_weight, ids_input, nodes_of, returning, rewrite, sized
@@ -40,7 +41,52 @@ def graph_cases(secret):
             size = {"node": f"hostile_p{index}"}
         return nodes + [call(f"{OPS}.zeros.default", [size])]
 
+    def chain(step, count, first=None):  # sizes made from the call's length by ``step(previous, name)``
+        def make(data):
+            size, nodes = {"node": "hostile_length"}, [sized(data)]
+            for index in range(count):
+                nodes.append({"name": f"hostile_c{index}", "op": "call_function", **step(size, index)})
+                size = {"node": f"hostile_c{index}"}
+            return nodes + [call(f"{OPS}.zeros.default", [size])]
+        return lazy(make)
+
+    def length_plus(*offsets):  # the call's length plus each offset, and a tensor of those dims
+        return lazy(lambda d: [sized(d), *({"name": f"hostile_plus{i}", "op": "call_function", "target": "operator.add",
+                                            "args": [{"node": "hostile_length"}, i]} for i in offsets),
+                               call(f"{OPS}.zeros.default", [{"node": f"hostile_plus{i}"} for i in offsets])])
+
+    def fibonacci(data):  # c = a * b + 1, then a, b = b, c: sympy's work on each grows like its expansion
+        a, b, nodes = {"node": "hostile_length"}, {"node": "hostile_length"}, [sized(data)]
+        for index in range(0, 40, 2):
+            nodes += [{"name": f"hostile_f{index}", "op": "call_function", "target": "operator.mul", "args": [a, b]},
+                      {"name": f"hostile_f{index + 1}", "op": "call_function", "target": "operator.add",
+                       "args": [{"node": f"hostile_f{index}"}, 1]}]
+            a, b = b, {"node": f"hostile_f{index + 1}"}
+        return nodes + [call(f"{OPS}.zeros.default", [b])]
+
+    square = lambda size, index: {"target": "operator.mul", "args": [size, size]}  # noqa: E731
+    numbers = random.Random(0)
+    kinds = [call(f"{OPS}.zeros.default", [size]) for size in range(budget.CALLS + 1)]
     return [
+        # what would take minutes or memory without end to check (saved.budget): refused at the node
+        ("a size squared 60 times", chain(square, 60), r"node hostile_c2 \(operator.mul\) makes a size of s\d+\*\*8 "),
+        ("sizes multiplied into each other", lazy(fibonacci), r"node hostile_f\d+ \(operator.\w+\) makes a size of "
+                                                              r".* terms multiplied out"),
+        ("a product of sums (reshaped, expanded by sympy)", length_plus(1, 2, 3),
+         r"makes a size of .*\(s\d+ \+ 1\).* 8 terms multiplied out"),
+        ("a size to the power 2**62", lazy(lambda d: [sized(d), call("operator.pow", {"node": "hostile_length"}, 2**62)]),
+         r"raises a size to the power 4611686018427387904"),
+        ("an int past int64", returning(call("operator.mul", 2**62, 2**62)), r"computes the number 2126764793255865"),
+        ("an unbind of a million", lazy(lambda d: [{**call(f"{OPS}.zeros.default", [2**20]), "name": "hostile_long"},
+                                                   call(f"{OPS}.unbind.int", {"node": "hostile_long"})]),
+         r"\(aten.unbind.int\) makes 1,048,576 tensors, past the 1,024 kinds of op call"),
+        ("a tensor of 17 dims", returning(call(f"{OPS}.zeros.default", [1] * 17)), "makes a tensor of 17 dims"),
+        ("more kinds of call than the budget", returning(*kinds), r"past the 1,024 kinds of op call a saved program"),
+        ("more argument items than the budget", returning(*(call(f"{OPS}.sum.dim_IntList", [numbers.randrange(10**6) for _
+                                                                                    in range(2**16)]) for _ in range(4))),
+         r"past 200,000 argument items"),
+        ("nested lists past the JSON's budget", returning(call(f"{OPS}.cat.default", [[[]] * 2**16] * 7)),
+         r"graph.json holds 4[\d,]+ JSON lists and objects, more than a saved program's \(400,000\)"),
         ("from_file reads a file", returning(empty, call(f"{OPS}.from_file.out", path, False, 25, out={"node": "buf"})),
          r"calls 'torch.ops.aten.from_file.out' .* not on the positive list"),
         ("from_file, the functional form", returning(call(f"{OPS}.from_file.default", path, True, 25)),

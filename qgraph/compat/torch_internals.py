@@ -205,10 +205,35 @@ def tracing() -> threading.RLock:
 # Alike in torch 2.13 and 2.14. The sandbox runs an untrusted graph on fake tensors (shapes, no data) to
 # know every tensor it can make before anything real runs; FakeTensorMode is only in torch._subclasses.
 def fake_mode():
-    """A fake-tensor mode over a fresh shape environment (every size symbolic where asked)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """A fake-tensor mode over a fresh shape environment (every size symbolic where asked), without torch's
+    per-op dispatch cache: the sandbox runs each kind of call once and reuses its result itself, so torch's
+    cache would never hit and its bookkeeping cost about a third of each call (``cache_enabled``: a plain
+    attribute of the mode, read at each dispatch)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    return FakeTensorMode(shape_env=ShapeEnv())
+    mode = _counting_fake_mode()(shape_env=ShapeEnv())
+    mode.cache_enabled = False
+    return mode
+
+
+@functools.lru_cache(maxsize=None)
+def _counting_fake_mode():
+    """``FakeTensorMode`` counting the ops it runs (``dispatches``: each op of an op's decomposition too),
+    a measure of a fake run's work that does not depend on the machine (``saved.budget``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Counting(FakeTensorMode):
+        dispatches = 0
+
+        def dispatch(self, func, types, args=(), kwargs=None):
+            self.dispatches += 1
+            return super().dispatch(func, types, args, {} if kwargs is None else kwargs)
+
+    return Counting
+
+
+def size_hint(size) -> int | None:
+    """The example value of a size in a fake run (a plain int is its own; None if torch has none)."""
+    return size if isinstance(size, int) else size.node.hint
 
 
 def fake_call(target, args, kwargs):

@@ -22,12 +22,14 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..errors import NotSupported, SavedProgramError
+from . import budget
 from .allowed import FUNCTIONS, OPS
 
 _OP_OVERLOAD = type(torch.ops.aten.add.Tensor)  # the class of every registered op's overload
 _BY_ID = {id(function): name for name, function in FUNCTIONS.items()}
 _KINDS = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
-LIMITS = {"nodes": 2_000_000, "list": 65_536, "string": 4_096, "depth": 8, "int": 2**63}  # int: an int64 (a slice to the end)
+# int: an int64 (a slice to the end); the graph's nodes and argument items: saved.budget's, from the load's budget
+LIMITS = {"nodes": budget.NODES, "items": budget.ITEMS, "list": 65_536, "string": 4_096, "depth": 8, "int": 2**63}
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -128,12 +130,30 @@ def graph_from_data(data: dict, tensors: dict[str, torch.Tensor], where: str) ->
     """The graph module of ``graph_data``'s ``data``, its ``get_attr`` nodes reading ``tensors``; a name
     outside the positive list, a literal past ``LIMITS`` or a device this machine lacks refuses the file
     (``where`` names it)."""
+    graph, attributes = graph_parts(data, tensors, where)
+    return GraphModule(attributes, graph)
+
+
+def unbuilt(graph: Graph, attributes: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module holding ``attributes`` whose ``graph`` is ``graph``, no code generated for it: what the
+    sandbox runs on fake tensors before ``GraphModule(attributes, graph)`` compiles it (a refused graph's
+    code is never generated: a line of it costs ~6 KiB at its compilation's peak)."""
+    module = torch.nn.Module()
+    for name, tensor in attributes.items():
+        setattr(module, name, tensor)
+    module.graph = graph
+    return module
+
+
+def graph_parts(data: dict, tensors: dict[str, torch.Tensor], where: str) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """``graph_from_data``'s graph and the tensors its ``get_attr`` nodes read, its code not generated; a
+    graph past ``LIMITS["nodes"]`` nodes is refused before any node is read."""
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or set(data) != {"nodes"}:
         raise SavedProgramError(f"{where}: its graph.json's graph is not an object holding only a list of nodes")
     if len(data["nodes"]) > LIMITS["nodes"]:
         raise SavedProgramError(f"{where}: its graph has {len(data['nodes']):,} nodes, more than a saved program may "
-                                f"have ({LIMITS['nodes']:,})")
-    graph, nodes, attributes = Graph(), {}, {}
+                                f"have ({LIMITS['nodes']:,}): {budget.WHY}")
+    graph, nodes, attributes, items = Graph(), {}, {}, [0]
     for item in data["nodes"]:
         if not isinstance(item, dict) or not set(item) <= {"name", "op", "target", "args", "kwargs"}:
             raise SavedProgramError(f"{where}: a node of its graph is not an object of name, op, target, args and "
@@ -145,8 +165,8 @@ def graph_from_data(data: dict, tensors: dict[str, torch.Tensor], where: str) ->
         args, kwargs = item.get("args", []), item.get("kwargs", {})
         if not isinstance(args, list) or not isinstance(kwargs, dict) or not all(map(_name, kwargs)):
             raise SavedProgramError(f"{where}: node {name} has malformed arguments")
-        args = _decode(args, nodes, f"{where}: node {name}")
-        kwargs = {key: _decode(value, nodes, f"{where}: node {name}") for key, value in kwargs.items()}
+        args = _decode(args, nodes, f"{where}: node {name}", items)
+        kwargs = {key: _decode(value, nodes, f"{where}: node {name}", items) for key, value in kwargs.items()}
         if op == "placeholder" and not args and not kwargs:
             node = graph.placeholder(name)
         elif op == "output" and len(args) == 1 and not kwargs:
@@ -172,7 +192,7 @@ def graph_from_data(data: dict, tensors: dict[str, torch.Tensor], where: str) ->
         nodes[name] = node
     if not graph.find_nodes(op="output"):
         raise SavedProgramError(f"{where}: its graph has no output")
-    return GraphModule(attributes, graph)
+    return graph, attributes
 
 
 def _name(name) -> bool:
@@ -181,9 +201,14 @@ def _name(name) -> bool:
         and len(name) <= 256 and name.isascii()
 
 
-def _decode(value, nodes: dict[str, Node], where: str, depth: int = 0):
+def _decode(value, nodes: dict[str, Node], where: str, items: list[int], depth: int = 0):
+    """``value`` read (node references to ``nodes``); ``items[0]`` counts the graph's argument items so far."""
     if depth > LIMITS["depth"]:
         raise SavedProgramError(f"{where} holds arguments nested deeper than {LIMITS['depth']}")
+    items[0] += 1
+    if items[0] > LIMITS["items"]:
+        raise SavedProgramError(f"{where} takes its graph past {LIMITS['items']:,} argument items (each argument, "
+                                f"list item and node reference counts): {budget.WHY}")
     if value is None or isinstance(value, (bool, float)):
         return value
     if isinstance(value, int):
@@ -197,19 +222,19 @@ def _decode(value, nodes: dict[str, Node], where: str, depth: int = 0):
     if isinstance(value, list):
         if len(value) > LIMITS["list"]:
             raise SavedProgramError(f"{where} holds a list of {len(value):,} items (at most {LIMITS['list']:,})")
-        return [_decode(item, nodes, where, depth + 1) for item in value]
+        return [_decode(item, nodes, where, items, depth + 1) for item in value]
     if isinstance(value, dict) and len(value) == 1:
         (tag, inner), = value.items()
         if tag == "node" and isinstance(inner, str) and inner in nodes:
             return nodes[inner]
         if tag == "tuple" and isinstance(inner, list):
-            return tuple(_decode(inner, nodes, where, depth))
+            return tuple(_decode(inner, nodes, where, items, depth))
         if tag == "device" and isinstance(inner, str):
             return device(inner, where)
         if tag in _KINDS and _name(inner) and isinstance(getattr(torch, inner, None), _KINDS[tag]):
             return getattr(torch, inner)
         if tag == "slice" and isinstance(inner, list) and len(inner) == 3:
-            return slice(*(_decode(part, nodes, where, depth + 1) for part in inner))
+            return slice(*(_decode(part, nodes, where, items, depth + 1) for part in inner))
         if tag == "ellipsis" and inner is None:
             return Ellipsis
     raise SavedProgramError(f"{where} holds an argument it cannot read: {str(value)[:100]}")

@@ -38,7 +38,7 @@ from ..values import derive
 from ..weights import WeightsMismatch, check_fit, names, read, tensor_names, unexpected
 from ..values.names import matching, patterns_of
 from . import sandbox, schema
-from .fxdata import device, graph_from_data
+from .fxdata import device, graph_parts, unbuilt
 from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
 
 
@@ -87,16 +87,17 @@ def check(path) -> tuple[dict, dict, torch.fx.GraphModule, sandbox.Bounds]:
     data = schema.parse(members[GRAPH], GRAPH, path)
     schema.check_graph_fields(data, meta, str(path))
     held = _held(path, members[TENSORS], data["tensors"])
-    module = graph_from_data(data["graph"], held, str(path))
-    if len(module.graph.find_nodes(op="placeholder")) != len(data["inputs"]):
-        raise SavedProgramError(f"{path}: its graph has {len(module.graph.find_nodes(op='placeholder'))} inputs, "
+    graph, attributes = graph_parts(data.pop("graph"), held, str(path))  # its JSON freed before the code compiles
+    del members
+    if len(graph.find_nodes(op="placeholder")) != len(data["inputs"]):
+        raise SavedProgramError(f"{path}: its graph has {len(graph.find_nodes(op='placeholder'))} inputs, "
                                 f"graph.json says what feeds {len(data['inputs'])}")
-    bounds = sandbox.check(module, data["placeholders"], data["symbols"], ["parameter" in item for item in data["inputs"]],
-                           str(path))
+    bounds = sandbox.check(unbuilt(graph, attributes), data["placeholders"], data["symbols"],
+                           ["parameter" in item for item in data["inputs"]], str(path))
     elements = sum(math.prod(spec["shape"]) for spec, item in zip(data["placeholders"], data["inputs"])
                    if "parameter" in item) + sum(tensor.numel() for tensor in held.values())
     bounds.check_work_per_weight(elements, str(path))
-    return meta, data, module, bounds
+    return meta, data, torch.fx.GraphModule(attributes, graph), bounds  # its code generated once it passed
 
 
 def _held(path: Path, data: bytes, expected: dict) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 
 from .. import compat
 from ..errors import InvalidArgument, SavedProgramError
-from . import aliasing
+from . import aliasing, budget
 from .allowed import CONSTANT
 from .fxdata import device
 from .work import evaluate, graph_work
@@ -116,9 +116,11 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
             symbols[expression] = (index, dim, limits[size])
     work = graph_work(made)
     found: dict = {}  # bytes expression -> (node, device)
+    counted: set[int] = set()  # ids of the fake results already counted (a reused one: its first node's)
     for node, value in made:
         for tensor in (value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in counted:
+                counted.add(id(tensor))
                 size = sympy.sympify(compat.size_expression(tensor.numel())) * tensor.element_size()
                 found.setdefault(size, (node, tensor.device))
     return Bounds(found, symbols, where, work)
@@ -132,8 +134,9 @@ def _hint(low: int, high: int | None, taken: int) -> int:
 
 
 def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
-    """``[(node, fake value)]`` of every node of ``module`` run on ``fakes`` (held tensors faked too)."""
-    made, seen = [], {}
+    """``[(node, fake value)]`` of every node of ``module`` run on ``fakes`` (held tensors faked too), each
+    node held to the load's budget as it runs (``budget.Meter``)."""
+    made, seen, kinds, meter = [], {}, {}, budget.Meter(where, mode)
 
     class Fake(torch.fx.Interpreter):
         def get_attr(self, target, args, kwargs):
@@ -142,52 +145,70 @@ def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
         def call_function(self, target, args, kwargs):
             # one op on arguments of one kind (shapes, strides, dtypes, literals) makes one kind of result:
             # the blocks of a model repeat their ops, so each kind runs once (a fake result holds no data)
-            key = _kind((target, args, kwargs))
-            if key is None:
-                return compat.fake_call(target, args, kwargs)
-            if key not in seen:
-                seen[key] = compat.fake_call(target, args, kwargs)
-            return seen[key]
+            key = _kind((target, _shaping(target, args), kwargs), kinds)
+            if key is not None and key in seen:
+                return seen[key]
+            meter.call(self.node, target, args, kwargs)
+            value = compat.fake_call(target, args, kwargs)
+            if key is not None:
+                seen[key] = value
+            return value
 
         def run_node(self, node):
             if node.target is _METADATA:  # a check of its argument's dtype and device: nothing it makes
                 return None
+            self.node = node
             try:
                 value = super().run_node(node)
+            except SavedProgramError:
+                raise
             except Exception as error:  # noqa: BLE001 (any failure of a node is the file's)
                 message = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
                 raise SavedProgramError(f"{where}: node {node.name} ({node.target}) does not fit its arguments: "
                                         f"{message}") from None
+            meter.made(node, value)
             made.append((node, value))
             return value
 
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # the refusal says it: no log of torch's too
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
+    interpreter = Fake(module)
+    interpreter.extra_traceback = False  # the refusal names the node; no listing of it (its arguments) too
     try:
         with mode:
-            Fake(module).run(*fakes)
+            interpreter.run(*fakes)
     finally:
         quiet.setLevel(level)
     return made
 
 
-def _kind(value):
-    """A hashable description of an op call's arguments as a fake run sees them (None if there is none)."""
+def _shaping(target, args: tuple) -> tuple:
+    """``args`` without what cannot change the shape of ``target``'s result: an edit slot's name (its
+    result is its input's like, whatever slot it is), so the slots of every block are one kind."""
+    return args[:1] if isinstance(target, _OP_OVERLOAD) and str(target) == "qgraph.edit_slot.default" else args
+
+
+def _kind(value, tensors: dict):
+    """A hashable description of an op call's arguments as a fake run sees them (None if there is none);
+    ``tensors`` keeps each tensor's, by id (with the tensor, so the id stays its own)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(map(compat.size_expression, value.shape)),
+        if id(value) not in tensors:
+            tensors[id(value)] = value, (
+                "tensor", tuple(map(compat.size_expression, value.shape)),
                 tuple(map(compat.size_expression, value.stride())), compat.size_expression(value.storage_offset()),
                 value.dtype, value.device, value.requires_grad)
+        return tensors[id(value)][1]
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return ("symbol", type(value).__name__, value.node.expr)
     if isinstance(value, (list, tuple)):
-        items = tuple(_kind(item) for item in value)
+        items = tuple(_kind(item, tensors) for item in value)
         return None if any(item is None for item in items) else (type(value).__name__, items)
     if isinstance(value, dict):
-        items = tuple((key, _kind(item)) for key, item in value.items())
+        items = tuple((key, _kind(item, tensors)) for key, item in value.items())
         return None if any(item is None for _, item in items) else ("dict", items)
     if isinstance(value, slice):
-        return _kind(("slice", value.start, value.stop, value.step))
+        return _kind(("slice", value.start, value.stop, value.step), tensors)
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
                                            torch.memory_format)) or callable(value) or value is Ellipsis:
         return ("literal", type(value).__name__, value)

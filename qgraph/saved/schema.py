@@ -9,10 +9,12 @@ import zipfile
 from pathlib import Path
 
 from ..errors import SavedProgramError
+from .budget import CONTAINERS, GRAPH_BYTES
 
 META, GRAPH, TENSORS = "qgraph.json", "graph.json", "tensors.safetensors"
-# inflated bytes each member may have; the held tensors are stored, never compressed (their size is the file's)
-SIZES = {META: 256 * 2**20, GRAPH: 1024 * 2**20, TENSORS: None}
+# inflated bytes each member may have (graph.json's from the load's budget); the held tensors are stored, never
+# compressed (their size is the file's)
+SIZES = {META: 32 * 2**20, GRAPH: GRAPH_BYTES, TENSORS: None}
 RATIO = 200  # inflated / compressed bytes a JSON member may have (JSON of a graph deflates ~10x)
 
 
@@ -55,7 +57,12 @@ def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> byte
 
 
 def parse(data: bytes, name: str, path: Path) -> dict:
-    """The JSON object of member ``name`` (its bytes ``data``), or a ``SavedProgramError`` saying why not."""
+    """The JSON object of member ``name`` (its bytes ``data``), or a ``SavedProgramError`` saying why not;
+    one of more lists and objects than ``budget.CONTAINERS`` allows is refused before it is parsed."""
+    containers = data.count(b"[") + data.count(b"{")  # an over-count (brackets in strings): never an under-count
+    if containers > CONTAINERS.get(name, containers):
+        raise SavedProgramError(f"{path}: its {name} holds {containers:,} JSON lists and objects, more than a saved "
+                                f"program's ({CONTAINERS[name]:,})")
     try:
         value = json.loads(data)
     except (ValueError, RecursionError) as error:
