@@ -1,7 +1,7 @@
 """Loading time and memory of a saved program against its size (issue 53): hostile graphs grown to N nodes.
 
     python benchmarks/bench_load.py [--nodes 10000,50000,150000] [--floods add,fresh,sizes,matmul]
-                                    [--legit 24] [--keep DIR]
+                                    [--legit 24] [--largest 600] [--keep DIR]
 
 A base program is saved from the tiny checkpoint (``qgraph.testing.tiny_qwen3_5``: one value, one edit
 slot, 571 nodes), then its ``graph.json`` is grown as an attacker would, by nodes inserted before the
@@ -12,8 +12,14 @@ output (the last one returned), each flood valid node by node:
 - ``fresh``: ``aten.zeros`` of N distinct static sizes (every node a new kind: one fake call each);
 - ``sizes``: the call's length plus 1, 2, 3, ... (``operator.add`` on a symbolic size) and a tensor of
   each (every node a new kind and a new symbolic expression);
-- ``matmul``: ``aten.matmul`` of a [1, 2, length, 16] tensor by a [16, i] one, i = 1, 2, ... (the costliest
-  fake call found: a Python decomposition on symbolic sizes, one per node pair).
+- ``matmul``: ``aten.matmul`` of a [1, 2, length, 16] tensor by a [16, i] one, i = 1, 2, ... (a Python
+  decomposition on symbolic sizes, one per node pair);
+- ``norm``, ``onehot``, ``repeat``: ``aten.norm`` (p = 1.001, 1.002, ...), ``aten.one_hot`` (i classes) and
+  ``aten.repeat_interleave`` (i repeats) of one tensor of the call's length: the costliest kinds of fake
+  call found (11, 59 and 15 ops of their decompositions), each node a kind of its own.
+
+``--largest K`` adds the largest graphs ``saved.budget`` allows: ``NODES`` nodes (the base program and a
+chain of adds), and the same with K of those nodes norms (each a fake call, K within its ``CALLS``/``OPS``).
 
 Each file is loaded (``qgraph.load``, weights from the ``.safetensors`` beside it; ``qgraph check`` runs
 the same checks) in a fresh process that first loads the base program (imports and the fake-tensor
@@ -71,6 +77,24 @@ def flood(data: dict, kind: str, count: int) -> list[dict]:
         x = call(f"{OPS}.zeros.default", [1, 2, length, 16], **FLOAT)
         while len(new) < count:
             call(f"{OPS}.matmul.default", x, call(f"{OPS}.zeros.default", [16, len(new)], **FLOAT))
+    elif kind in ("norm", "onehot", "repeat"):  # the costliest kinds found, each a literal apart
+        x = call(f"{OPS}.zeros.default", [1, 2, length, 16], **FLOAT)
+        labels = call(f"{OPS}.zeros.default", [1, length], dtype={"dtype": "int64"})
+        while len(new) < count:
+            if kind == "norm":
+                call(f"{OPS}.norm.ScalarOpt_dim", x, 1 + len(new) / 1000, [3])
+            elif kind == "onehot":
+                call(f"{OPS}.one_hot.default", labels, len(new))
+            else:
+                call(f"{OPS}.repeat_interleave.self_int", x, len(new), 3)
+    elif kind.startswith("largest"):  # the most nodes allowed: norms to the fake run's budget, then adds
+        norms, fill = (0, count) if kind == "largest" else (int(kind.split("-")[1]), count)
+        x = call(f"{OPS}.zeros.default", [1, 2, length, 16], **FLOAT)
+        for index in range(norms):
+            call(f"{OPS}.norm.ScalarOpt_dim", x, 1 + index / 1000, [3])
+        x = call(f"{OPS}.zeros.default", [4], **FLOAT)
+        while len(new) < fill:
+            x = call(f"{OPS}.add.Tensor", x, x)
     else:
         raise ValueError(f"no flood {kind!r}")
     return new
@@ -185,6 +209,8 @@ def main():
     parser.add_argument("--nodes", default="10000,50000,150000")
     parser.add_argument("--floods", default="add,fresh,sizes,matmul")
     parser.add_argument("--legit", type=int, default=0, help="also a program of this many blocks, every value")
+    parser.add_argument("--largest", type=int, default=0, help="also the largest graphs allowed: NODES nodes of one "
+                        "kind, and of them this many norms (each a kind of its own)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a load may take before it is killed")
     parser.add_argument("--keep", type=Path)
     parser.add_argument("--child", nargs=2, type=Path, help=argparse.SUPPRESS)
@@ -201,7 +227,12 @@ def main():
         base = qgraph.instrument(model.eval(), values=["layers.1.layer_output"],
                                  edits=["layers.2.layer_output"]).save(folder / "base.qgraph", weights=True)
         files = [grown(base, folder / f"{kind}-{count}.qgraph", kind, count)
-                 for count in map(int, args.nodes.split(",")) for kind in args.floods.split(",")]
+                 for count in map(int, args.nodes.split(",")) for kind in args.floods.split(",") if kind]
+        if args.largest:
+            from qgraph.saved.budget import NODES
+            with zipfile.ZipFile(base) as archive:
+                fill = NODES - len(json.loads(archive.read("graph.json"))["graph"]["nodes"])
+            files += [grown(base, folder / f"{kind}.qgraph", kind, fill) for kind in ("largest", f"largest-{args.largest}")]
         if args.legit:
             files.insert(0, legit(folder, args.legit))
         print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores")

@@ -34,8 +34,9 @@ from .. import compat
 from ..errors import SavedProgramError
 from .allowed import FUNCTIONS
 
-# The budget: loading the largest graph these limits allow takes at most about 10 s and 1 GiB on a
-# 2-core machine shared with other work (benchmarks/bench_load.py). The largest legitimate program is
+# The budget: loading the largest graph these limits allow takes about 12 s and 0.5 GiB on a 2-core
+# machine shared with other work, ~6 s for its nodes and ~6 s for its fake calls (benchmarks/bench_load.py
+# --largest 500: 50,000 nodes, 500 of them a costly kind each, 11.6 s and 473 MiB). The largest legitimate program is
 # far inside them: every value and an edit slot at every editable value of the 0.8B shape (24 blocks) is
 # 4,558 nodes, 0.8 MiB of graph.json, 241 fake calls running 1,195 ops; a 64-block model asked the same
 # is about 12,000 nodes and the same fake calls (the blocks repeat).
@@ -46,7 +47,7 @@ GRAPH_BYTES = 16 * 2**20  # inflated graph.json (a model's program: ~180 B a nod
 # parse into ~0.7 GiB of lists); a model's program has 4.2 a node, qgraph.json ~1.5 a value
 CONTAINERS = {"graph.json": 8 * NODES, "qgraph.json": 2**18}
 CALLS = 1_024  # fake calls; one runs 1 to 60 ops (a cumsum 34, a one_hot 59: its decomposition's)
-OPS = 8_192  # ops those fake calls run, at 0.3 to 1.6 ms each (a sort on symbolic sizes ~5 ms, but 1 op)
+OPS = 8_192  # ops those fake calls run, 0.3 to 1.6 ms each (a sort on symbolic sizes ~5 ms, but 1 op): ~6 s
 ATOMS = 32  # a model's sizes have at most 6 (128*s0*(s1 + 3)): 5x
 TERMS = 4  # multiplied out; a model's have at most 2 (4*s0*s1 + 1); 8 let a reshape cost ~70 ms
 SIZE_DEGREE = 6  # a model's element counts have degree 3 (batch × length²); twice that
