@@ -193,7 +193,7 @@ def fingerprint(model, path, ids):
 
 def test_writes_and_views_past_the_annotations_are_refused_at_load(program, canary, sdpa_model, tmp_path):
     """Every case loads, runs and writes on the old sandbox; here each is a SavedProgramError at load
-    (gradients on for every other case, off for the rest) and at ``qgraph check`` (one line), and the
+    (gradients on for every other case, off for the rest) and at ``qgraph check`` (every fourth), and the
     weights, the input ids and the files are byte-identical."""
     from qgraph.cli import main
     ids = torch.tensor([[34, 155, 11]])
@@ -204,7 +204,8 @@ def test_writes_and_views_past_the_annotations_are_refused_at_load(program, cana
         with torch.set_grad_enabled(index % 2 == 0), pytest.raises(qgraph.SavedProgramError, match=message):
             qgraph.load(bad, weights=sdpa_model)(ids)
             pytest.fail(f"{case}: loaded and ran")
-        assert main(["check", str(bad)]) == 2, case
+        if index % 4 == 0:  # the same refusal through the command line (one line, exit 2)
+            assert main(["check", str(bad)]) == 2, case
         assert bad.read_bytes() == kept, case
     assert fingerprint(sdpa_model, program, ids) == before
     torch.testing.assert_close(qgraph.load(program, weights=sdpa_model)(ids).logits, sdpa_model(ids).logits,

@@ -240,12 +240,12 @@ def test_the_positive_list_is_pure_and_registered():
 
 def test_qgraph_check_says_each_refusal_in_one_line(program, canary, tmp_path, capsys):
     """``qgraph check FILE`` runs load's checks without weights: one line for a good file, one error
-    line (exit 2, no traceback) for each hostile one."""
+    line (exit 2, no traceback) for hostile ones (every fourth case: each refusal itself is tested at load)."""
     from qgraph.cli import main
     assert main(["check", str(program)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "a Qwen3_5ForCausalLM program of" in out[0] and "every op on the positive list" in out[0]
-    for index, (case, change, message) in enumerate(graph_cases(canary)):
+    for index, (case, change, message) in enumerate(graph_cases(canary)[::4]):
         bad = rewrite(program, tmp_path / f"cli{index}.qgraph", graph=change)
         assert main(["check", str(bad)]) == 2, case
         err = capsys.readouterr().err.strip().splitlines()
