@@ -25,8 +25,8 @@ from torch.fx import Node
 from .. import compat
 from ..errors import SavedProgramError
 from .allowed import FRESH, INPLACE
+from .fxdata import OP_OVERLOAD
 
-_OP_OVERLOAD = type(torch.ops.aten.add.Tensor)
 
 
 def check(graph: torch.fx.Graph, calls: set, where: str) -> None:
@@ -39,7 +39,7 @@ def check(graph: torch.fx.Graph, calls: set, where: str) -> None:
         # anything else (the size arithmetic between ops: ints) shares nothing
         elif node.op == "call_function" and node.target is operator.getitem:  # an item of a list of results
             roots[node] = _roots(node.args[0], roots)
-        elif node.op == "call_function" and isinstance(node.target, _OP_OVERLOAD):
+        elif node.op == "call_function" and isinstance(node.target, OP_OVERLOAD):
             _writes(node, roots, where)
             schema = compat.op_schema(node.target)
             tensors = any("Tensor" in str(result.type) for result in schema.returns)

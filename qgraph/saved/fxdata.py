@@ -25,7 +25,7 @@ from ..errors import NotSupported, SavedProgramError
 from . import budget
 from .allowed import FUNCTIONS, OPS
 
-_OP_OVERLOAD = type(torch.ops.aten.add.Tensor)  # the class of every registered op's overload
+OP_OVERLOAD = type(torch.ops.aten.add.Tensor)  # the class of every registered op's overload
 _BY_ID = {id(function): name for name, function in FUNCTIONS.items()}
 _KINDS = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
 # int: an int64 (a slice to the end); the graph's nodes and argument items: saved.budget's, from the load's budget
@@ -37,7 +37,7 @@ LIMITS = {"nodes": budget.NODES, "items": budget.ITEMS, "list": 65_536, "string"
 
 def target_name(target) -> str:
     """The positive list's name of a ``call_function`` target (``NotSupported`` for any other)."""
-    if isinstance(target, _OP_OVERLOAD):
+    if isinstance(target, OP_OVERLOAD):
         name = f"torch.ops.{target}"  # str(op) is "aten.linear.default"
     else:
         name = _BY_ID.get(id(target))
@@ -123,7 +123,7 @@ def _resolve(name: str):
         found = getattr(getattr(getattr(torch.ops, namespace), op), overload)
     except (AttributeError, RuntimeError):
         return None  # not registered in this torch (qgraph's kernels are, on import of qgraph.kernels)
-    return found if isinstance(found, _OP_OVERLOAD) else None
+    return found if isinstance(found, OP_OVERLOAD) else None
 
 
 def graph_from_data(data: dict, tensors: dict[str, torch.Tensor], where: str) -> GraphModule:

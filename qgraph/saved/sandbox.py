@@ -30,12 +30,11 @@ from .. import compat
 from ..errors import InvalidArgument, SavedProgramError
 from . import aliasing, budget
 from .allowed import CONSTANT
-from .fxdata import device
+from .fxdata import OP_OVERLOAD, device
 from .work import evaluate, graph_work
 
 DEGREE = 3  # batch × length², the attention pattern's size
 WORK_PER_WEIGHT = 64  # operations a saved program may do per weight per token (a forward does about 2 to 3)
-_OP_OVERLOAD = type(torch.ops.aten.add.Tensor)
 _METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
@@ -54,7 +53,7 @@ def check(module: GraphModule, placeholders: list[dict], symbols: dict, weights:
 
 
 def _constant_arguments(node: Node, where: str) -> None:
-    if node.op != "call_function" or not isinstance(node.target, _OP_OVERLOAD):
+    if node.op != "call_function" or not isinstance(node.target, OP_OVERLOAD):
         return
     pinned = CONSTANT.get(str(node.target), {})
     schema = compat.op_schema(node.target)
@@ -186,7 +185,7 @@ def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
 def _shaping(target, args: tuple) -> tuple:
     """``args`` without what cannot change the shape of ``target``'s result: an edit slot's name (its
     result is its input's like, whatever slot it is), so the slots of every block are one kind."""
-    return args[:1] if isinstance(target, _OP_OVERLOAD) and str(target) == "qgraph.edit_slot.default" else args
+    return args[:1] if isinstance(target, OP_OVERLOAD) and str(target) == "qgraph.edit_slot.default" else args
 
 
 def _kind(value, tensors: dict):

@@ -18,8 +18,8 @@ import torch
 from torch.fx import Node
 
 from .. import compat
+from .fxdata import OP_OVERLOAD
 
-_OP_OVERLOAD = type(torch.ops.aten.add.Tensor)
 CHUNK = 64
 _UNWRITTEN = ("aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default")  # no element touched  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
 
@@ -114,7 +114,7 @@ def graph_work(made: list) -> sympy.Expr:
     seen: dict = {}
     for node, value in made:
         values[node] = value
-        if node.op != "call_function" or not isinstance(node.target, _OP_OVERLOAD):
+        if node.op != "call_function" or not isinstance(node.target, OP_OVERLOAD):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values.get(n))
         key = (str(node.target), _key((args, kwargs)))
