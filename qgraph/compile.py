@@ -60,10 +60,12 @@ class CompiledProgram:
 
 
 def compile_program(program, **options) -> CompiledProgram:
-    """Compile a built ``qgraph.program.Program``: its ``run`` uses the compiled module from now on
-    (but for calls with per-call edits)."""
-    program.compiled = CompiledProgram(program.module, **options)
-    return program.compiled
+    """Compile a built ``qgraph.program.Program``: it runs by the ``Compiled`` runner from now on (the
+    compiled module, but for calls with per-call edits)."""
+    from .runners import Compiled  # noqa: PLC0415 — torch.compile's module is loaded with the runner only when compiling
+    compiled = CompiledProgram(program.module, **options)
+    program.runs_on(Compiled(compiled))
+    return compiled
 
 
 def compile_options(compile) -> dict | None:

@@ -21,6 +21,7 @@ from .values.names import aliases, resolve
 from .output import Output, retain
 from .passes.edit import EditSlot, applying
 from .program import Program
+from .runners import Staged
 from .values.options import check_options
 from .saes.splice import check_saes, check_transcoders
 from .distributed import Stages, stage_program
@@ -139,7 +140,7 @@ class InstrumentedModel:
     def _finish(self, program: Program, extra=()) -> None:
         """Split a built program into its stages, or compile it (a program with per-call slots runs eagerly)."""
         if self._stages is not None:
-            program.pipeline = stage_program(program, self._stages)
+            program.runs_on(Staged(stage_program(program, self._stages)))
         elif self._compile is not None and not extra:
             compile_program(program, **self._compile)
 

@@ -12,7 +12,6 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from .errors import InvalidArgument, InvalidState, InvalidType
-from .distributed.engine import loss_value
 from .values.catalogue import Entry, build_catalogue
 from .values.saes import sae_entries
 from .values.transcoders import transcoder_entries
@@ -23,6 +22,7 @@ from .passes.base import Build, Request, run_passes
 from .passes.edit import EditSlot
 from .passes.on_request import input_name
 from .passes.pipeline import PIPELINE, build_passes
+from .runners import EAGER
 
 
 class Program:
@@ -47,9 +47,8 @@ class Program:
         self.extra_inputs: list[tuple[str, object, dict | None]] = []
         self.slots: dict[str, EditSlot] = {}
         self.passes_run: list[str] = []  # every pass run on this program, in order (for failures to name)
-        self.compiled = None  # the module under torch.compile, once compiled (qgraph.compile)
         self.buffers = BufferPool()  # big state buffers kept for the next call (kernels.buffers.BufferPool)
-        self.pipeline = None  # the stages it runs as, once split (instrument(..., stages=...))
+        self.runner = EAGER  # how it runs (qgraph.runners): eager, compiled or staged, chosen by its instrument
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -137,41 +136,34 @@ class Program:
         """The program's arguments for prepared call inputs: the weights and buffers it reads, then the
         call's tensors; refused by name where a weight this process reads is still on ``meta``."""
         args = [source(inputs) for source in self.inputs]
-        local = self.pipeline.local_inputs(len(args)) if self.pipeline is not None else range(len(args))
+        local = self.runner.local_inputs(len(args))
         unloaded = next((i for i in local if isinstance(args[i], torch.Tensor) and args[i].is_meta), None)
         if unloaded is not None:
             raise InvalidState(f"{self.input_names[unloaded]} is on the meta device (the model was built without "
                                f"weights): load them with ig.load_weights(checkpoint) first")
         return args
 
+    def runs_on(self, runner) -> "Program":
+        """Run from now on by ``runner`` (``qgraph.runners``: ``Compiled``, ``Staged``; ``EAGER`` by default),
+        as the instrument that built it chose."""
+        self.runner = runner
+        return self
+
     def run(self, inputs: dict, eager: bool = False, loss=None) -> tuple:
-        """Run on prepared program inputs: (logits or None, {tapped name: tensor}). A compiled
-        program runs compiled unless ``eager`` (a call with per-call edits). With ``loss`` (a function
-        of the logits to a scalar) the backward runs too, and the loss's value comes third (None on a
-        rank without the last stage); with stages and micro-batches the loss is each micro-batch's, summed."""
+        """Run on prepared program inputs by its runner: (logits or None, {tapped name: tensor}). A
+        compiled program runs compiled unless ``eager`` (a call with per-call edits). With ``loss`` (a
+        function of the logits to a scalar) the backward runs too, and the loss's value comes third (None
+        on a rank without the last stage); with stages and micro-batches the loss is each micro-batch's, summed."""
         try:
             args = self.arguments(inputs)
-        except Exception as error:  # under torchrun the other ranks' stages wait on this one's: they raise too
-            if self.pipeline is not None:
-                self.pipeline.abandon(error)
+        except Exception as error:
+            self.runner.abandon(error)
             raise
         if loss is not None:
             self._check_loss(loss)
         watched = frozenset(i + self.returns_logits for i, name in enumerate(self.tapped) if name.endswith("#grad"))
-        value = None
         with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
-            if self.pipeline is not None:  # its stages: this process's, or all of them (qgraph.distributed)
-                results, value = self.pipeline(args, loss, watched)
-                results = list(results)
-            else:
-                results = list((self.module if eager or self.compiled is None else self.compiled)(*args))
-                if loss is not None:
-                    for position in watched:
-                        if results[position].requires_grad:
-                            results[position].retain_grad()
-                    value = loss_value(loss, results[0])
-                    value.backward()
-                    value = value.detach()
+            results, value = self.runner.run(self, args, loss, watched, eager)
         logits = results.pop(0) if self.returns_logits else None
         captured = dict(zip(self.tapped, results))
         return (logits, captured) if loss is None else (logits, captured, value)

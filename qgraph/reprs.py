@@ -141,16 +141,16 @@ def instrumented(ig) -> Summary:
     kinds = ig.family.kinds(ig.config)
     program = ig.program_for(ig.exported.images)  # built with the instrument: nothing is exported here
     fixed = [name for name, slot in ig.slots.items() if getattr(slot, "fixed", None) is not None]
-    compiled = program.compiled is not None
+    runner = program.runner
     rows = [("values", f"{len(ig.values)}: {names_text(ig.values)}"),
             ("edit slots", f"{len(ig.slots)}: {names_text(ig.slots)}" if ig.slots else "none (ig(..., edits=) adds them per call)"),
             *([("fixed edits", names_text(fixed))] if fixed else []),
             ("logits", "yes" if program.returns_logits else "no (values only)"),
             ("SAEs", f"{len(ig.saes)}: {names_text(ig.saes)}" if ig.saes else "none"),
             ("transcoders", f"{len(ig.transcoders)}: {', '.join(map(str, ig.transcoders))}" if ig.transcoders else "none"),
-            ("compiled", ("yes (compiled)" if getattr(program.compiled, "_called", False) else "yes (compiles on the "
-                          "first call)") if compiled else "no"),
-            *([("stages", str(len(program.pipeline.plan)))] if program.pipeline is not None else [])]
+            ("compiled", ("yes (compiled)" if runner.called else "yes (compiles on the first call)")
+             if runner.name == "compiled" else "no"),
+            *([("stages", str(runner.stages))] if runner.name == "staged" else [])]
     counts = ", ".join(f"{count} {kind}" for kind, count in Counter(kinds).items())
     title = f"InstrumentedModel of {type(ig.model).__name__} (family {ig.family.name}, {len(kinds)} blocks: {counts})"
     return Summary(title, (), rows, ["ig.tree(): the module tree annotated with every standard value"])

@@ -45,7 +45,7 @@ def test_a_stage_opens_only_its_shards(sdpa_model, sharded, monkeypatch):
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(sdpa_model.config).eval()
     ig = qgraph.instrument(meta, values=["layers.*.layer_output"], stages=2)
-    pipeline = ig.program_for(ig.exported.images).pipeline
+    pipeline = ig.program_for(ig.exported.images).runner.pipeline
     stages = [[where[0] for kind, *where in inputs if kind == "input"] for inputs in pipeline.plan.inputs]
     table = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
     state, tied, needs = sdpa_model.state_dict(), weights.tied_groups(meta), []

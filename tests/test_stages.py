@@ -243,7 +243,7 @@ def test_devices_place_each_stage_in_one_process(model, single):
     expected = single(ids, mask, edits=EDIT)
     staged = qgraph.instrument(model, values=VALUES, edits=["layers.2.layer_output"],
                                stages=qgraph.Stages([1], devices=["cpu", "cpu"]))
-    pipeline = staged.program_for(False).pipeline
+    pipeline = staged.program_for(False).runner.pipeline
     read = {}  # each stage module's tensor arguments: on its own device
     for index, module in enumerate(pipeline.plan.modules):
         module.forward = _recording(module, read.setdefault(index, set()))

@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 from ..compat import pipeline_stage, pipelining_refusal, size_expression
-from ..errors import InvalidArgument, InvalidState, NotSupported
+from ..errors import InvalidState, NotSupported
+from ..runners import loss_value
 from .split import Plan, pick
 from .world import pipe, vote
 
@@ -255,16 +256,6 @@ def stage_device() -> torch.device:
     """Where this rank's stage receives: its GPU under nccl, else the CPU."""
     import torch.distributed as dist
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def loss_value(loss, logits: torch.Tensor) -> torch.Tensor:
-    """``loss(logits)``, checked to be a scalar tensor (what a backward starts from)."""
-    value = loss(logits)
-    if not isinstance(value, torch.Tensor) or value.dim() != 0:
-        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise InvalidArgument(f"loss= maps the logits to a scalar tensor (e.g. lambda logits: logits[:, -1, 0].sum()); "
-                              f"it returned {got}")
-    return value
 
 
 class _Run:

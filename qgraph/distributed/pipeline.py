@@ -24,7 +24,8 @@ import torch
 
 from ..compat import pipelining_refusal
 from ..errors import InvalidArgument, InvalidType, NotSupported
-from .engine import Engine, loss_value, stage_device
+from ..runners import loss_value
+from .engine import Engine, stage_device
 from .place import Placement
 from .split import Plan, pick
 from .world import World, pipe, vote

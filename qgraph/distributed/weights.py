@@ -25,13 +25,13 @@ def load_weights(ig, checkpoint, device=None) -> list[str]:
     """Load what this process's stage of ``ig``'s program reads onto ``device`` (the CPU by default;
     with ``Stages(devices=...)`` each stage's onto its device); rebuild the programs to read it."""
     program = ig.program_for(ig.exported.images)
-    placement = program.pipeline.placement if program.pipeline is not None else None
+    placement = program.runner.placement
     if placement is not None and device is not None:
         raise InvalidArgument("devices= places each stage's weights on its device: call load_weights(checkpoint) "
                               "without device=")
     device = torch.device(device if device is not None else placement.devices[0] if placement is not None else "cpu")
     specs = program.exported.program.graph_signature.input_specs
-    local = program.pipeline.local_inputs(len(specs)) if program.pipeline is not None else range(len(specs))
+    local = program.runner.local_inputs(len(specs))
     wanted = [specs[i] for i in local if i < len(specs) and specs[i].kind in (InputKind.PARAMETER, InputKind.BUFFER)]
     expected = {spec.target: _meta_tensor(ig.model, spec.target) for spec in wanted}
     tensors = read(checkpoint, expected, tied_groups(ig.model), device)
