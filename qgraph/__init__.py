@@ -25,7 +25,7 @@ _PUBLIC = {
     "GraphvizNotFound": "render",  # a QgraphError and graphviz's ExecutableNotFound (render/dot.py)
     "UnsupportedModel": "errors", "SavedProgramError": "errors",
     "GenerateOutput": "generate", "chat_prompt": "generate",
-    "InstrumentedModel": "instrument", "Output": "instrument", "instrument": "instrument",
+    "Instrument": "interface", "InstrumentedModel": "instrument", "Output": "instrument", "instrument": "instrument",
     "attribution_patch": "recipes", "expert_neurons": "recipes", "patch": "recipes", "skip_layers": "recipes",
     "steer": "recipes",
     "SAE": "saes", "Transcoder": "saes", "CrossLayerTranscoder": "saes.clt",
@@ -40,7 +40,7 @@ _PUBLIC = {
     "check_versions": "compat",
 }
 
-__all__ = ["Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
+__all__ = ["Instrument", "Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
            "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render",
            "skip_layers", "steer", "support", "Transcoder", "CrossLayerTranscoder", "AttributionGraph", "attribution_graph",
            "QgraphError", "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",

@@ -114,27 +114,29 @@ def explore(ig_or_model, out=None, *, blocks=None, plots: int = 32) -> Figure:
     kind, ``"all"`` every block, or a list of block numbers. ``plots``: the most values plotted into
     the page (each plot is a few tens of KB; 0 for none). Returns a ``qgraph.Figure`` (shown in a
     notebook; ``.save("model.html")``)."""
-    from .instrument import InstrumentedModel
-    from .output import Output
+    from .interface import Instrument  # noqa: PLC0415 — kept out of import qgraph's path
+    from .output import Output  # noqa: PLC0415 — likewise
 
-    if isinstance(ig_or_model, InstrumentedModel):
-        model, catalogue = ig_or_model.model, ig_or_model.catalogue
+    if isinstance(ig_or_model, Instrument):  # local, remote or loaded: its catalogue, family and config
+        catalogue, family, config = ig_or_model.catalogue, ig_or_model.family, ig_or_model.config
         marks = {**{n: "captured by this instrument" for n in ig_or_model.values},
-                 **{n: "an edit slot of this instrument" for n in ig_or_model.slots}}
+                 **{n: "an edit slot of this instrument" for n in getattr(ig_or_model, "slots", ())}}
+        model = getattr(ig_or_model, "model", None)  # the diagrams are drawn where the model is
     elif hasattr(ig_or_model, "config") and hasattr(ig_or_model, "named_modules"):
-        from .values.support import support
+        from .families import family_for  # noqa: PLC0415 — as above
+        from .values.support import support  # noqa: PLC0415 — as above
         model, catalogue, marks = ig_or_model, support(ig_or_model).catalogue, {}
+        family, config = family_for(model), model.config
     else:
-        raise InvalidType(f"explore takes a Qwen3.5 model or a qgraph.instrument(...) result, not "
-                          f"{type(ig_or_model).__name__}")
+        raise InvalidType(f"explore takes a Qwen3.5 model or an instrument (qgraph.instrument(...), "
+                          f"qgraph.remote(...).instrument(...), qgraph.load(...)), not {type(ig_or_model).__name__}")
     if out is not None and not isinstance(out, Output):
         raise InvalidType(f"out= takes what an instrumented call returns (an Output), not {type(out).__name__}")
     if not isinstance(plots, int) or isinstance(plots, bool) or plots < 0:
         raise InvalidArgument(f"plots={plots!r}: give the most values to plot, an int >= 0")
-    from .families import family_for
-    family = family_for(model)
-    config = model.config
     mixers = family.block_mixers(config)
+    if model is None:  # drawn from the instrument's catalogue alone
+        ig_or_model = None
     drawn = _drawn_blocks(blocks, mixers)
 
     key = f"qg-{uuid.uuid4().hex[:10]}"
@@ -178,7 +180,7 @@ def explore(ig_or_model, out=None, *, blocks=None, plots: int = 32) -> Figure:
             f'<div id="detail">Click a value (a box of a diagram, or a name in a list) to see it here.</div></div>'
             f'<script type="application/json" class="qg-data">{payload}</script>'
             f'<script>{_SCRIPT % {"key": key}}</script></div>')
-    return Figure(html=page, title=f"explore {type(model).__name__}")
+    return Figure(html=page, title=f"explore {type(model).__name__ if model is not None else family.name}")
 
 
 # -- the page's parts -----------------------------------------------------------------------------------
@@ -220,17 +222,21 @@ def _chip(name: str, catalogue, out) -> str:
 
 def _block_values(catalogue, prefix: str) -> list[str]:
     """The standard values of one block (what its diagram draws), in catalogue order."""
-    return [name for name, entry in catalogue.items() if entry.spec is not None
+    return [name for name, entry in catalogue.items() if not entry.port
             and (entry.host == prefix or entry.host.startswith(prefix + "."))]
 
 
 def _model_values(catalogue) -> list[str]:
-    return [name for name, entry in catalogue.items() if entry.spec is not None
+    return [name for name, entry in catalogue.items() if not entry.port
             and not re.match(r"^(vision\.)?layers\.\d+", entry.host)]
 
 
 def _diagram(ig_or_model, what: str, layer, catalogue, shown: set) -> str:
-    """A diagram's inline SVG, each value's element tagged with ``data-value`` (marked in ``shown``)."""
+    """A diagram's inline SVG, each value's element tagged with ``data-value`` (marked in ``shown``); a note
+    where the model runs elsewhere (a server, a saved program: no module tree here to draw)."""
+    if ig_or_model is None:
+        return ('<div class="qg-note">The model runs elsewhere (a server or a saved program), so its diagram is '
+                'not drawn here: qgraph.explore(model) where the model is draws it; the values are listed below.</div>')
     import graphviz
 
     from .render import render
@@ -289,20 +295,10 @@ def _box(group) -> tuple[float, float, float, float]:
 
 # -- what a click shows ---------------------------------------------------------------------------------
 def _facts(name: str, catalogue, marks: dict) -> dict:
-    from .passes.locate import Found, OnRequest
     entry = catalogue.get(name)
     if entry is None:
         return {"availability": "not a value of this model's catalogue"}
-    location = entry.location
-    if entry.derived:
-        availability = "yes: computed after the run from other values"
-    elif isinstance(location, Found):
-        availability = "yes"
-    elif isinstance(location, OnRequest):
-        availability = f"yes, made on request: {location.rewrite.note}"
-    else:
-        availability = f"no: {entry.reason}"
-    facts = {"layout": entry.layout, "description": entry.description, "availability": availability}
+    facts = {"layout": entry.layout, "description": entry.description, "availability": entry.availability}
     if name in marks:
         facts["role"] = marks[name]
     return facts

@@ -160,12 +160,17 @@ class InstrumentedModel:
         if entry.derived:
             raise EditError(f"'{name}' is computed after the run from other values ({entry.description}); edit the "
                             f"value it is derived from")
-        target = Target(name, entry.layout, tuple(map(str, entry.spec.dims if entry.spec else entry.shape)))
+        target = Target(name, entry.layout, entry.dims)
         return EditSlot(target, entry.location.view, fixed=fixed,
                         regions_only=entry.spec is not None and entry.spec.rule.region_edits_only)
 
     def _key(self, images: bool, extra=()) -> tuple:
         return images, frozenset(self.slots) | frozenset(extra)
+
+    @property
+    def blocks(self) -> int:
+        """The model's decoder blocks."""
+        return len(self.family.block_mixers(self.config))
 
     def check_options(self, values) -> dict[str, dict]:
         """Per-value options from ``values={name: {option: ...}}``, checked (``values.options``)."""
@@ -251,6 +256,11 @@ class InstrumentedModel:
                     transcoders=self._transcoder_request[0])
             return self._variants[key]
 
+    def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads, batch_size) -> dict:
+        """``qgraph.patch``'s locations, as a sweep that runs the corrupt prefix once (``qgraph.sweep``)."""
+        from .sweep import sweep  # noqa: PLC0415 — the sweep (and the stages' cutting it uses) loads with the first patch
+        return sweep(self, clean, corrupt, names, metric, positions, heads, batch_size)
+
     def compile(self, **options) -> "InstrumentedModel":
         """Run the program(s) under ``torch.compile`` (``fullgraph=True`` unless ``options`` say
         otherwise); returns self. The first call compiles; the batch and sequence dims are dynamic,
@@ -298,7 +308,7 @@ class InstrumentedModel:
                 continue
             retain(tensor)  # a tensor, or its micro-batches' (stages in this process)
             grads[name] = (tensor, program.catalogue[name].location.view)
-        return Output(logits, values, len(self.family.block_mixers(self.config)), grads,
+        return Output(logits, values, self.blocks, grads,
                       aliases=aliases(self.family, self.config), source=self, input_ids=prepared["input_ids"],
                       loss=ran[2] if loss is not None else None)
 

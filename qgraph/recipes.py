@@ -55,11 +55,7 @@ def patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], obj
     clean, corrupt = _pair(clean, corrupt, metric)
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise InvalidArgument(f"batch_size= takes a positive int (locations per pass), not {batch_size!r}")
-    if getattr(instrumented, "remote", False):  # qgraph.remote(...).instrument(...): each location on the server
-        from .serve.recipes import patch as remote_patch
-        return remote_patch(instrumented, clean, corrupt, instrumented.resolve(at), metric, positions, heads)
-    from .sweep import sweep
-    return sweep(instrumented, clean, corrupt, instrumented.resolve(at), metric, positions, heads, batch_size)
+    return instrumented.run_patches(clean, corrupt, instrumented.resolve(at), metric, positions, heads, batch_size)
 
 
 def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], torch.Tensor], *,
@@ -90,7 +86,7 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
     attributions = {}
     for name in names:
         entry = watcher.catalogue[name]
-        dims = [str(d) for d in (entry.spec.dims if entry.spec else entry.shape)]
+        dims = list(entry.dims)
         effect = ((clean_values[name] - out.values[name].detach()) * grads[name]).detach()
         attributions[name] = _by_location(effect, dims, name, positions, heads)
     return attributions

@@ -20,7 +20,7 @@ import torch
 
 from .distributed import blocks_of
 from .distributed.split import pick, split
-from .edits import _AXES, Edit, indices
+from .edits import _AXES, Edit, Replace, indices
 from .errors import InternalError, InvalidArgument, InvalidType
 from .inputs import prepare, vision_given
 from .passes.edit import applying
@@ -43,6 +43,35 @@ def sweep(instrumented, clean: dict, corrupt: dict, names: list[str], metric, po
             for name in names:
                 results[name] = run.patch(name, clean_values[name], metric, positions, heads, batch_size)
                 bar.update()
+    return results
+
+
+def patch_by_calls(instrumented, clean: dict, corrupt: dict, names: list[str], metric, positions=None, heads=None,
+                   concurrent: int = 1) -> dict:
+    """What ``sweep`` returns, each location one call of ``instrumented`` on ``corrupt`` with a ``Replace``
+    of that location by its clean value (``concurrent`` calls at once): the patching of an instrument
+    whose program this process cannot cut (a remote one, whose server batches the calls; a loaded one)."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 — only this way of patching uses threads
+
+    with torch.no_grad():
+        clean_values = instrumented.variant(names)(**clean).values
+    patcher = instrumented.variant((), edits=names)
+    results = {}
+    for name in names:
+        entry, value = instrumented.catalogue[name], clean_values[name]
+        axes, chosen, spots = spots_of(list(entry.dims), value.shape, positions, heads, name, entry.layout)
+
+        def one(spot, name=name, value=value, axes=axes):
+            index, region = [slice(None)] * value.dim(), {}
+            for what, at in zip(("positions", "heads"), spot):
+                if at is not None:
+                    index[axes[what]], region[what] = [at], [at]
+            edit = Replace(value[tuple(index)].contiguous(), **region)
+            with torch.no_grad():
+                return metric(patcher(**corrupt, edits={name: edit}).logits)
+
+        with ThreadPoolExecutor(concurrent) as pool:
+            results[name] = stacked(list(pool.map(one, spots)), chosen, positions, heads, name)
     return results
 
 

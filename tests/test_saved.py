@@ -128,7 +128,7 @@ def test_refusals(saved, tmp_path):
         qgraph.load(newer, weights=ig.model)
     with zipfile.ZipFile(tmp_path / "v2.pt2", "w") as archive:  # format 2: a torch.export archive
         archive.writestr("v2/extra/qgraph.json", json.dumps({"format": 2}))
-    with pytest.raises(qgraph.SavedProgramError, match="v2.pt2 is qgraph program format 2; this qgraph reads format 4: "
+    with pytest.raises(qgraph.SavedProgramError, match="v2.pt2 is qgraph program format 2; this qgraph reads format 5: "
                                                        "save it again"):
         qgraph.load(tmp_path / "v2.pt2", weights=ig.model)
     (tmp_path / "junk.qgraph").write_bytes(b"not a zip")

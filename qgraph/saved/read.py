@@ -17,6 +17,7 @@ checked) again.
 """
 from __future__ import annotations
 
+import copy
 import math
 import zipfile
 from collections.abc import Callable, Mapping
@@ -26,8 +27,10 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from ..errors import InvalidType, MissingFile, SavedProgramError
+from ..errors import InvalidType, MissingFile, NotSupported, QgraphError, SavedProgramError
 from ..edits import EditError, Target
+from ..families import FAMILIES
+from ..families.configs import config_of
 from ..export.fingerprint import fingerprint
 from ..inputs import check_text
 from ..output import Output
@@ -36,7 +39,9 @@ from ..passes.on_request import input_source
 from ..progress import stages
 from ..values import derive
 from ..weights import WeightsMismatch, check_fit, names, read, tensor_names, unexpected
-from ..values.names import matching, patterns_of
+from ..sweep import patch_by_calls
+from ..values.catalogue import ServedEntry
+from ..values.names import aliases, resolve
 from . import sandbox, schema
 from .fxdata import device, graph_parts, unbuilt
 from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
@@ -181,8 +186,11 @@ def _fit(path: Path, meta: dict, tensors: dict, given: list[str], source: str) -
 
 
 class LoadedProgram:
-    """A saved instrumented program: call it like the instrumented model (``input_ids``,
-    ``attention_mask``, ``edits={name: edit}`` at the slots it was saved with)."""
+    """A saved instrumented program, a ``qgraph.Instrument``: call it like the instrumented model
+    (``input_ids``, ``attention_mask``, ``edits={name: edit}`` at the slots it was saved with). Its
+    catalogue holds the values and slots it was saved with; names resolve over it as an instrumented
+    model's do (``values.names.resolve``), and ``variant`` reads some of its values (``{"grad": True}``
+    for a value at a slot), so the recipes and pictures run on it."""
 
     def __init__(self, path: Path, module: torch.fx.GraphModule, inputs: list, meta: dict, weights: dict,
                  model: torch.nn.Module | None = None, bounds: sandbox.Bounds | None = None):
@@ -200,6 +208,10 @@ class LoadedProgram:
         self._model = model  # weights=model: followed (see _follow)
         self._use(weights)
         self.config = _config(path, meta)
+        self.family = next(family for family in FAMILIES if family.name == meta["family"])  # schema: one of them
+        self.blocks = meta["blocks"]
+        self.catalogue = {name: ServedEntry.of(name, facts) for name, facts in meta["catalogue"].items()}
+        self._logits = meta["logits"]  # whether its calls return the logits (a variant's may not)
 
     def _use(self, weights: dict) -> None:
         """Feed the program ``weights`` (``{name: function giving the tensor}``) and the call's inputs."""
@@ -255,8 +267,42 @@ class LoadedProgram:
         captured = dict(zip(self.meta["outputs"], results))
         derive.fill(captured, {name: (rule["how"], rule["sources"]) for name, rule in self.meta["derived"].items()},
                     inputs, self.config)
-        return Output(logits, {name: captured[name] for name in self.values if name in captured}, self.meta["blocks"],
-                      source=self, input_ids=input_ids)
+        return Output(logits if self._logits else None, {name: captured[name] for name in self.values if name in captured},
+                      self.blocks, aliases=aliases(self.family, self.config), source=self, input_ids=input_ids)
+
+    def resolve(self, patterns) -> list[str]:
+        """The names of its values and slots that ``patterns`` select, as an instrumented model selects them."""
+        return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []
+
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> "LoadedProgram":
+        """This program returning ``values`` (some of those it was saved with), editable at ``edits`` (some
+        of its slots): what the recipes run."""
+        names, slots = self.resolve(values), self.resolve(list(edits))
+        if isinstance(values, Mapping) and any((options or {}).get("grad") for options in values.values()):
+            raise NotSupported(f"{self.path.name} runs on weights read as plain tensors, so no gradient reaches its "
+                               f"values: read gradients (attribution_patch) with qgraph.instrument(model) or on a server")
+        lacking = [name for name in names if name not in self.values] + [name for name in slots if name not in self.slots]
+        if lacking:
+            raise NotSupported(f"{self.path.name} was saved without {', '.join(lacking[:4])} among its values and slots "
+                               f"(values {self.values}, slots {list(self.slots)}): save a program that has them "
+                               f"(instrument(model, values=..., edits=[...]).save(path))")
+        if logits and not self.meta["logits"]:
+            raise NotSupported(f"{self.path.name} was saved with logits=False: save it with logits")
+        view = copy.copy(self)
+        view.values, view._logits = [name for name in names if name in self.values], logits
+        return view
+
+    def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads, batch_size) -> dict:
+        """``qgraph.patch``'s locations, one call each (a saved program is not cut into blocks)."""
+        return patch_by_calls(self, clean, corrupt, names, metric, positions, heads)
+
+    def generate(self, *args, **kwargs):
+        raise NotSupported(f"{self.path.name} is one forward pass, saved without a cache: generate with "
+                           f"qgraph.instrument(model) or on a server (qgraph serve)")
+
+    def logit_lens(self, *args, **kwargs):
+        raise NotSupported(f"{self.path.name} holds no readout of the blocks' outputs (the final norm and head "
+                           f"as functions): read the lens with qgraph.instrument(model) or on a server")
 
     def _edits(self, edits: Mapping | None) -> dict:
         if edits is None:
@@ -265,8 +311,11 @@ class LoadedProgram:
             raise InvalidType(f"edits= takes a dict {{name: edit}}, not {type(edits).__name__}")
         chosen = {}
         for pattern, edit in edits.items():
-            names = [name for p in patterns_of(pattern) for name in matching(p, self.slots, self.meta["blocks"])]
-            if not names:
+            try:
+                names = self.resolve(pattern)
+            except QgraphError:
+                names = []
+            if not names or any(name not in self.slots for name in names):
                 raise EditError(f"{pattern!r} is not an edit slot of {self.path.name}; its slots are "
                                 f"{', '.join(self.slots) or 'none'} (declare slots with instrument(..., edits=[...]) "
                                 f"before saving)")
@@ -281,11 +330,8 @@ class LoadedProgram:
 
 def _config(path: Path, meta: dict):
     """The model's config, rebuilt from its class's configuration file (never its modeling file)."""
-    from transformers import AutoConfig
-    config = dict(meta["config"])
-    config.pop("model_type", None)
     try:
-        return AutoConfig.for_model(meta["model_type"], **config)
+        return config_of(meta["model_type"], meta["config"])
     except Exception as error:  # noqa: BLE001 (any refusal of the config's fields is the file's)
         raise SavedProgramError(f"{path} ({META}): its field 'config' is not a {meta['model_type']} config "
                                 f"({type(error).__name__}: {str(error)[:200]})") from None

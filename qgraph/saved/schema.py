@@ -132,6 +132,17 @@ def _slot(value) -> bool:
         (value["fixed"] is None or _text(value["fixed"]))
 
 
+def _facts(value) -> bool:
+    from ..values.catalogue import FACTS
+    words = lambda v: isinstance(v, str) and len(v) <= 4096  # noqa: E731 — a port's layout may be ""
+    sizes = lambda v: isinstance(v, list) and len(v) <= 16 and all(  # noqa: E731
+        _count(0, 2**40)(s) or (isinstance(s, str) and len(s) <= 256) for s in v)
+    return isinstance(value, dict) and set(value) == set(FACTS) and all(map(words, (
+        value["host"], value["layout"], value["description"], value["availability"]))) and sizes(value["dims"]) \
+        and sizes(value["shape"]) and all(isinstance(value[k], bool) for k in ("port", "by_name_only", "available")) \
+        and (value["reason"] is None or words(value["reason"]))
+
+
 def _recipe(value) -> bool:
     if not isinstance(value, dict):
         return False
@@ -172,6 +183,7 @@ def check_meta(meta: dict, where: str) -> None:
     fields.get("values", _texts, "a list of value names")
     fields.get("layouts", _dict_of(_text), "the layout of each value")
     fields.get("slots", _dict_of(_slot), "the edit slots ({layout, dims, view, fixed})")
+    fields.get("catalogue", _dict_of(_facts), "the facts of each value and slot (values.catalogue.FACTS)")
     fields.get("inputs", lambda v: isinstance(v, list) and all(map(_recipe, v)), "the per-value inputs' recipes")
     derived = fields.get("derived", _dict_of(lambda v: isinstance(v, dict) and set(v) == {"how", "sources"} and
                                              _text(v["how"]) and _texts(v["sources"])), "the derived values")

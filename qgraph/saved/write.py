@@ -42,12 +42,13 @@ from ..kernels.slot import EDIT_SLOT_OP
 from ..passes.edit import EditSlot
 from ..passes.emit import MethodCall
 from ..progress import stages
+from ..values.catalogue import entry_data
 from ..weights import SHARD_SIZE, size_in_bytes, tensor_names, tied_groups
 from ..weights import write as write_weights
 from .fxdata import graph_data
 from .inline import drop_submodule, free_name, inline_modules
 
-FORMAT = 4
+FORMAT = 5  # 5: the catalogue's facts of its values and slots
 SUFFIX = ".qgraph"
 META, GRAPH, TENSORS = "qgraph.json", "graph.json", "tensors.safetensors"
 
@@ -118,6 +119,8 @@ def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
         "vocab_size": ig.model.get_input_embeddings().num_embeddings,
         "logits": program.returns_logits, "outputs": program.tapped, "values": ig.values,
         "layouts": {name: program.catalogue[name].layout for name in program.tapped if name in program.catalogue},
+        # what the loaded program resolves names and draws pictures from (values.catalogue.ServedEntry)
+        "catalogue": {name: entry_data(program.catalogue[name]) for name in dict.fromkeys([*ig.values, *slots])},
         "slots": slots, "inputs": recipes,
         "derived": {name: {"how": how, "sources": sources} for name, (how, sources) in program.derivations.items()},
         "parameters": {target: [list(tensor.shape), str(tensor.dtype)] for target, tensor in sorted(reads.items())},

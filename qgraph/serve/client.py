@@ -13,14 +13,15 @@ to the server, which runs the backward and returns the values' gradients.
 """
 from __future__ import annotations
 
-import fnmatch
-from types import SimpleNamespace
-
 import torch
 
-from ..errors import InvalidArgument, QgraphError
+from ..errors import InvalidArgument, NotSupported, QgraphError
+from ..families import FAMILIES
+from ..families.configs import config_of
 from ..output import Output
-from ..values.names import canonical
+from ..sweep import patch_by_calls
+from ..values.catalogue import ServedEntry
+from ..values.names import aliases, resolve
 from .edits import encode
 from .wire import parse, pack
 
@@ -84,43 +85,40 @@ class Remote:
 
 
 class RemoteInstrument:
-    """``remote.instrument(...)``: calls, ``generate``, and what ``patch``, ``attribution_patch`` and
-    ``logit_lens`` read (``resolve``, ``catalogue``, ``variant``)."""
+    """``remote.instrument(...)``: a ``qgraph.Instrument`` whose programs run on the server. Names resolve
+    here, by the function a local instrument resolves with (``values.names.resolve``), over the catalogue,
+    family and config the server sends (``/v1/info``); calls, ``generate``, the lens and the gradients run
+    there."""
 
-    remote = True
+    CONCURRENT = 8  # patch's requests in flight at once: the server batches them into a few forwards
 
     def __init__(self, server: Remote, values, edits, logits: bool):
         self.server, self._values, self._edits, self._logits = server, values, tuple(edits), logits
         info = server.info()
-        self.blocks = info["model"]["blocks"]
-        self.catalogue = {name: SimpleNamespace(spec=None, shape=tuple(entry["dims"]), layout=entry["layout"])
+        model = info["model"]
+        self.blocks = model["blocks"]
+        self.family = next((family for family in FAMILIES if family.name == model["family"]), None)
+        if self.family is None:
+            raise NotSupported(f"the server runs a {model['family']} model, a family this qgraph does not know: "
+                               f"install the qgraph the server runs")
+        self.config = config_of(model["model_type"], model["config"])
+        self.catalogue = {name: ServedEntry.of(name, {k: v for k, v in entry.items() if k != "dtype"})
                           for name, entry in info["values"].items()}
-        self.values = self.resolve(list(values) if not isinstance(values, dict) else list(values))
+        self.values = self.resolve(values)
 
     def __repr__(self) -> str:
         return f"RemoteInstrument({self.server.url}, {len(self.values)} values)"
 
     def resolve(self, patterns) -> list[str]:
-        """The value names ``patterns`` select in the server's catalogue (names, globs, ``layers[-1]`` forms)."""
-        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-        names = []
-        for pattern in patterns:
-            if any(c in pattern for c in "*?["):
-                found = [n for n in self.catalogue if fnmatch.fnmatchcase(n, pattern)] if "[-" not in pattern else []
-                if not found:
-                    key = canonical(pattern, self.blocks)
-                    found = [key] if key in self.catalogue else []
-            else:
-                found = [canonical(pattern, self.blocks)]
-            missing = [n for n in found if n not in self.catalogue]
-            if not found or missing:
-                raise InvalidArgument(f"'{pattern}' selects no value of the served model: remote.info()['values'] "
-                                      f"lists them")
-            names += [n for n in found if n not in names]
-        return names
+        """The value names ``patterns`` select, as a local instrument of the served model selects them."""
+        return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []
 
     def variant(self, values=(), *, edits=(), logits: bool = True) -> "RemoteInstrument":
         return RemoteInstrument(self.server, values, edits, logits)
+
+    def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads, batch_size):
+        """``qgraph.patch``'s locations, one request each, ``CONCURRENT`` in flight (the server batches them)."""
+        return patch_by_calls(self, clean, corrupt, names, metric, positions, heads, self.CONCURRENT)
 
     # -- calls ---------------------------------------------------------------------------------------------
     def _call(self, input_ids, attention_mask, edits) -> tuple[dict, dict]:
@@ -159,8 +157,8 @@ class RemoteInstrument:
             logits = logits.requires_grad_()
             watched = {name: (got[f"value.{name}"], ()) for name in self.resolve(grads)}
         values = {name: got[f"value.{name}"] for name in reply["values"]}
-        return RemoteOutput(logits, values, reply["blocks"], watched, input_ids=tensors["input_ids"],
-                            request=(self.server, call, tensors))
+        return RemoteOutput(logits, values, reply["blocks"], watched, aliases=aliases(self.family, self.config),
+                            source=self, input_ids=tensors["input_ids"], request=(self.server, call, tensors))
 
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens: int | None = None, edits=None,
                  steps=None, **settings):
@@ -185,15 +183,20 @@ class RemoteInstrument:
         return out
 
     def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5):
-        from .recipes import logit_lens
-        return logit_lens(self, input_ids, attention_mask, positions, top)
+        """What ``ig.logit_lens`` returns, the projection on the vocabulary run on the server."""
+        from ..lens import LogitLens  # noqa: PLC0415 — the lens's picture module loads with its first use
+        positions = [positions] if isinstance(positions, int) else list(positions)
+        _, tensors = self._call(input_ids, attention_mask, None)
+        reply, got = self.server.run({"lens": {"positions": positions, "top": top}}, tensors)
+        tops = {block: (got[f"lens.{block}.ids"], got[f"lens.{block}.probabilities"]) for block in range(reply["blocks"])}
+        return LogitLens(tops, reply["positions"], tensors["input_ids"], self)
 
 
 class RemoteOutput(Output):
     """A remote call's ``Output``; its gradients come from the server (one more request, with d loss / d logits)."""
 
-    def __init__(self, logits, values, blocks, watched, *, input_ids, request):
-        super().__init__(logits, values, blocks, watched, input_ids=input_ids)
+    def __init__(self, logits, values, blocks, watched, *, aliases, source, input_ids, request):
+        super().__init__(logits, values, blocks, watched, aliases=aliases, source=source, input_ids=input_ids)
         self._request = request
 
     def gradients(self, loss: torch.Tensor, names=None) -> dict[str, torch.Tensor]:

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from ..edits import apply_edit
+from ..families.configs import config_data
+from ..values.catalogue import entry_data
 from .limits import Limits
 from .request import Request, TooLarge, Unprocessable
 from .work import check_edit_work
@@ -55,17 +57,16 @@ class Runner:
         self.forwards = 0  # forwards run (a batch of several requests counts once): /v1/health
 
     def info(self) -> dict:
-        """What ``GET /v1/info`` answers: the model and its value catalogue."""
+        """What ``GET /v1/info`` answers: the model (its config, without any path of this disk) and every
+        value of its catalogue, as data (``values.catalogue.entry_data``): what ``qgraph.remote`` resolves
+        names and draws pictures from, as a local instrument does."""
         config, ig = self.model.config, self.base
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        catalogue = {name: {"layout": entry.layout, "dims": _dims(entry), "shape": [s if isinstance(s, int) else str(s)
-                                                                                    for s in entry.shape],
-                            "dtype": dtype, "description": entry.description}
-                     for name, entry in ig.catalogue.items() if entry.available}
         return {"model": {"name": self.name, "model_type": config.model_type, "class": type(self.model).__name__,
-                          "family": ig.family.name, "blocks": len(ig.family.block_mixers(ig.config)), "dtype": dtype,
-                          "vocab_size": self.model.get_input_embeddings().num_embeddings},
-                "values": catalogue}
+                          "family": ig.family.name, "blocks": ig.blocks, "dtype": dtype,
+                          "vocab_size": self.model.get_input_embeddings().num_embeddings,
+                          "config": config_data(config, paths=False)},
+                "values": {name: {**entry_data(entry), "dtype": dtype} for name, entry in ig.catalogue.items()}}
 
     def instrument(self, request: Request):
         """The instrument of the request's program (made once, kept among the last ``PROGRAMS``)."""
@@ -206,7 +207,7 @@ class Runner:
         replies = []
         for request, row in zip(requests, rows):
             logits = _rows(out.logits, ("batch", "seq", "vocab"), row, length) if request.logits else None
-            values = {name: _rows(tensor, _dims(ig.catalogue[name]), row, length) for name, tensor in out.values.items()}
+            values = {name: _rows(tensor, ig.catalogue[name].dims, row, length) for name, tensor in out.values.items()}
             replies.append(_reply(ig, logits, values))
         return replies
 
@@ -233,14 +234,14 @@ class Runner:
         ``conv_state_input``, ...): what such an edit gives enters the row before its first token, and the
         pads of a longer request would change it (see the module's doc), so it runs with its length only."""
         ig = self.instrument(request)
-        return any(not set(SEQUENCE_DIMS) & set(_dims(ig.catalogue[name]))
+        return any(not set(SEQUENCE_DIMS) & set(ig.catalogue[name].dims)
                    for pattern in request.edits for name in ig.resolve(pattern))
 
     def _shares_rows(self, request: Request) -> bool:
         """Whether the program's values and edited values all lie along the batch (and, if at all, the tokens)."""
         ig = self.instrument(request)
         names = [*ig.values, *(n for pattern in request.edits for n in ig.resolve(pattern))]
-        return all("batch" in _dims(ig.catalogue[name]) and "positions" not in _dims(ig.catalogue[name])
+        return all("batch" in ig.catalogue[name].dims and "positions" not in ig.catalogue[name].dims
                    for name in names)
 
 
@@ -283,12 +284,8 @@ def _elements(shape, sizes: dict, longest: int) -> int:
     return count
 
 
-def _dims(entry) -> list[str]:
-    return [str(d) for d in (entry.spec.dims if entry.spec else entry.shape)]
-
-
 def _reply(ig, logits, values: dict) -> tuple[dict, dict]:
     tensors = {f"value.{name}": tensor.detach() for name, tensor in values.items()}
     if logits is not None:
         tensors["logits"] = logits.detach()
-    return {"values": list(values), "blocks": len(ig.family.block_mixers(ig.config))}, tensors
+    return {"values": list(values), "blocks": ig.blocks}, tensors

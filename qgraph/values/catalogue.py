@@ -53,6 +53,63 @@ class Entry:
     def reason(self) -> str | None:
         return None if self.available else self.location.reason
 
+    @property
+    def port(self) -> bool:
+        """Whether it is a module's input or output (only a pattern that asks for ports selects it)."""
+        return self.spec is None
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """Its axes' names (``("batch", "seq", "num_heads", "head_dim")``); a port's, its sizes."""
+        return tuple(str(dim) for dim in (self.spec.dims if self.spec is not None else self.shape))
+
+    @property
+    def availability(self) -> str:
+        """Whether (and how) a program can serve it, in words."""
+        if self.derived:
+            return "yes: computed after the run from other values"
+        if isinstance(self.location, Found):
+            return "yes"
+        if isinstance(self.location, OnRequest):
+            return f"yes, made on request: {self.location.rewrite.note}"
+        return f"no: {self.reason}"
+
+
+# what an entry says as data (a server's /v1/info, a saved program): every fact but where the graph has it
+FACTS = ("host", "layout", "dims", "shape", "description", "port", "by_name_only", "available", "reason",
+         "availability")
+
+
+def entry_data(entry) -> dict:
+    """The facts of ``entry`` as JSON data (``ServedEntry`` reads them back)."""
+    data = {fact: getattr(entry, fact) for fact in FACTS}
+    data["dims"], data["shape"] = list(entry.dims), [s if isinstance(s, int) else str(s) for s in entry.shape]
+    return data
+
+
+@dataclass(frozen=True)
+class ServedEntry:
+    """A value of a model that runs elsewhere (a server, a saved program): the facts ``entry_data`` sends,
+    read by the same functions as a local ``Entry`` (``values.names.resolve``, the recipes, the pictures)."""
+
+    name: str
+    host: str
+    layout: str
+    dims: tuple
+    shape: tuple
+    description: str
+    port: bool
+    by_name_only: bool
+    available: bool
+    reason: str | None
+    availability: str
+    derived = False
+    read_only = False
+
+    @classmethod
+    def of(cls, name: str, data: dict) -> "ServedEntry":
+        return cls(name, **{**data, "dims": tuple(data["dims"]), "shape": tuple(data["shape"])})
+
 
 def build_catalogue(family: Family, config, locator: Locator, module_names: list[str]) -> dict[str, Entry]:
     """Every value of the model: the model's, then block by block, then the vision tower's, then ports."""

@@ -178,7 +178,7 @@ def resolve(patterns, catalogue: dict[str, Entry], family, config) -> list[str]:
             last = pattern.rsplit(".", 1)[-1]
             matches = [name for name in catalogue if regex.match(name)
                        and (not catalogue[name].by_name_only or name.rsplit(".", 1)[-1] == last)
-                       and (ports_too or catalogue[name].spec is not None)]
+                       and (ports_too or not catalogue[name].port)]
             available = [name for name in matches if catalogue[name].available]
             if not available:
                 if matches:

@@ -1,0 +1,98 @@
+"""One instrument behind every door: a local instrument, a remote one (the session's server on the same
+checkpoint) and a loaded program are each a ``qgraph.Instrument``; a name selects the same values in the
+same order on each, the values are equal, and the recipes and pictures run on each and agree."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qgraph
+
+# every kind of name a researcher writes: standard names, globs over blocks and over a module's values,
+# negative block indices, the bracket form, TransformerLens and HF names
+NAMES = ["layers.*.layer_output", "layers.-1.mlp.mlp_output", "layers[1].layer_mid", "blocks.*.hook_resid_post",
+         "blocks.2.hook_attn_out", "model.layers.0.mlp.output", "layers.*.linear_attn.*", "layers.3.self_attn.*",
+         "**.mlp_neurons", "layers.*.mlp.down_proj.input"]
+SAVED = ["layers.*.layer_output", "layers.*.layer_mid", "layers.*.mlp.mlp_output", "blocks.2.hook_attn_out"]
+
+
+@pytest.fixture(scope="module")
+def doors(sdpa_model, remote, tmp_path_factory):
+    local = qgraph.instrument(sdpa_model, values=SAVED, edits=["layers.*.layer_output"])
+    path = local.save(tmp_path_factory.mktemp("doors") / "doors.qgraph", weights=True)
+    return {"local": local, "remote": remote.instrument(SAVED, edits=["layers.*.layer_output"]),
+            "loaded": qgraph.load(path)}
+
+
+def ids(seed: int, seq: int = 5) -> torch.Tensor:
+    return torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, tol=1e-4):
+    assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol), (a - b).abs().max()
+
+
+def test_every_door_is_an_instrument_and_names_select_the_same_values(doors):
+    local, remote, loaded = doors["local"], doors["remote"], doors["loaded"]
+    for door in doors.values():
+        assert isinstance(door, qgraph.Instrument) and door.blocks == 4 and door.family is local.family
+    for name in NAMES:
+        assert remote.resolve(name) == local.resolve(name), name
+        # a saved program knows only its values and slots: among them, the same selection
+        mine = [n for n in local.resolve(name) if n in loaded.catalogue]
+        assert (loaded.resolve(name) if mine else []) == mine, name
+    assert local.resolve("layers.*.linear_attn.*")[:2] == ["layers.0.linear_attn.attention_queries",
+                                                           "layers.0.linear_attn.attention_keys"]
+    assert "layers.0.linear_attn.states" not in remote.resolve("layers.*.linear_attn.*")  # by name only
+    assert not any(remote.catalogue[name].port for name in remote.resolve("layers.*.linear_attn.*"))  # no ports
+    assert remote.catalogue["layers.0.mlp.output"].port and remote.resolve("layers.0.mlp.*put")
+    with pytest.raises(qgraph.UnknownValue, match="there is no block 7"):
+        remote.resolve("layers.7.layer_output")
+    assert local.values == remote.values == loaded.values
+
+
+def test_values_are_equal_through_every_door(doors):
+    outs = {door: instrument(ids(1)) for door, instrument in doors.items()}
+    for name in doors["local"].values:
+        close(outs["remote"][name], outs["local"][name])
+        close(outs["loaded"][name], outs["local"][name])
+    for out in outs.values():  # TransformerLens names read the values on every door
+        assert torch.equal(out["blocks.1.hook_resid_post"], out["layers.1.layer_output"])
+    close(outs["remote"].logits, outs["local"].logits)
+
+
+def test_patch_and_pictures_agree_through_every_door(doors):
+    metric = lambda logits: logits[:, -1, 3].sum() - logits[:, -1, 7].sum()  # noqa: E731
+    patched = {door: qgraph.patch(instrument, ids(2), ids(3), "layers.*.layer_output", metric, positions="each")
+               for door, instrument in doors.items()}
+    for name, effect in patched["local"].items():
+        assert effect.abs().sum() > 0
+        close(patched["remote"][name], effect)
+        close(patched["loaded"][name], effect)
+    pages = {}
+    for door, instrument in doors.items():
+        out = instrument(ids(4))
+        figure = out.plot("layers.*.layer_output")  # the residual stream's norm, blocks x tokens
+        assert "svg" in figure.formats and "<svg" in figure.svg
+        pages[door] = qgraph.explore(instrument, out).to_html()
+        assert 'data-value="layers.3.layer_output"' in pages[door] and "Residual [batch seq hidden_size]" in pages[door]
+    assert "<svg" in pages["local"] and "runs elsewhere" in pages["remote"] and "runs elsewhere" in pages["loaded"]
+
+
+def test_attribution_and_the_lens_agree_where_they_run_and_are_refused_by_name_where_not(doors):
+    local, remote, loaded = doors["local"], doors["remote"], doors["loaded"]
+    metric = lambda logits: logits[:, -1, 3].sum()  # noqa: E731
+    mine = qgraph.attribution_patch(remote, ids(5), ids(6), "layers.*.layer_output", metric, positions="each")
+    theirs = qgraph.attribution_patch(local, ids(5), ids(6), "layers.*.layer_output", metric, positions="each")
+    for name in theirs:
+        close(mine[name], theirs[name])
+    lens, ref = remote.logit_lens(ids(5), positions=[-1], top=3), local.logit_lens(ids(5), positions=[-1], top=3)
+    assert all(torch.equal(lens[block][0], ref[block][0]) for block in ref)
+    with pytest.raises(qgraph.NotSupported, match="attribution_patch.*qgraph.instrument"):
+        qgraph.attribution_patch(loaded, ids(5), ids(6), "layers.1.layer_output", metric)
+    with pytest.raises(qgraph.NotSupported, match="generate with qgraph.instrument"):
+        loaded.generate(ids(5), max_new_tokens=2)
+    with pytest.raises(qgraph.NotSupported, match="saved without layers.1.layer_mid among its values and slots"):
+        loaded.variant((), edits=["layers.1.layer_mid"])
+    with pytest.raises(qgraph.UnknownValue, match="Unknown value 'layers.1.linear_attn.attention_queries'"):
+        loaded.variant(["layers.1.linear_attn.attention_queries"])  # not among what it was saved with
