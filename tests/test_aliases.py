@@ -31,6 +31,7 @@ ALIASES = {
     "blocks.3.attn.hook_attn_scores": "layers.3.self_attn.attention_scores",
     "blocks.3.attn.hook_pattern": "layers.3.self_attn.attention_probabilities",
     "blocks.2.hook_mlp_out": "layers.2.mlp.mlp_output",
+    "blocks.3.ln1.hook_normalized": "layers.3.attention_norm_output",
     "blocks.1.hook_mlp_in": "layers.1.layer_mid",  # the transcoders' hooks around the MLP
     "blocks.0.ln2.hook_normalized": "layers.0.mlp_input",
     "blocks.1.mlp.hook_in": "layers.1.mlp_input",
@@ -156,7 +157,7 @@ def test_every_reader_reads_a_hook_as_the_model_does(ig):
             if value is not None:  # None: a mixer's, which the model's config picks
                 assert standard(hook, family, config) == [value], hook
                 read += 1
-    assert read == 1 + 4 * 9  # hook_embed, and every block hook but the mixers' (attn_out, z, scores, pattern)
+    assert read == 1 + 4 * 10  # hook_embed, and every block hook but the mixers' (attn_out, z, scores, pattern)
     assert tl_value("blocks.3.hook_attn_out") is None and tl_value("hook_mlp_in", block=3) == "layers.3.layer_mid"
     assert hooks_read() == ["ln2.hook_normalized", "mlp.hook_in", "hook_resid_mid", "hook_mlp_in"]
     assert hooks_written() == ["hook_mlp_out", "mlp.hook_out"]
@@ -170,7 +171,7 @@ def test_every_reader_reads_a_hook_as_the_model_does(ig):
     assert written["layers.2.mlp_input"] == "blocks.2.ln2.hook_normalized"
     assert written["layers.2.layer_mid"] == "blocks.2.hook_resid_mid" and written["token_embeddings"] == "hook_embed"
     assert written["layers.3.self_attn.attention_output"] == "blocks.3.hook_attn_out"
-    assert len(written) == 1 + 4 * 7 + 3 * 2 + 1 * 3  # embed; 7 per block (its mixer's output too); DeltaNet: 2, attention: 3
+    assert len(written) == 1 + 4 * 8 + 3 * 2 + 1 * 3  # embed; 8 per block (its mixer's output too); DeltaNet: 2, attention: 3
     with pytest.raises(qgraph.InvalidArgument, match="hook of block 3, not of block=2"):
         tl_value("blocks.3.hook_mlp_in", block=2)
 
@@ -178,11 +179,11 @@ def test_every_reader_reads_a_hook_as_the_model_does(ig):
 def test_a_hook_added_to_the_familys_table_is_read_by_every_reader(monkeypatch):
     """The readers hold no table of their own: a name added to the family's is read by each of them."""
     monkeypatch.setitem(QWEN3_5.aliases, "blocks.{i}.mlp.hook_test_in", {"layer": "mlp_input"})
-    monkeypatch.setitem(QWEN3_5.aliases, "blocks.{i}.ln1.hook_test", {"layer": "attention_norm_output"})
+    monkeypatch.setitem(QWEN3_5.aliases, "blocks.{i}.ln2.hook_test", {"layer": "mlp_norm_output"})
     assert reads_of("mlp.hook_test_in") == "mlp_input" and "mlp.hook_test_in" in hooks_read()
     assert saelens_hook("blocks.5.mlp.hook_test_in") == "layers.5.mlp_input"
-    assert saelens_hook("blocks.5.ln1.hook_test") == "layers.5.attention_norm_output"
-    assert saelens_name("layers.5.attention_norm_output") == "blocks.5.ln1.hook_test"
+    assert saelens_hook("blocks.5.ln2.hook_test") == "layers.5.mlp_norm_output"
+    assert saelens_name("layers.5.mlp_norm_output") == "blocks.5.ln2.hook_test"
     assert saelens_name("layers.5.mlp_input") == "blocks.5.ln2.hook_normalized"  # a value's first name is written
 
 

@@ -178,19 +178,20 @@ VALUES = (
 # attention's before its sigmoid gate); the scores only attention blocks have, the pattern a DeltaNet's
 # effective attention. The first name of a value is the one qgraph writes it under (a capture's SAELens
 # columns: values.aliases.tl_names); SAE and transcoder files are read with every name here.
-# Around the MLP, as the transcoders trained on these hooks read them:
+# Around the norms and the MLP, as the transcoders trained on these hooks read them:
 # * hook_mlp_in is TransformerLens's copy of the stream its block hands the MLP's norm (ln2): the
 #   residual stream after the mixer's add, hook_resid_mid's value under another name: layer_mid.
-# * ln2.hook_normalized is the normed stream before the norm's weight; TransformerLens folds that weight
-#   into the MLP's weights when it loads a model (fold_ln, its default), so there it is what the MLP is
-#   called with, and qgraph reads the transcoders trained on it as reading that: mlp_input. (Unfolded, it
-#   would be mlp_input divided by the weight, a value qgraph does not name.)
+# * ln1/ln2.hook_normalized are the normed streams before the norms' weights; TransformerLens folds those
+#   weights into the next weights when it loads a model (fold_ln, its default), so there each is what the
+#   mixer / the MLP is called with, and qgraph reads them (the transcoders trained on ln2's too) as
+#   attention_norm_output / mlp_input. (Unfolded, each would be that divided by the norm's weight, a
+#   value qgraph does not name.)
 # * mlp.hook_in / mlp.hook_out are circuit-tracer's hooks around the MLP: what it is called with, what it adds.
-# Left out as not one value: ln1.hook_normalized (before the norm's weight, and no transcoder reads it),
-# attn.hook_q/k/v (before the rotary, and [batch seq heads dim]).
+# Left out as not one value: attn.hook_q/k/v (before the rotary, and [batch seq heads dim]).
 ALIASES = {
     "hook_embed": {"model": "token_embeddings"},
     "blocks.{i}.hook_resid_pre": {"layer": "layer_input"},
+    "blocks.{i}.ln1.hook_normalized": {"layer": "attention_norm_output"},
     "blocks.{i}.hook_resid_mid": {"layer": "layer_mid"},
     "blocks.{i}.hook_mlp_in": {"layer": "layer_mid"},
     "blocks.{i}.ln2.hook_normalized": {"layer": "mlp_input"},
