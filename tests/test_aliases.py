@@ -8,8 +8,14 @@ import torch
 
 import qgraph
 from conftest import hooked_blocks
+from qgraph.capture.read import saelens_name
+from qgraph.families import QWEN3_5
 from qgraph.saes import SAE
 from qgraph.saes.fixtures import write_saelens
+from qgraph.saes.formats import saelens_hook
+from qgraph.saes.transcoder_formats import hooks_read, hooks_written, reads_of
+from qgraph.values.aliases import tl_names, tl_value
+from qgraph.values.names import standard
 
 # alias -> the standard value it means on the tiny model (DeltaNet blocks 0-2, attention block 3)
 ALIASES = {
@@ -25,6 +31,11 @@ ALIASES = {
     "blocks.3.attn.hook_attn_scores": "layers.3.self_attn.attention_scores",
     "blocks.3.attn.hook_pattern": "layers.3.self_attn.attention_probabilities",
     "blocks.2.hook_mlp_out": "layers.2.mlp.mlp_output",
+    "blocks.3.ln1.hook_normalized": "layers.3.attention_norm_output",
+    "blocks.1.hook_mlp_in": "layers.1.layer_mid",  # the transcoders' hooks around the MLP
+    "blocks.0.ln2.hook_normalized": "layers.0.mlp_input",
+    "blocks.1.mlp.hook_in": "layers.1.mlp_input",
+    "blocks.0.mlp.hook_out": "layers.0.mlp.mlp_output",
     "blocks.2.mlp.hook_post": "layers.2.mlp.mlp_neurons",
     "model.layers.3.mlp.output": "layers.3.mlp.output",
     "model.language_model.layers.3.self_attn.attention_probabilities": "layers.3.self_attn.attention_probabilities",
@@ -129,6 +140,51 @@ def test_unknown_hooks_and_blocks_are_named(ig):
         ig.resolve("blocks.4.hook_resid_post")
     with pytest.raises(qgraph.UnknownValue, match=r"blocks\.\{i\}\.hook_resid_post"):
         ig.resolve("blocks.3.hook_resid_posts")
+
+
+def test_every_reader_reads_a_hook_as_the_model_does(ig):
+    """One table (the family's): every hook an SAE, transcoder or CLT file may name is the value that
+    values.names.standard reads it as on the tiny model, and every name a capture writes reads back."""
+    family, config = ig.family, ig.config
+    read = 0
+    for template in family.aliases:
+        for block in range(4) if "{i}" in template else [None]:
+            hook = template.format(i=block)
+            value = tl_value(hook)
+            if block is not None:
+                assert saelens_hook(hook) == value
+                assert tl_value(template.removeprefix("blocks.{i}."), block=block) == value
+            if value is not None:  # None: a mixer's, which the model's config picks
+                assert standard(hook, family, config) == [value], hook
+                read += 1
+    assert read == 1 + 4 * 10  # hook_embed, and every block hook but the mixers' (attn_out, z, scores, pattern)
+    assert tl_value("blocks.3.hook_attn_out") is None and tl_value("hook_mlp_in", block=3) == "layers.3.layer_mid"
+    assert hooks_read() == ["ln2.hook_normalized", "mlp.hook_in", "hook_resid_mid", "hook_mlp_in"]
+    assert hooks_written() == ["hook_mlp_out", "mlp.hook_out"]
+    for hook in [*hooks_read(), *hooks_written()]:
+        meant = standard(f"blocks.2.{hook}", family, config)
+        assert meant == [f"layers.2.{reads_of(hook) or 'mlp.mlp_output'}"], hook
+    assert {reads_of(hook) for hook in hooks_read()} == {"mlp_input", "layer_mid"}
+    written = {name: saelens_name(name) for name in ig.catalogue if saelens_name(name) != name}
+    for name, hook in written.items():
+        assert standard(hook, family, config) == [name] and tl_names(name)[0] == hook
+    assert written["layers.2.mlp_input"] == "blocks.2.ln2.hook_normalized"
+    assert written["layers.2.layer_mid"] == "blocks.2.hook_resid_mid" and written["token_embeddings"] == "hook_embed"
+    assert written["layers.3.self_attn.attention_output"] == "blocks.3.hook_attn_out"
+    assert len(written) == 1 + 4 * 8 + 3 * 2 + 1 * 3  # embed; 8 per block (its mixer's output too); DeltaNet: 2, attention: 3
+    with pytest.raises(qgraph.InvalidArgument, match="hook of block 3, not of block=2"):
+        tl_value("blocks.3.hook_mlp_in", block=2)
+
+
+def test_a_hook_added_to_the_familys_table_is_read_by_every_reader(monkeypatch):
+    """The readers hold no table of their own: a name added to the family's is read by each of them."""
+    monkeypatch.setitem(QWEN3_5.aliases, "blocks.{i}.mlp.hook_test_in", {"layer": "mlp_input"})
+    monkeypatch.setitem(QWEN3_5.aliases, "blocks.{i}.ln2.hook_test", {"layer": "mlp_norm_output"})
+    assert reads_of("mlp.hook_test_in") == "mlp_input" and "mlp.hook_test_in" in hooks_read()
+    assert saelens_hook("blocks.5.mlp.hook_test_in") == "layers.5.mlp_input"
+    assert saelens_hook("blocks.5.ln2.hook_test") == "layers.5.mlp_norm_output"
+    assert saelens_name("layers.5.mlp_norm_output") == "blocks.5.ln2.hook_test"
+    assert saelens_name("layers.5.mlp_input") == "blocks.5.ln2.hook_normalized"  # a value's first name is written
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])

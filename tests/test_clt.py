@@ -206,8 +206,14 @@ def test_loading_refuses_with_the_file_the_tensor_and_the_way_out(sdpa_model, tm
     folder = fresh("bad-hook", reads="layer_mid")
     (folder / "config.yaml").write_text(yaml.safe_dump({"feature_input_hook": "hook_resid_pre"}))
     with pytest.raises(qgraph.NotSupported, match="feature_input_hook 'hook_resid_pre': qgraph splices cross-layer "
-                                                  "transcoders that read one of hook_resid_mid, mlp.hook_in, "
-                                                  "ln2.hook_normalized"):
+                                                  "transcoders that read one of ln2.hook_normalized, mlp.hook_in, "
+                                                  "hook_resid_mid, hook_mlp_in$"):
+        CrossLayerTranscoder.load(folder)
+    for hook, reads in [("hook_mlp_in", "layer_mid"), ("ln2.hook_normalized", "mlp_input")]:  # the family's table's
+        (folder / "config.yaml").write_text(yaml.safe_dump({"feature_input_hook": hook}))
+        assert CrossLayerTranscoder.load(folder).reads == reads
+    (folder / "config.yaml").write_text(yaml.safe_dump({"feature_input_hook": "blocks.0.hook_mlp_in"}))
+    with pytest.raises(qgraph.NotSupported, match="feature_input_hook 'blocks.0.hook_mlp_in'"):  # one block's
         CrossLayerTranscoder.load(folder)
     (folder / "config.yaml").write_text(yaml.safe_dump({"feature_output_hook": "hook_resid_post"}))
     with pytest.raises(qgraph.NotSupported, match="feature_output_hook 'hook_resid_post'.*hook_mlp_out or mlp.hook_out"):

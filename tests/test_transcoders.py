@@ -82,6 +82,28 @@ def test_both_formats_load_the_tensors_written_in_one_convention(tmp_path, activ
     assert Transcoder.load(sl / "layer_0").layer == 0 and Transcoder.load(ct / "layer_0.safetensors").layer == 0
 
 
+def test_the_hooks_are_read_with_the_familys_table(tmp_path):
+    """Every hook name of the MLP's input the family's table has loads (block-less in config.yaml, with
+    the block in SAELens's cfg.json); any other is refused with the ones qgraph splices at."""
+    ct, sl = write_transcoders(tmp_path / "ct", 16, 2, 32), write_transcoders(tmp_path / "sl", 16, 2, 32, format="saelens")
+    config = yaml.safe_load((ct / "config.yaml").read_text())
+    cfg = json.loads((sl / "layer_1" / "cfg.json").read_text())
+    for hook, reads in [("mlp.hook_in", "mlp_input"), ("ln2.hook_normalized", "mlp_input"),
+                        ("hook_resid_mid", "layer_mid"), ("hook_mlp_in", "layer_mid")]:
+        (ct / "config.yaml").write_text(yaml.safe_dump({**config, "feature_input_hook": hook}))
+        (sl / "layer_1" / "cfg.json").write_text(json.dumps({**cfg, "metadata": {
+            **cfg["metadata"], "hook_name": f"blocks.1.{hook}", "hook_name_out": "blocks.1.mlp.hook_out"}}))
+        assert Transcoder.load(ct, layer=1).reads == reads and Transcoder.load(sl / "layer_1").reads == reads
+    (ct / "config.yaml").write_text(yaml.safe_dump({**config, "feature_input_hook": "hook_resid_pre"}))
+    with pytest.raises(qgraph.NotSupported, match=r"reads 'hook_resid_pre'; qgraph splices transcoders that read a "
+                                                  r"block's MLP input \(ln2.hook_normalized, mlp.hook_in, "
+                                                  r"hook_resid_mid, hook_mlp_in\)"):
+        Transcoder.load(ct, layer=1)
+    (ct / "config.yaml").write_text(yaml.safe_dump({**config, "feature_output_hook": "hook_resid_post"}))
+    with pytest.raises(qgraph.NotSupported, match=r"MLP output \(hook_mlp_out, mlp.hook_out\)"):
+        Transcoder.load(ct, layer=1)
+
+
 @pytest.mark.parametrize("activation", ["relu", "jumprelu", "topk"])
 def test_encode_decode_and_skip_are_the_plain_math_on_the_files(tmp_path, activation):
     folder = write_transcoders(tmp_path, 16, 1, 64, activation=activation, skip=True, seed=7,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgument, MissingFile, OutOfRange, UnknownValue
+from ..values.aliases import tl_names
 from .integrity import REPAIR, CaptureCorrupt, check_bytes, check_header, check_layout
 from .manifest import FORMAT, META
 
@@ -148,17 +149,10 @@ class Capture(torch.utils.data.Dataset):
         return self._files[position]
 
 
-# qgraph's block values -> TransformerLens / SAELens hook names (the rest keep their qgraph names)
-_HOOKS = {"layer_input": "hook_resid_pre", "layer_mid": "hook_resid_mid", "layer_output": "hook_resid_post",
-          "attention_output": "hook_attn_out", "mlp_output": "hook_mlp_out", "mlp_neurons": "mlp.hook_post"}
-
-
 def saelens_name(name: str) -> str:
-    """The SAELens hook name of a value (``layers.3.layer_output`` -> ``blocks.3.hook_resid_post``)."""
-    parts = name.split(".")
-    if parts[0] == "layers" and len(parts) in (3, 4) and parts[1].isdigit() and parts[-1] in _HOOKS:
-        return f"blocks.{parts[1]}.{_HOOKS[parts[-1]]}"
-    return name
+    """The SAELens hook name of a value (``layers.3.layer_output`` -> ``blocks.3.hook_resid_post``), its
+    first TransformerLens name in the family's table (``values.aliases``); a value with none keeps its name."""
+    return next(iter(tl_names(name)), name)
 
 
 def _saelens_rows(out: str, columns: dict[str, str], rows: int, shards: str):

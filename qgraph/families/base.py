@@ -145,7 +145,8 @@ class Family:
     cache_indices: tuple[str, ...] = ()
     # names other libraries give its values: a TransformerLens hook name ({i}: a text block) -> {host kind:
     # value name}, the value of the first host kind the block carries (a mixer's only on blocks with it);
-    # values.names resolves them (HF module paths need none: module_renames renames them)
+    # values.names resolves them on a model, values.aliases without one (SAE, transcoder and capture files);
+    # a value's first name is the one qgraph writes (HF module paths need none: module_renames renames them)
     aliases: dict[str, dict[str, str]] = field(default_factory=dict)
     # an alias this family's blocks lack -> what to use instead ({i}: the block, or the glob asked), ending
     # the message that refuses it (the MoE block's neurons for the dense MLP's hook_post)

@@ -175,19 +175,34 @@ VALUES = (
 
 # TransformerLens hook names -> the value each is, by host kind: a block's mixer is its attention
 # ("attn"), so hook_attn_out is either mixer's output and hook_z either's per-head outputs (the
-# attention's before its sigmoid gate); the scores only attention blocks have, the pattern a DeltaNet's effective attention. Left out as
-# not one value: ln1/ln2.hook_normalized (before the norm's weight), hook_mlp_in (the stream as only
-# the MLP reads it), attn.hook_q/k/v (before the rotary, and [batch seq heads dim]).
+# attention's before its sigmoid gate); the scores only attention blocks have, the pattern a DeltaNet's
+# effective attention. The first name of a value is the one qgraph writes it under (a capture's SAELens
+# columns: values.aliases.tl_names); SAE and transcoder files are read with every name here.
+# Around the norms and the MLP, as the transcoders trained on these hooks read them:
+# * hook_mlp_in is TransformerLens's copy of the stream its block hands the MLP's norm (ln2): the
+#   residual stream after the mixer's add, hook_resid_mid's value under another name: layer_mid.
+# * ln1/ln2.hook_normalized are the normed streams before the norms' weights; TransformerLens folds those
+#   weights into the next weights when it loads a model (fold_ln, its default), so there each is what the
+#   mixer / the MLP is called with, and qgraph reads them (the transcoders trained on ln2's too) as
+#   attention_norm_output / mlp_input. (Unfolded, each would be that divided by the norm's weight, a
+#   value qgraph does not name.)
+# * mlp.hook_in / mlp.hook_out are circuit-tracer's hooks around the MLP: what it is called with, what it adds.
+# Left out as not one value: attn.hook_q/k/v (before the rotary, and [batch seq heads dim]).
 ALIASES = {
     "hook_embed": {"model": "token_embeddings"},
     "blocks.{i}.hook_resid_pre": {"layer": "layer_input"},
+    "blocks.{i}.ln1.hook_normalized": {"layer": "attention_norm_output"},
     "blocks.{i}.hook_resid_mid": {"layer": "layer_mid"},
+    "blocks.{i}.hook_mlp_in": {"layer": "layer_mid"},
+    "blocks.{i}.ln2.hook_normalized": {"layer": "mlp_input"},
+    "blocks.{i}.mlp.hook_in": {"layer": "mlp_input"},
     "blocks.{i}.hook_resid_post": {"layer": "layer_output"},
     "blocks.{i}.hook_attn_out": {"self_attn": "attention_output", "linear_attn": "attention_output"},
     "blocks.{i}.attn.hook_z": {"self_attn": "attention_head_outputs", "linear_attn": "attention_head_outputs"},
     "blocks.{i}.attn.hook_attn_scores": {"self_attn": "attention_scores"},
     "blocks.{i}.attn.hook_pattern": {"self_attn": "attention_probabilities", "linear_attn": "effective_attention"},
     "blocks.{i}.hook_mlp_out": {"mlp": "mlp_output"},
+    "blocks.{i}.mlp.hook_out": {"mlp": "mlp_output"},
     "blocks.{i}.mlp.hook_post": {"mlp": "mlp_neurons"},
 }
 

@@ -37,9 +37,8 @@ import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
 from .formats import _yaml
+from .transcoder_formats import hooks_read, hooks_written, reads_of, writes_mlp
 
-INPUT_HOOKS = {"hook_resid_mid": "layer_mid", "mlp.hook_in": "mlp_input", "ln2.hook_normalized": "mlp_input"}
-OUTPUT_HOOKS = ("hook_mlp_out", "mlp.hook_out")
 MAX_BLOCKS = 4096  # a bound on the files a folder may name
 _LAYOUTS = ("circuit-tracer's W_enc_{i}.safetensors + W_dec_{i}.safetensors (config.yaml optional) or Gemma "
             "Scope 2's params_layer_{i}.safetensors")
@@ -61,16 +60,16 @@ def read(path, dtype: torch.dtype | None = None, reads: str | None = None) -> di
         raise InvalidArgument(f"dtype={dtype!r}: give a floating-point torch.dtype, or None for the files' own")
     config = _config(path / "config.yaml") if (path / "config.yaml").is_file() else {}
     hook_in, hook_out = config.get("feature_input_hook"), config.get("feature_output_hook")
-    if hook_in is not None and hook_in not in INPUT_HOOKS:
+    said = reads_of(hook_in) if isinstance(hook_in, str) else None  # the value of each block it reads
+    if hook_in is not None and said is None:
         raise NotSupported(f"{path / 'config.yaml'}: feature_input_hook {hook_in!r}: qgraph splices cross-layer "
-                           f"transcoders that read one of {', '.join(INPUT_HOOKS)}")
-    if hook_out is not None and hook_out not in OUTPUT_HOOKS:
+                           f"transcoders that read one of {', '.join(hooks_read())}")
+    if hook_out is not None and not (isinstance(hook_out, str) and writes_mlp(hook_out)):
         raise NotSupported(f"{path / 'config.yaml'}: feature_output_hook {hook_out!r}: qgraph splices cross-layer "
-                           f"transcoders that write {' or '.join(OUTPUT_HOOKS)} (each block's MLP output)")
-    if hook_in is not None and reads is not None and INPUT_HOOKS[hook_in] != reads:
-        raise InvalidArgument(f"reads={reads!r}, but {path / 'config.yaml'} says it reads {hook_in!r} "
-                              f"({INPUT_HOOKS[hook_in]})")
-    reads = INPUT_HOOKS[hook_in] if hook_in is not None else (reads or "mlp_input")
+                           f"transcoders that write {' or '.join(hooks_written())} (each block's MLP output)")
+    if said is not None and reads is not None and said != reads:
+        raise InvalidArgument(f"reads={reads!r}, but {path / 'config.yaml'} says it reads {hook_in!r} ({said})")
+    reads = said or reads or "mlp_input"
     files = {entry.name: entry for entry in path.iterdir()}
     others = sorted(name for name in files if re.fullmatch(r"(W_enc|W_dec|params_layer)_\d+\..+", name)
                     and not name.endswith(".safetensors"))

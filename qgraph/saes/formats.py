@@ -19,10 +19,8 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
+from ..values.aliases import tl_split, tl_value
 
-# SAELens / TransformerLens hook names -> qgraph's values of block i
-_SAELENS_HOOKS = {"hook_resid_pre": "layer_input", "hook_resid_mid": "layer_mid",
-                  "hook_resid_post": "layer_output", "hook_mlp_out": "mlp.mlp_output"}
 # SAELens architectures -> the record's activation
 _SAELENS_ARCHITECTURES = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk"}
 _LAYOUTS = "a folder of layer{i}.sae.pt files (Qwen-Scope), cfg.json + sae_weights.safetensors (SAELens), " \
@@ -154,12 +152,12 @@ def _sparsify(folder: Path, k: int | None) -> dict:
 
 
 def saelens_hook(name: str | None) -> str | None:
-    """The qgraph value of a SAELens hook name (``blocks.5.hook_resid_post`` -> ``layers.5.layer_output``),
-    or None for one qgraph has no name for (give ``hook=`` when loading)."""
-    match = re.fullmatch(r"blocks\.(\d+)\.(\w+)", name or "")
-    if match and match[2] in _SAELENS_HOOKS:
-        return f"layers.{match[1]}.{_SAELENS_HOOKS[match[2]]}"
-    return None
+    """The qgraph value of a SAELens hook name of a block (``blocks.5.hook_resid_post`` ->
+    ``layers.5.layer_output``: ``values.aliases``), or None for one qgraph has no name for without the
+    model, or that names no block (give ``hook=`` when loading)."""
+    if not isinstance(name, str) or tl_split(name)[0] is None:
+        return None
+    return tl_value(name)
 
 
 def sparsify_hook(name: str) -> str | None:

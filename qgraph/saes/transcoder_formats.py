@@ -16,9 +16,9 @@ record's conventions are in ``transcoder.py``). ``read`` tells the formats apart
   [d_out]``, ``threshold [d_sae]``, ``W_skip [d_out, d_in]``: ``x @ W_skip.T``); several layers as
   ``layer_{i}/`` folders of them.
 
-Hook names (TransformerLens', with or without ``blocks.{i}.``): ``mlp.hook_in`` and
-``ln2.hook_normalized`` read ``mlp_input``; ``hook_resid_mid`` and ``hook_mlp_in`` read ``layer_mid``
-(before the MLP's norm); ``mlp.hook_out`` and ``hook_mlp_out`` are the MLP's output.
+Hook names (TransformerLens', with or without ``blocks.{i}.``) are read with the family's table
+(``values.aliases``): those of ``mlp_input`` (``mlp.hook_in``, ``ln2.hook_normalized``) or ``layer_mid``
+(``hook_resid_mid``, ``hook_mlp_in``: before the MLP's norm) in, those of the MLP's output out.
 """
 from __future__ import annotations
 
@@ -29,11 +29,10 @@ from urllib.parse import urlparse
 import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
+from ..values.aliases import tl_names, tl_split, tl_value
 from .formats import _json, _numbered, _safetensors, _yaml
+from .transcoder import READS, WRITES
 
-INPUT_HOOKS = {"mlp.hook_in": "mlp_input", "ln2.hook_normalized": "mlp_input", "hook_resid_mid": "layer_mid",
-               "hook_mlp_in": "layer_mid"}
-OUTPUT_HOOKS = ("mlp.hook_out", "hook_mlp_out")
 # SAELens architectures -> (activation, has W_skip)
 SAELENS = {"transcoder": ("relu", False), "skip_transcoder": ("relu", True), "jumprelu_transcoder": ("jumprelu", False),
            "jumprelu_skip_transcoder": ("jumprelu", True)}
@@ -150,21 +149,43 @@ def _hooks(where: Path, hook_in: str | None, hook_out: str | None) -> tuple[str,
     """``(the value of its block it reads, its block or None)`` from the hooks it reads and writes
     (TransformerLens names, ``blocks.{i}.`` optional)."""
     (layer_in, name_in), (layer_out, name_out) = _split(hook_in), _split(hook_out)
-    if name_in is not None and name_in not in INPUT_HOOKS:
+    reads = reads_of(name_in) if name_in is not None else "mlp_input"
+    if reads is None:
         raise NotSupported(f"{where}: the transcoder reads '{hook_in}'; qgraph splices transcoders that read a block's "
-                           f"MLP input ({', '.join(INPUT_HOOKS)})")
-    if name_out is not None and name_out not in OUTPUT_HOOKS:
+                           f"MLP input ({', '.join(hooks_read())})")
+    if name_out is not None and not writes_mlp(name_out):
         raise NotSupported(f"{where}: the transcoder writes '{hook_out}'; qgraph splices transcoders that write a "
-                           f"block's MLP output ({', '.join(OUTPUT_HOOKS)})")
+                           f"block's MLP output ({', '.join(hooks_written())})")
     if None not in (layer_in, layer_out) and layer_in != layer_out:
         raise InvalidArgument(f"{where}: reads block {layer_in} ('{hook_in}') but writes block {layer_out} "
                               f"('{hook_out}'): a per-layer transcoder reads and writes one block")
-    return INPUT_HOOKS.get(name_in, "mlp_input"), layer_in if layer_in is not None else layer_out
+    return reads, layer_in if layer_in is not None else layer_out
+
+
+def reads_of(hook: str) -> str | None:
+    """The value of a block (one of ``transcoder.READS``) that a transcoder reading the TransformerLens
+    hook ``hook`` (named within a block: ``mlp.hook_in``) reads; None where qgraph splices none."""
+    value = tl_value(hook)
+    return value if value in READS else None
+
+
+def writes_mlp(hook: str) -> bool:
+    """Whether the TransformerLens hook ``hook`` (named within a block) is the MLP's output (``WRITES``)."""
+    return tl_value(hook) == WRITES
+
+
+def hooks_read() -> list[str]:
+    """The hooks within a block that a transcoder qgraph splices may read, as the family's table names them."""
+    return [hook for value in READS for hook in tl_names(value)]
+
+
+def hooks_written() -> list[str]:
+    """The hooks within a block that a transcoder qgraph splices may write: the MLP output's names."""
+    return tl_names(WRITES)
 
 
 def _split(hook: str | None) -> tuple[int | None, str | None]:
-    match = re.fullmatch(r"(?:blocks\.(\d+)\.)?(.+)", hook) if isinstance(hook, str) else None
-    return (int(match[1]) if match[1] else None, match[2]) if match else (None, None)
+    return tl_split(hook) if isinstance(hook, str) else (None, None)
 
 
 def _set_files(folder: Path, config: dict) -> dict[int, Path | str]:
