@@ -12,7 +12,7 @@ from .values import derive
 from .values.catalogue import Entry
 from .compat import hooked_modules
 from .compile import compile_options, compile_program
-from .edits import EditError, Target
+from .edits import EditError
 from .export import export_model
 from .families import family_for
 from .export.fingerprint import fingerprint
@@ -26,14 +26,6 @@ from .values.options import check_options
 from .saes.splice import check_saes, check_transcoders
 from .distributed import Stages, stage_program
 from .distributed.weights import load_weights
-
-_READ_ONLY_HINT = {
-    "next_token_probs": "edit 'logits' instead",
-    "input_size": "call with other inputs instead",
-    "input_ids": "pass other tokens instead",
-    "attention_mask": "pass another attention_mask instead",
-}
-
 
 def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True, compile=False,
                saes=None, splice: str = "error", transcoders=None, stages=None) -> "InstrumentedModel":
@@ -153,16 +145,7 @@ class InstrumentedModel:
                                   f"({self.catalogue[unbatched[0]].layout}): use microbatches=1 or leave them out")
 
     def _new_slot(self, name: str, fixed=None) -> EditSlot:
-        entry = self.catalogue[name]
-        if entry.read_only:
-            raise EditError(f"'{name}' is read-only ({entry.description}); " + _READ_ONLY_HINT.get(
-                name, "edit the value it is derived from"))
-        if entry.derived:
-            raise EditError(f"'{name}' is computed after the run from other values ({entry.description}); edit the "
-                            f"value it is derived from")
-        target = Target(name, entry.layout, entry.dims)
-        return EditSlot(target, entry.location.view, fixed=fixed,
-                        regions_only=entry.spec is not None and entry.spec.rule.region_edits_only)
+        return EditSlot.at(self.catalogue[name], fixed)
 
     def _key(self, images: bool, extra=()) -> tuple:
         return images, frozenset(self.slots) | frozenset(extra)
@@ -383,14 +366,8 @@ class InstrumentedModel:
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a residual-stream tensor: the model's final norm (its ``1 + weight`` gain), then
         its lm_head, so ``project_on_vocab(layers[-1].layer_output) == logits``."""
-        hidden_size = self.config.get_text_config().hidden_size
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0 or hidden.shape[-1] != hidden_size:
-            got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-            raise InvalidArgument(f"project_on_vocab takes a residual-stream tensor [..., {hidden_size}] (e.g. "
-                                  f"out['layers.3.layer_output']), got {got}")
-        modules = {self.family.module_name(path): module for path, module in self.model.named_modules()}
-        norm, head = (modules[path] for path in self.family.readout)
-        return head(norm(hidden))
+        from .lens import project_on_vocab  # noqa: PLC0415 — the lens loads with its first use
+        return project_on_vocab(self, hidden)
 
     def logit_lens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    positions=(-1,), top: int = 5):

@@ -5,7 +5,7 @@ import torch
 
 from .errors import InvalidArgument
 
-__all__ = ["LogitLens", "logit_lens"]
+__all__ = ["LogitLens", "logit_lens", "project_on_vocab"]
 
 
 class LogitLens(dict):
@@ -30,6 +30,18 @@ class LogitLens(dict):
                 f"; .plot() draws it)" if self else "LogitLens({})")
 
 
+def project_on_vocab(ig, hidden: torch.Tensor) -> torch.Tensor:
+    """What ``InstrumentedModel.project_on_vocab`` returns: the model's final norm, then its lm_head."""
+    hidden_size = ig.config.get_text_config().hidden_size
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0 or hidden.shape[-1] != hidden_size:
+        got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise InvalidArgument(f"project_on_vocab takes a residual-stream tensor [..., {hidden_size}] (e.g. "
+                              f"out['layers.3.layer_output']), got {got}")
+    modules = {ig.family.module_name(path): module for path, module in ig.model.named_modules()}
+    norm, head = (modules[path] for path in ig.family.readout)
+    return head(norm(hidden))
+
+
 def logit_lens(ig, input_ids, attention_mask=None, positions=(-1,), top: int = 5) -> LogitLens:
     """What ``InstrumentedModel.logit_lens`` returns (see there)."""
     positions = [positions] if isinstance(positions, int) else list(positions)
@@ -43,7 +55,7 @@ def logit_lens(ig, input_ids, attention_mask=None, positions=(-1,), top: int = 5
                               f"(give ints in [-{seq}, {seq}))")
     result = {}
     with torch.no_grad():  # results, not a graph through the model's norm and head (they are parameters)
-        for block in range(len(ig.family.block_mixers(ig.config))):
+        for block in range(ig.blocks):
             hidden = out[f"layers.{block}.layer_output"][:, list(positions)]
             probs = ig.project_on_vocab(hidden).float().softmax(-1).topk(top, dim=-1)
             result[block] = (probs.indices, probs.values)

@@ -34,6 +34,14 @@ def applying(edits: Mapping["EditSlot", object]):
         _CALL_EDITS.reset(token)
 
 
+READ_ONLY_HINT = {
+    "next_token_probs": "edit 'logits' instead",
+    "input_size": "call with other inputs instead",
+    "input_ids": "pass other tokens instead",
+    "attention_mask": "pass another attention_mask instead",
+}
+
+
 class EditSlot(torch.nn.Module):
     """Passes its input through, or applies ``fixed`` (given at instrument time) and then the
     edit the current call gives it (``applying``). With neither it is one Python call that returns
@@ -45,6 +53,19 @@ class EditSlot(torch.nn.Module):
         self.target, self.view, self.fixed, self.regions_only = target, view, fixed, regions_only
         if fixed is not None:
             self.check(fixed)
+
+    @classmethod
+    def at(cls, entry, fixed=None) -> "EditSlot":
+        """The slot at a catalogue ``entry`` (with ``fixed``, an edit fixed into the program), or an
+        ``EditError`` saying why the value cannot be edited and what to edit instead."""
+        if entry.read_only:
+            raise EditError(f"'{entry.name}' is read-only ({entry.description}); " + READ_ONLY_HINT.get(
+                entry.name, "edit the value it is derived from"))
+        if entry.derived:
+            raise EditError(f"'{entry.name}' is computed after the run from other values ({entry.description}); "
+                            f"edit the value it is derived from")
+        return cls(Target(entry.name, entry.layout, entry.dims), entry.location.view, fixed=fixed,
+                   regions_only=entry.spec is not None and entry.spec.rule.region_edits_only)
 
     def check(self, edit) -> None:
         """Refuse a function edit where the value is edited inside a kernel (``regions_only``)."""
