@@ -72,7 +72,7 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
         rows.close()
 
 
-def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, counter=None) -> "_Run":
+def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, counter=None) -> _Run:
     """The prompt ``ids`` ``[seq]`` run once through the replacement model: what its sources add, and
     ``rows(targets)``, their direct effects by backward passes of ``batch_size`` targets. ``counter``
     (``estimate.SavedBytes``) counts what autograd saves (and, for ``estimate``, keeps none of it)."""

@@ -215,7 +215,7 @@ def fake_mode():
     return mode
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _counting_fake_mode():
     """``FakeTensorMode`` counting the ops it runs (``dispatches``: each op of an op's decomposition too),
     a measure of a fake run's work that does not depend on the machine (``saved.budget``)."""
@@ -268,7 +268,7 @@ def fake(mode, tensor: torch.Tensor, dynamic):
 # refuses the dims ("Constraints violated"); 2.13 proves it. Told by exporting that reshape once: where
 # it fails, each named dim becomes ``Dim.DYNAMIC`` with the same bounds (export then keeps the guard
 # without asking it to hold for every size; the sizes stay symbolic, equal ones one symbol).
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _named_dims_solve_repeats() -> bool:
     class Repeat(torch.nn.Module):
         def forward(self, x):

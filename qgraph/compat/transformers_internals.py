@@ -48,7 +48,7 @@ def experts_implementation(config) -> str | None:
     return getattr(config, "_experts_implementation", None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _experts_functions():
     try:
         from transformers.integrations import moe

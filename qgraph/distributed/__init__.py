@@ -58,7 +58,7 @@ class Stages:
                                   f"{self.timeout!r}")
 
     @classmethod
-    def of(cls, stages) -> "Stages | None":
+    def of(cls, stages) -> Stages | None:
         """``stages=`` as given to ``instrument``: None, a number, a list of first blocks, or a ``Stages``."""
         if stages is None or isinstance(stages, Stages):
             return stages

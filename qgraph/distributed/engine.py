@@ -157,7 +157,7 @@ class Engine:
         value = torch.stack([piece.detach() for piece in losses]).sum() if losses else None
         return run.joined(), value
 
-    def _step(self, run: "_Run", group, args: list, rows: slice, count: int, loss, losses: list) -> None:
+    def _step(self, run: _Run, group, args: list, rows: slice, count: int, loss, losses: list) -> None:
         """One schedule step over the batch's ``rows`` as ``count`` equal micro-batches."""
         device = stage_device()
         root = [torch.arange(rows.start, rows.stop, device=device)] + \

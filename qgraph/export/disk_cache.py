@@ -217,7 +217,7 @@ def _version(distribution: str) -> str:
         return "unknown"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_digest() -> str:
     package = Path(__file__).parent.parent
     digest = hashlib.sha256()

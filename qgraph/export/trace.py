@@ -72,7 +72,7 @@ class ExportedModel:
         return self.inputs != TEXT_INPUTS
 
 
-_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def _cache_key(model: torch.nn.Module) -> tuple:

@@ -30,7 +30,7 @@ chunk-start state and corrected values, streamed to memory once), about twice as
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -270,11 +270,11 @@ def chunk_gated_delta_rule_with_states(
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor] = None,
+    initial_state: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     chunk_size: int = 64,
-    positions: Optional[torch.Tensor] = None,
-    heads: Optional[torch.Tensor] = None,
+    positions: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
     states_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule returning the output, per-token recurrent states and final state.
