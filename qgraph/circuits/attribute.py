@@ -51,12 +51,12 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
     from ..instrument import InstrumentedModel
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
-    ids = _prompt(input_ids, model)
-    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
+    ids = checked_prompt(input_ids, model)
+    check_attribution_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
     if offload not in OFFLOADS:
         raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
     run = replacement_run(model, ids, transcoders, batch_size)
-    logit_ids, probabilities = _salient_logits(run.logits[0, -1].detach(), max_n_logits, desired_logit_prob)
+    logit_ids, probabilities = salient_logits(run.logits[0, -1].detach(), max_n_logits, desired_logit_prob)
     active = run.active()
     limit = len(active) if max_feature_nodes is None else min(max_feature_nodes, len(active))
     rows = Rows(len(logit_ids) + limit, len(active), run.blocks * len(ids), len(ids), offload)
@@ -133,7 +133,7 @@ def _most_influential(run, active, rows: Rows, probabilities, limit: int, update
     return done
 
 
-def _prompt(input_ids, model) -> torch.Tensor:
+def checked_prompt(input_ids, model) -> torch.Tensor:
     """The prompt's ids ``[seq]``, checked as an instrumented call checks them (every id a row of the
     model's embedding: ``inputs.check_text``), before any work."""
     from ..inputs import check_text
@@ -150,7 +150,7 @@ def _prompt(input_ids, model) -> torch.Tensor:
     return input_ids.long()
 
 
-def _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval) -> None:
+def check_attribution_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval) -> None:
     for name, value in (("max_n_logits", max_n_logits), ("batch_size", batch_size),
                         ("update_interval", update_interval)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -162,7 +162,7 @@ def _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_si
                               f"{max_feature_nodes!r}")
 
 
-def _salient_logits(last: torch.Tensor, max_n_logits: int, desired_logit_prob: float):
+def salient_logits(last: torch.Tensor, max_n_logits: int, desired_logit_prob: float):
     """The most likely tokens until their probabilities reach ``desired_logit_prob``, at most ``max_n_logits``."""
     probabilities = torch.softmax(last.float(), dim=-1)
     top, ids = torch.topk(probabilities, min(max_n_logits, probabilities.shape[0]))
