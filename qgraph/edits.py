@@ -228,8 +228,8 @@ def _check_data(data, where: str) -> None:
     try:
         torch.as_tensor(data, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError):
-        raise InvalidType(f"{where}: got {type(data).__name__} {str(data)[:60]!r}; it takes a tensor (or a number, or a "
-                          f"nested list of numbers) broadcastable to the value or the region selected") from None
+        raise InvalidType(f"{where}: got {type(data).__name__} {str(data)[:60]!r}; it takes a tensor (or a number, "
+                          f"or a nested list of numbers) broadcastable to the value or the region selected") from None
 
 
 def _check_tensor(tensor: torch.Tensor, value: torch.Tensor, where: str, what: str = "the tensor") -> None:

@@ -43,9 +43,10 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
     ``max_n_logits``. Features: every active one (activation not 0), or the ``max_feature_nodes`` most
     influential on the logits, chosen as circuit-tracer chooses them (ranked by their influence through
     the rows so far, ``update_interval`` batches attributed between rankings, circuit-tracer's default 4):
-    the others are not nodes, and the adjacency holds the kept nodes only. ``batch_size`` targets share each backward pass (memory does
-    not grow with it: the forward runs once). ``offload="disk"``: the rows computed (one per target over
-    every active feature, the largest thing held for a long prompt) live in a temporary file.
+    the others are not nodes, and the adjacency holds the kept nodes only. ``batch_size`` targets share
+    each backward pass (memory does not grow with it: the forward runs once). ``offload="disk"``: the rows
+    computed (one per target over every active feature, the largest thing held for a long prompt) live in
+    a temporary file.
     ``qgraph.circuits.estimate`` says beforehand what a call will hold and how many backwards it takes.
     ``tokenizer`` decodes the tokens for the views."""
     from ..instrument import InstrumentedModel
@@ -280,7 +281,8 @@ class _Run:
         block, position, feature = what
         x = self.inputs[block][0, position].detach()
         encoder = self.transcoders.encoder(block)
-        return float(x.float() @ encoder[:, feature].float()) + float(self.transcoders.encoder_constants(block)[feature])
+        constant = self.transcoders.encoder_constants(block)[feature]
+        return float(x.float() @ encoder[:, feature].float()) + float(constant)
 
 
 def _assemble(run, ids, active, done, logit_ids, probabilities, rows: Rows, tokenizer) -> AttributionGraph:
@@ -294,7 +296,8 @@ def _assemble(run, ids, active, done, logit_ids, probabilities, rows: Rows, toke
     nodes = [Node("feature", b, p, f, float(run.features[b][p, f])) for b, p, f in chosen.tolist()]
     nodes += [Node("error", b, p, None) for b in range(blocks) for p in range(seq)]
     nodes += [Node("embedding", None, p, int(ids[p])) for p in range(seq)]
-    nodes += [Node("logit", blocks, seq - 1, t, probability=q) for t, q in zip(logit_ids.tolist(), probabilities.tolist())]
+    nodes += [Node("logit", blocks, seq - 1, t, probability=q)
+              for t, q in zip(logit_ids.tolist(), probabilities.tolist())]
     stored = list(range(n_logits)) + [n_logits + j for j in order]  # the store's row of each target, as below
     picked = torch.tensor(stored, dtype=torch.long)
     sources = torch.cat([rows.columns(stored, columns), rows.errors[picked], rows.embeddings[picked]], dim=1)

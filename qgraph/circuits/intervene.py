@@ -130,7 +130,8 @@ def _setup(model_or_ig, input_ids, transcoders, interventions, constrained_layer
     from .attribute import checked_prompt
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
-    ids = checked_prompt(input_ids, model).to(model.get_input_embeddings().weight.device)  # as attribution_graph moves them
+    # on the embedding's device, as attribution_graph moves them
+    ids = checked_prompt(input_ids, model).to(model.get_input_embeddings().weight.device)
     blocks = len(family_for(model).block_mixers(model.config))
     flags = {"freeze_attention": freeze_attention, "apply_activation_function": apply_activation_function}
     for name, flag in flags.items():

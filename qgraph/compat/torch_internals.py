@@ -120,7 +120,7 @@ def inductor_symbolic_strides_fix() -> None:
     ir.get_fill_order = get_fill_order
 
 
-# -- building programs (qgraph.export.repeat, qgraph.export.disk_cache) -------------------------------------------------
+# -- building programs (qgraph.export.repeat, qgraph.export.disk_cache) ------------------------------------------------
 # Alike in torch 2.13 and 2.14. torch.export has no public way to make an ExportedProgram from
 # an edited graph with a new signature, state dict or constants (repeated blocks; weights swapped
 # for placeholders before saving), so we call its constructor, which is not a documented entry

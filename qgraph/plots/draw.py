@@ -7,8 +7,9 @@ import torch
 
 from ..errors import InvalidArgument, NotSupported
 from ..figure import Figure
-from .common import (as_list, new_figure, common_tail, on_cpu, describe, head_labels, checked_index, input_length, _kind, _layout,
-                     token_labels, asked_option, short_names, panel_side, value_of, ticks, title, decode, tokenizer_of)
+from .common import (_kind, _layout, as_list, asked_option, checked_index, common_tail, decode, describe, head_labels,
+                     input_length, new_figure, on_cpu, panel_side, short_names, ticks, title, token_labels,
+                     tokenizer_of, value_of)
 
 
 # -- drawing --------------------------------------------------------------------------------------------
@@ -150,8 +151,8 @@ def residual_grid(out, names: list[str], tokens=None, *, batch: int = 0) -> Figu
     values = [value_of(out, n) for n in names]
     seqs = {tuple(v.shape[:2]) for v in values}
     if len(seqs) > 1:
-        raise InvalidArgument(f"the values {', '.join(names)} differ in batch or tokens ({sorted(seqs)}): plot them one "
-                              f"by one")
+        raise InvalidArgument(f"the values {', '.join(names)} differ in batch or tokens ({sorted(seqs)}): plot "
+                              f"them one by one")
     batch = checked_index(batch, values[0].shape[0], "batch")
     grid = torch.stack([on_cpu(v[batch]).norm(dim=-1) for v in values])  # [values, seq]
     labels = token_labels(out, grid.shape[1], tokens, batch)
