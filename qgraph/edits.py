@@ -15,6 +15,7 @@ floating): each error names the edit, the value and what to give instead.
 from __future__ import annotations
 
 import numbers
+import sys
 from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 
@@ -177,7 +178,8 @@ def apply_edit(edit, x: torch.Tensor, target: Target) -> torch.Tensor:
     try:
         out = edit(x)
     except Exception as error:  # the user's own error, with where it happened
-        error.add_note(f"(raised by the function edit at {target.describe()})")
+        if sys.version_info >= (3, 11):  # add_note is 3.11's; on 3.10 the error goes up as it is
+            error.add_note(f"(raised by the function edit at {target.describe()})")
         raise
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

@@ -85,7 +85,7 @@ def carries_grad(plan: Plan, differentiable: set[int]) -> dict[tuple, bool]:
     for stage, module in enumerate(plan.modules):
         grad = {}
         for node, (kind, *where) in zip(module.graph.find_nodes(op="placeholder"), plan.inputs[stage]):
-            grad[node] = where[0] in differentiable if kind == "input" else flags[("stage", *where)]
+            grad[node] = where[0] in differentiable if kind == "input" else flags[("stage",) + tuple(where)]
         for node in module.graph.nodes:
             if node.op not in ("placeholder", "output"):
                 grad[node] = _floating(node) and any(grad.get(n, False) for n in node.all_input_nodes)
@@ -360,7 +360,7 @@ class StageModule(torch.nn.Module):
         plan = engine.plan
         env = {item: value.item() if item in engine.scalars else value
                for item, value in zip(engine.chain.into(stage), carried)}
-        inputs = [env[(kind, *where)] if kind == "stage" or where[0] in engine.batched else run.args[where[0]]
+        inputs = [env[(kind,) + tuple(where)] if kind == "stage" or where[0] in engine.batched else run.args[where[0]]
                   for kind, *where in plan.inputs[stage]]
         produced = self.module(*inputs)
         outputs, bare = outputs_of(self.module)
