@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_0_8b  # noqa: E402
 
 import qgraph  # noqa: E402
-from qgraph.circuits.attribute import _salient_logits, replacement_run  # noqa: E402
+from qgraph.circuits.attribute import salient_logits, replacement_run  # noqa: E402
 
 
 def transcoders(width: int, blocks: int, features: int, k: int) -> dict:
@@ -97,7 +97,7 @@ def main() -> None:
         start = time.perf_counter()
         run = replacement_run(model, ids, tcs, batch)
         forward = time.perf_counter() - start
-        logit_ids, _ = _salient_logits(run.logits[0, -1].detach(), 10, 0.95)
+        logit_ids, _ = salient_logits(run.logits[0, -1].detach(), 10, 0.95)
         active = run.active()
         targets = [("logit", int(t)) for t in logit_ids] + [("feature", tuple(f)) for f in active.tolist()]
         step = max(1, len(targets) // args.targets)

@@ -40,10 +40,12 @@ _PUBLIC = {
     "check_versions": "compat",
 }
 
-__all__ = ["Instrument", "Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace", "SAE", "Scale", "SupportTable",
-           "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue", "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render",
-           "skip_layers", "steer", "support", "Transcoder", "CrossLayerTranscoder", "AttributionGraph", "attribution_graph",
-           "QgraphError", "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",
+__all__ = ["Instrument", "Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit",
+           "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace",
+           "SAE", "Scale", "SupportTable", "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue",
+           "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render", "skip_layers", "steer",
+           "support", "Transcoder", "CrossLayerTranscoder", "AttributionGraph", "attribution_graph", "QgraphError",
+           "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",
            "InvalidState", "NotCaptured", "NoVisionEncoder", "WeightsMismatch", "GraphvizNotFound", "UsageError",
            "register_family", "Figure", "explore", "remote", "RemoteError"]
 

@@ -43,7 +43,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     """The ``qgraph`` parser with its subcommands."""
-    parser = Parser(prog="qgraph", formatter_class=HelpFormatter, epilog="'qgraph COMMAND --help' shows a command's options.",
+    parser = Parser(prog="qgraph", formatter_class=HelpFormatter,
+                    epilog="'qgraph COMMAND --help' shows a command's options.",
                     description="Read and edit what happens inside Qwen3.5 / Qwen3.6 models. Every command runs on "
                                 "the embedded tiny Qwen3.5 (built on first use) unless --model PATH names a local "
                                 "checkpoint dir, text or image-text.")
@@ -68,7 +69,8 @@ def build_parser() -> Parser:
     check = commands.add_parser("check", help="check a saved program (.qgraph) as qgraph.load does, reading no weights",
                                 description="Check a saved program as qgraph.load does (its members, every field, the "
                                             "positive list of ops, the sandbox's fake run), without its weights: one "
-                                            "line says what it is, or why it is refused.", formatter_class=HelpFormatter)
+                                            "line says what it is, or why it is refused.",
+                                formatter_class=HelpFormatter)
     check.add_argument("path", help="the .qgraph file")
     check.set_defaults(handler=run_check)
     capture = commands.add_parser(

@@ -15,8 +15,9 @@ floating): each error names the edit, the value and what to give instead.
 from __future__ import annotations
 
 import numbers
+import sys
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -177,7 +178,8 @@ def apply_edit(edit, x: torch.Tensor, target: Target) -> torch.Tensor:
     try:
         out = edit(x)
     except Exception as error:  # the user's own error, with where it happened
-        error.add_note(f"(raised by the function edit at {target.describe()})")
+        if sys.version_info >= (3, 11):  # add_note is 3.11's; on 3.10 the error goes up as it is
+            error.add_note(f"(raised by the function edit at {target.describe()})")
         raise
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -228,8 +230,8 @@ def _check_data(data, where: str) -> None:
     try:
         torch.as_tensor(data, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError):
-        raise InvalidType(f"{where}: got {type(data).__name__} {str(data)[:60]!r}; it takes a tensor (or a number, or a "
-                          f"nested list of numbers) broadcastable to the value or the region selected") from None
+        raise InvalidType(f"{where}: got {type(data).__name__} {str(data)[:60]!r}; it takes a tensor (or a number, "
+                          f"or a nested list of numbers) broadcastable to the value or the region selected") from None
 
 
 def _check_tensor(tensor: torch.Tensor, value: torch.Tensor, where: str, what: str = "the tensor") -> None:

@@ -55,7 +55,7 @@ class Figure:
         self.key = f"qg-{uuid.uuid4().hex[:10]}"
 
     @classmethod
-    def from_matplotlib(cls, figure, title: str, data: dict | None = None, dpi: int = 110) -> "Figure":
+    def from_matplotlib(cls, figure, title: str, data: dict | None = None, dpi: int = 110) -> Figure:
         """A figure of a ``matplotlib.figure.Figure`` (made without pyplot): SVG with real text (searchable,
         no embedded glyphs), PNG at ``dpi``."""
         drawn: dict[str, object] = {}

@@ -233,8 +233,8 @@ def _limit_lengths(model, config, max_length, prompt_length: int) -> None:
 
 
 def check_settings(model, prompt_ids: torch.Tensor, *, max_new_tokens=None, max_length=None, min_new_tokens=None,
-                   min_length=None, do_sample: bool = False, temperature=None, top_k=None, top_p=None, eos_token_id=None,
-                   pad_token_id=None, seed=None, **generation_kwargs):
+                   min_length=None, do_sample: bool = False, temperature=None, top_k=None, top_p=None,
+                   eos_token_id=None, pad_token_id=None, seed=None, **generation_kwargs):
     """Every generation setting checked, before anything runs (``generate`` calls this first, and ``qgraph
     serve`` before it queues a request): ``(processors, config)``, HF's own logits processors for the settings
     and a prompt of ``prompt_ids``, and the generation config they come from. A setting HF refuses

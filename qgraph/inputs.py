@@ -35,8 +35,9 @@ def prepare(model, images, input_ids=None, attention_mask=None, *, with_images: 
     unexpected = [name for name in inputs if name not in keys]
     if unexpected:
         hints = "".join(f"; {name}: {_INSTEAD[name]}" for name in sorted(unexpected) if name in _INSTEAD)
+        image_inputs = "".join(", " + key for key in keys) if with_images else ""
         raise InvalidType(f"unexpected inputs {sorted(unexpected)}: an instrumented model takes input_ids, "
-                          f"attention_mask{''.join(', ' + key for key in keys) if with_images else ''} and edits{hints}")
+                          f"attention_mask{image_inputs} and edits{hints}")
     input_ids, attention_mask = _text(model, input_ids, attention_mask)
     prepared = {"input_ids": input_ids, "attention_mask": attention_mask}
     if with_images:
@@ -75,7 +76,8 @@ def check_text(input_ids, attention_mask, rows: int, device: torch.device):
 def _ids(input_ids) -> torch.Tensor:
     """``input_ids`` as a LongTensor [batch, seq] with at least one token (lists and arrays are converted)."""
     if input_ids is None:
-        raise InvalidType("input_ids is required: a LongTensor [batch, seq] (e.g. ig(**tokenizer(text, return_tensors='pt')))")
+        raise InvalidType("input_ids is required: a LongTensor [batch, seq] "
+                          "(e.g. ig(**tokenizer(text, return_tensors='pt')))")
     if isinstance(input_ids, str):
         raise InvalidType(f"input_ids is the text {input_ids[:40]!r}: tokenize it first, "
                           f"ig(**tokenizer(text, return_tensors='pt'))")
@@ -87,8 +89,9 @@ def _ids(input_ids) -> torch.Tensor:
         raise InvalidArgument(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
                               f"{tuple(input_ids.shape)}")
     if input_ids.numel() == 0:
-        raise InvalidArgument(f"input_ids has shape {tuple(input_ids.shape)}: an empty prompt; give at least one prompt "
-                              f"of at least one token (an empty text tokenizes to nothing: add text or the chat template)")
+        raise InvalidArgument(f"input_ids has shape {tuple(input_ids.shape)}: an empty prompt; give at least one "
+                              f"prompt of at least one token (an empty text tokenizes to nothing: add text or the "
+                              f"chat template)")
     return input_ids.long()
 
 
@@ -132,8 +135,8 @@ def _mask(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:
     if bool(empty.any()):
         rows = empty.nonzero().flatten().tolist()
         raise InvalidArgument(f"attention_mask rows {rows} are all padding: those prompts hold no token, and a model's "
-                              f"output for them is meaningless (Hugging Face returns arbitrary finite values). Drop those "
-                              f"rows, or give each at least one token")
+                              f"output for them is meaningless (Hugging Face returns arbitrary finite values). Drop "
+                              f"those rows, or give each at least one token")
     return attention_mask.long()
 
 

@@ -143,11 +143,13 @@ def instrumented(ig) -> Summary:
     fixed = [name for name, slot in ig.slots.items() if getattr(slot, "fixed", None) is not None]
     runner = program.runner
     rows = [("values", f"{len(ig.values)}: {names_text(ig.values)}"),
-            ("edit slots", f"{len(ig.slots)}: {names_text(ig.slots)}" if ig.slots else "none (ig(..., edits=) adds them per call)"),
+            ("edit slots",
+             f"{len(ig.slots)}: {names_text(ig.slots)}" if ig.slots else "none (ig(..., edits=) adds them per call)"),
             *([("fixed edits", names_text(fixed))] if fixed else []),
             ("logits", "yes" if program.returns_logits else "no (values only)"),
             ("SAEs", f"{len(ig.saes)}: {names_text(ig.saes)}" if ig.saes else "none"),
-            ("transcoders", f"{len(ig.transcoders)}: {', '.join(map(str, ig.transcoders))}" if ig.transcoders else "none"),
+            ("transcoders",
+             f"{len(ig.transcoders)}: {', '.join(map(str, ig.transcoders))}" if ig.transcoders else "none"),
             ("compiled", ("yes (compiled)" if runner.called else "yes (compiles on the first call)")
              if runner.name == "compiled" else "no"),
             *([("stages", str(runner.stages))] if runner.name == "staged" else [])]

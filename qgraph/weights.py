@@ -109,7 +109,8 @@ def weight_map(location) -> tuple[dict[str, Path], Path | None]:
         indexes = sorted(location.glob("*" + INDEX))
         if len(indexes) > 1:
             listed = ", ".join(index.name for index in indexes)
-            raise InvalidArgument(f"{location} holds {len(indexes)} safetensors indexes ({listed}): give the one to read")
+            raise InvalidArgument(f"{location} holds {len(indexes)} safetensors indexes ({listed}): give the one to "
+                                  f"read")
         if indexes:
             return _index(indexes[0]), indexes[0]
         found = {}
@@ -131,8 +132,8 @@ def _index(index: Path) -> dict[str, Path]:
     """``{tensor name: shard}`` from an index, its shards named by file name beside it."""
     try:
         table = json.loads(index.read_text())["weight_map"]
-        valid = isinstance(table, dict) and all(
-            isinstance(file, str) and file not in ("", ".", "..") and Path(file).name == file for file in table.values())
+        valid = isinstance(table, dict) and all(isinstance(file, str) and file not in ("", ".", "..")
+                                                and Path(file).name == file for file in table.values())
     except (ValueError, KeyError, TypeError):
         valid = False
     if not valid:

@@ -46,7 +46,8 @@ def open_dataset(dataset, text_column: str = "text"):
         dataset = list(dataset)
     if isinstance(dataset, torch.Tensor):
         if dataset.dim() != 2:
-            raise InvalidArgument(f"a tensor dataset is [documents, tokens] token ids, got shape {tuple(dataset.shape)}")
+            raise InvalidArgument(f"a tensor dataset is [documents, tokens] token ids, got shape "
+                                  f"{tuple(dataset.shape)}")
         return dataset.tolist(), {"type": "tensor", "documents": dataset.shape[0], "tokens": dataset.numel()}
     if isinstance(dataset, dict):
         if "input_ids" not in dataset:
@@ -77,8 +78,8 @@ def _open_path(path: Path):
             raise InvalidArgument(f"dataset {path} is a DatasetDict with splits {splits}: give one split's dir "
                                   f"({path / splits[0]})" if splits else f"dataset {path} is an empty DatasetDict")
         if not (path / "state.json").is_file():
-            raise InvalidArgument(f"dataset {path}: not a dir that datasets' save_to_disk wrote (it has no state.json); "
-                                  f"give that dir, or a parquet, jsonl or text file")
+            raise InvalidArgument(f"dataset {path}: not a dir that datasets' save_to_disk wrote (it has no "
+                                  f"state.json); give that dir, or a parquet, jsonl or text file")
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         return datasets.load_from_disk(str(path)), {"path": str(path.resolve()), "read_as": "datasets.load_from_disk",
                                                      "bytes": size}
@@ -87,7 +88,8 @@ def _open_path(path: Path):
         raise InvalidArgument(f"dataset {path}: unknown file type '{path.suffix}'; give a .parquet, .jsonl, .json or "
                               f".txt file, or a dir that datasets' save_to_disk wrote")
     examples = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
-    how = f"datasets.load_dataset('{builder}', streaming=True)" + (", one document per line" if builder == "text" else "")
+    how = (f"datasets.load_dataset('{builder}', streaming=True)"
+           + (", one document per line" if builder == "text" else ""))
     return examples, {"path": str(path.resolve()), "read_as": how, "bytes": path.stat().st_size}
 
 
@@ -118,8 +120,8 @@ def _ids_of(example):
         integer = (np.issubdtype(example.dtype, np.integer) if isinstance(example, np.ndarray)
                    else not (example.dtype.is_floating_point or example.dtype.is_complex))
         if example.ndim != 1 or not integer:
-            raise InvalidArgument(f"a document's token ids are a 1-D sequence of ints, got a {type(example).__name__} of "
-                                  f"shape {tuple(example.shape)} and dtype {example.dtype}")
+            raise InvalidArgument(f"a document's token ids are a 1-D sequence of ints, got a "
+                                  f"{type(example).__name__} of shape {tuple(example.shape)} and dtype {example.dtype}")
         return example.tolist()
     if isinstance(example, (list, tuple)) and all(isinstance(token, (int, np.integer)) for token in example):
         return [int(token) for token in example]
@@ -169,4 +171,5 @@ def _row(ids, docs, positions, context: int, pad_id: int) -> Row:
     if pad:
         mask[len(ids):] = 0
     return Row(torch.tensor(ids + [pad_id] * pad, dtype=torch.int64), mask,
-               torch.tensor(docs + [-1] * pad, dtype=torch.int64), torch.tensor(positions + [-1] * pad, dtype=torch.int64))
+               torch.tensor(docs + [-1] * pad, dtype=torch.int64),
+               torch.tensor(positions + [-1] * pad, dtype=torch.int64))

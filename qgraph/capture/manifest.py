@@ -42,7 +42,8 @@ def model_identity(model: torch.nn.Module) -> dict:
 
 def saes_identity(saes: dict) -> dict:
     """For each spliced SAE (``{hook: (sae, splice)}``): where it came from, its form and a hash of its weights."""
-    return {hook: {"source": sae.source, "splice": splice, "form": sae.extra_repr(), "weights_sha256": _weights_sha256(sae)}
+    return {hook: {"source": sae.source, "splice": splice, "form": sae.extra_repr(),
+                   "weights_sha256": _weights_sha256(sae)}
             for hook, (sae, splice) in sorted(saes.items())}
 
 

@@ -240,4 +240,5 @@ def _check_arguments(context, batch_size, dtype, max_tokens, shard_rows) -> None
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise InvalidArgument(f"max_tokens must be a positive int or None, got {max_tokens!r}")
     if shard_rows is not None and (not isinstance(shard_rows, int) or shard_rows < 1 or shard_rows % batch_size):
-        raise InvalidArgument(f"shard_rows must be a positive multiple of batch_size ({batch_size}), got {shard_rows!r}")
+        raise InvalidArgument(f"shard_rows must be a positive multiple of batch_size ({batch_size}), got "
+                              f"{shard_rows!r}")

@@ -43,20 +43,21 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
     ``max_n_logits``. Features: every active one (activation not 0), or the ``max_feature_nodes`` most
     influential on the logits, chosen as circuit-tracer chooses them (ranked by their influence through
     the rows so far, ``update_interval`` batches attributed between rankings, circuit-tracer's default 4):
-    the others are not nodes, and the adjacency holds the kept nodes only. ``batch_size`` targets share each backward pass (memory does
-    not grow with it: the forward runs once). ``offload="disk"``: the rows computed (one per target over
-    every active feature, the largest thing held for a long prompt) live in a temporary file.
+    the others are not nodes, and the adjacency holds the kept nodes only. ``batch_size`` targets share
+    each backward pass (memory does not grow with it: the forward runs once). ``offload="disk"``: the rows
+    computed (one per target over every active feature, the largest thing held for a long prompt) live in
+    a temporary file.
     ``qgraph.circuits.estimate`` says beforehand what a call will hold and how many backwards it takes.
     ``tokenizer`` decodes the tokens for the views."""
     from ..instrument import InstrumentedModel
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
-    ids = _prompt(input_ids, model)
-    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
+    ids = checked_prompt(input_ids, model)
+    check_attribution_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
     if offload not in OFFLOADS:
         raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
     run = replacement_run(model, ids, transcoders, batch_size)
-    logit_ids, probabilities = _salient_logits(run.logits[0, -1].detach(), max_n_logits, desired_logit_prob)
+    logit_ids, probabilities = salient_logits(run.logits[0, -1].detach(), max_n_logits, desired_logit_prob)
     active = run.active()
     limit = len(active) if max_feature_nodes is None else min(max_feature_nodes, len(active))
     rows = Rows(len(logit_ids) + limit, len(active), run.blocks * len(ids), len(ids), offload)
@@ -72,7 +73,7 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
         rows.close()
 
 
-def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, counter=None) -> "_Run":
+def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, counter=None) -> _Run:
     """The prompt ``ids`` ``[seq]`` run once through the replacement model: what its sources add, and
     ``rows(targets)``, their direct effects by backward passes of ``batch_size`` targets. ``counter``
     (``estimate.SavedBytes``) counts what autograd saves (and, for ``estimate``, keeps none of it)."""
@@ -133,7 +134,7 @@ def _most_influential(run, active, rows: Rows, probabilities, limit: int, update
     return done
 
 
-def _prompt(input_ids, model) -> torch.Tensor:
+def checked_prompt(input_ids, model) -> torch.Tensor:
     """The prompt's ids ``[seq]``, checked as an instrumented call checks them (every id a row of the
     model's embedding: ``inputs.check_text``), before any work."""
     from ..inputs import check_text
@@ -150,7 +151,7 @@ def _prompt(input_ids, model) -> torch.Tensor:
     return input_ids.long()
 
 
-def _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval) -> None:
+def check_attribution_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval) -> None:
     for name, value in (("max_n_logits", max_n_logits), ("batch_size", batch_size),
                         ("update_interval", update_interval)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -162,7 +163,7 @@ def _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_si
                               f"{max_feature_nodes!r}")
 
 
-def _salient_logits(last: torch.Tensor, max_n_logits: int, desired_logit_prob: float):
+def salient_logits(last: torch.Tensor, max_n_logits: int, desired_logit_prob: float):
     """The most likely tokens until their probabilities reach ``desired_logit_prob``, at most ``max_n_logits``."""
     probabilities = torch.softmax(last.float(), dim=-1)
     top, ids = torch.topk(probabilities, min(max_n_logits, probabilities.shape[0]))
@@ -280,7 +281,8 @@ class _Run:
         block, position, feature = what
         x = self.inputs[block][0, position].detach()
         encoder = self.transcoders.encoder(block)
-        return float(x.float() @ encoder[:, feature].float()) + float(self.transcoders.encoder_constants(block)[feature])
+        constant = self.transcoders.encoder_constants(block)[feature]
+        return float(x.float() @ encoder[:, feature].float()) + float(constant)
 
 
 def _assemble(run, ids, active, done, logit_ids, probabilities, rows: Rows, tokenizer) -> AttributionGraph:
@@ -294,7 +296,8 @@ def _assemble(run, ids, active, done, logit_ids, probabilities, rows: Rows, toke
     nodes = [Node("feature", b, p, f, float(run.features[b][p, f])) for b, p, f in chosen.tolist()]
     nodes += [Node("error", b, p, None) for b in range(blocks) for p in range(seq)]
     nodes += [Node("embedding", None, p, int(ids[p])) for p in range(seq)]
-    nodes += [Node("logit", blocks, seq - 1, t, probability=q) for t, q in zip(logit_ids.tolist(), probabilities.tolist())]
+    nodes += [Node("logit", blocks, seq - 1, t, probability=q)
+              for t, q in zip(logit_ids.tolist(), probabilities.tolist())]
     stored = list(range(n_logits)) + [n_logits + j for j in order]  # the store's row of each target, as below
     picked = torch.tensor(stored, dtype=torch.long)
     sources = torch.cat([rows.columns(stored, columns), rows.errors[picked], rows.embeddings[picked]], dim=1)

@@ -66,13 +66,13 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     """The memory ``attribution_graph`` with these arguments will add and the backward passes it will
     take (see the module's docstring for how), from one forward that keeps nothing."""
     from ..instrument import InstrumentedModel
-    from .attribute import _check_options, _prompt, _salient_logits, replacement_run
+    from .attribute import check_attribution_options, checked_prompt, salient_logits, replacement_run
     from .memory import SavedBytes, in_flight, resident, storage_bytes
     from .rows import OFFLOADS, working_rows
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
-    ids = _prompt(input_ids, model)
-    _check_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
+    ids = checked_prompt(input_ids, model)
+    check_attribution_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
     if offload not in OFFLOADS:
         from ..errors import InvalidArgument
         raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
@@ -80,7 +80,7 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     start = resident()
     counter = SavedBytes()  # keeps nothing: this forward is never run backward
     run = replacement_run(model, ids, transcoders, batch_size, counter)
-    logit_ids, _ = _salient_logits(run.logits[0, -1].float(), max_n_logits, desired_logit_prob)
+    logit_ids, _ = salient_logits(run.logits[0, -1].float(), max_n_logits, desired_logit_prob)
     active = len(run.active())
     kept = active if max_feature_nodes is None else min(max_feature_nodes, active)
     seq, blocks = ids.shape[0], run.blocks

@@ -24,12 +24,12 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..errors import InvalidArgument, InvalidType, MissingFile, OutOfRange
-from .influence import _influence, _normalized, influence
+from .influence import influence_from, row_normalized, influence
 
 __all__ = ["FEATURE_TYPES", "KINDS", "AttributionGraph", "Node", "influence"]
 
@@ -214,12 +214,12 @@ class AttributionGraph:
         weights = torch.zeros(len(self.nodes), device=adjacency.device)
         weights[self.kind_mask("logit")] = self.logit_probabilities.to(adjacency.device)
 
-        influence = _influence(_normalized(adjacency), weights)
+        influence = influence_from(row_normalized(adjacency), weights)
         always = self.kind_mask("embedding", "logit")
         kept = (influence >= _threshold(influence, node_threshold)) | always
 
-        normalized = _normalized(adjacency * (kept[:, None] & kept[None, :]))
-        edge_scores = normalized * (_influence(normalized, weights) + weights)[:, None]
+        normalized = row_normalized(adjacency * (kept[:, None] & kept[None, :]))
+        edge_scores = normalized * (influence_from(normalized, weights) + weights)[:, None]
         # a score of 0 is no edge (circuit-tracer keeps those too when its threshold falls to 0, at 1.0)
         edges = (edge_scores >= _threshold(edge_scores.flatten(), edge_threshold)) & (edge_scores > 0)
 

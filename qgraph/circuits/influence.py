@@ -10,16 +10,16 @@ from ..errors import InvalidArgument
 def influence(adjacency: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Each node's influence on the nodes ``weights`` weighs (the logits, by probability): ``weights @ (A +
     A^2 + ...)`` with ``A`` the ``|adjacency|`` with its rows normalised (what ``prune`` ranks nodes by)."""
-    return _influence(_normalized(adjacency), weights)
+    return influence_from(row_normalized(adjacency), weights)
 
 
-def _normalized(adjacency: torch.Tensor) -> torch.Tensor:
+def row_normalized(adjacency: torch.Tensor) -> torch.Tensor:
     """``|adjacency|`` with each row (target) scaled to sum to 1 (rows of zeros stay zero)."""
     magnitude = adjacency.abs()
     return magnitude / magnitude.sum(dim=1, keepdim=True).clamp(min=1e-10)
 
 
-def _influence(normalized: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def influence_from(normalized: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``weights @ (A + A^2 + ...)``: an acyclic graph's ``A`` is nilpotent, so at most n terms are nonzero."""
     step = weights @ normalized
     total = step.clone()

@@ -127,10 +127,11 @@ def _setup(model_or_ig, input_ids, transcoders, interventions, constrained_layer
     open-ended one, feature, value)], whether direct effects)."""
     from ..families import family_for
     from ..instrument import InstrumentedModel
-    from .attribute import _prompt
+    from .attribute import checked_prompt
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
-    ids = _prompt(input_ids, model).to(model.get_input_embeddings().weight.device)  # as attribution_graph moves them
+    # on the embedding's device, as attribution_graph moves them
+    ids = checked_prompt(input_ids, model).to(model.get_input_embeddings().weight.device)
     blocks = len(family_for(model).block_mixers(model.config))
     flags = {"freeze_attention": freeze_attention, "apply_activation_function": apply_activation_function}
     for name, flag in flags.items():

@@ -8,7 +8,9 @@ import sys
 
 import torch
 
-TRANSIENT = 1.5  # a vmapped backward's working memory, in units of what one block keeps for one target (fitted at 16 and 128 tokens on the 0.8B shape)
+# a vmapped backward's working memory, in units of what one block keeps for one target (fitted at 16 and
+# 128 tokens on the 0.8B shape)
+TRANSIENT = 1.5
 
 
 def in_flight(targets: int, blocks: int, seq: int, width: int, saved: int) -> float:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .influence import _influence, _normalized
+from .influence import influence_from, row_normalized
 
 
 class GraphScores(NamedTuple):
@@ -35,8 +35,8 @@ def graph_scores(graph) -> GraphScores:
     adjacency = graph.adjacency
     weights = torch.zeros(len(graph.nodes), device=adjacency.device)
     weights[graph.kind_mask("logit")] = graph.logit_probabilities.to(adjacency.device)
-    normalized = _normalized(adjacency)
-    influence = _influence(normalized, weights)
+    normalized = row_normalized(adjacency)
+    influence = influence_from(normalized, weights)
     errors = graph.kind_mask("error")
     tokens = influence[graph.kind_mask("embedding")].sum()
     replacement = tokens / (tokens + influence[errors].sum())

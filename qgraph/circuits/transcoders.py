@@ -27,7 +27,8 @@ class TranscoderSet:
         self._constants = {}
 
     def encoder(self, block: int) -> torch.Tensor:
-        """Block ``block``'s encoder ``[d_model, d_transcoder]`` (a feature's pre-activation is ``x @ W[:, f] + constant``)."""
+        """Block ``block``'s encoder ``[d_model, d_transcoder]`` (a feature's pre-activation is
+        ``x @ W[:, f] + constant``)."""
         return self.spliced.W_enc[block] if self.cross else self.spliced[block].W_enc
 
     def encoder_constants(self, block: int) -> torch.Tensor:
@@ -79,9 +80,9 @@ def transcoder_set(transcoders, blocks: int, model) -> TranscoderSet:
     transcoders = loaded(transcoders, blocks)
     if isinstance(transcoders, CrossLayerTranscoder):
         if transcoders.n_layers != blocks or transcoders.d_model != width:
-            raise InvalidArgument(f"{transcoders.source} covers {transcoders.n_layers} blocks of a {transcoders.d_model} "
-                                  f"wide stream; the model has {blocks} blocks of {width}: give the model's own "
-                                  f"cross-layer transcoder")
+            raise InvalidArgument(f"{transcoders.source} covers {transcoders.n_layers} blocks of a "
+                                  f"{transcoders.d_model} wide stream; the model has {blocks} blocks of {width}: give "
+                                  f"the model's own cross-layer transcoder")
         return TranscoderSet(transcoders, blocks)
     if not isinstance(transcoders, dict):
         raise InvalidArgument(f"transcoders takes {{block: qgraph.Transcoder}} for every block, a "

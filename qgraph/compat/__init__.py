@@ -13,12 +13,13 @@ across processes need of torch's pipeline stages and schedules) and ``transforme
 experts implementations, generation settings, computed buffers, the ViT's inputs, no_grad forwards).
 Callers import them from here.
 """
-from .torch_internals import (autograd_enabled, export, export_dims, exported_program, fake, fake_call, fake_mode, hooked_modules,  # noqa: F401
-                              hooks_set_aside, inductor_symbolic_strides_fix, mark_dynamic, op_argument_names, op_schema,
-                              own_children, replace_child, shallow_twin, size_expression, size_hint, tracing)
+from .torch_internals import (autograd_enabled, export, export_dims, exported_program, fake, fake_call,  # noqa: F401
+                              fake_mode, hooked_modules, hooks_set_aside, inductor_symbolic_strides_fix, mark_dynamic,
+                              op_argument_names, op_schema, own_children, replace_child, shallow_twin, size_expression,
+                              size_hint, tracing)
 from .transformers_internals import (attn_implementation, attn_implementation_set, computed_buffers,  # noqa: F401
                                      experts_implementation, experts_implementation_run, export_patches,
-                                     generation_config, generation_settings, kernels_bound, logits_processors, run_experts,
-                                     vision_forward_kwargs, vision_inputs)
+                                     generation_config, generation_settings, kernels_bound, logits_processors,
+                                     run_experts, vision_forward_kwargs, vision_inputs)
 from .torch_pipelining import pipeline_stage, pipelining_refusal  # noqa: F401
 from .versions import TESTED, check_versions  # noqa: F401

@@ -120,7 +120,7 @@ def inductor_symbolic_strides_fix() -> None:
     ir.get_fill_order = get_fill_order
 
 
-# -- building programs (qgraph.export.repeat, qgraph.export.disk_cache) -------------------------------------------------
+# -- building programs (qgraph.export.repeat, qgraph.export.disk_cache) ------------------------------------------------
 # Alike in torch 2.13 and 2.14. torch.export has no public way to make an ExportedProgram from
 # an edited graph with a new signature, state dict or constants (repeated blocks; weights swapped
 # for placeholders before saving), so we call its constructor, which is not a documented entry
@@ -215,7 +215,7 @@ def fake_mode():
     return mode
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _counting_fake_mode():
     """``FakeTensorMode`` counting the ops it runs (``dispatches``: each op of an op's decomposition too),
     a measure of a fake run's work that does not depend on the machine (``saved.budget``)."""
@@ -268,7 +268,7 @@ def fake(mode, tensor: torch.Tensor, dynamic):
 # refuses the dims ("Constraints violated"); 2.13 proves it. Told by exporting that reshape once: where
 # it fails, each named dim becomes ``Dim.DYNAMIC`` with the same bounds (export then keeps the guard
 # without asking it to hold for every size; the sizes stay symbolic, equal ones one symbol).
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _named_dims_solve_repeats() -> bool:
     class Repeat(torch.nn.Module):
         def forward(self, x):

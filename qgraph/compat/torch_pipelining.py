@@ -29,7 +29,7 @@ import types
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schedules_take_fewer_microbatches_than_stages() -> bool:
     from torch.distributed.pipelining import ScheduleGPipe
     try:
@@ -41,13 +41,13 @@ def _schedules_take_fewer_microbatches_than_stages() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stages_send_only_declared_gradients() -> bool:
     from torch.distributed.pipelining.stage import _PipelineStageBase
     return hasattr(_PipelineStageBase, "_get_grad_send_meta")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _receive_records_carry_metadata() -> bool:
     from torch.distributed.pipelining.stage import _RecvInfo
     return {"is_root_arg", "tensor_meta"} <= set(inspect.signature(_RecvInfo).parameters)
@@ -74,7 +74,7 @@ def pipeline_stage(*args, **kwargs):
     return _declared_gradients_stage()(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _declared_gradients_stage():
     from torch.distributed.pipelining import PipelineStage
 

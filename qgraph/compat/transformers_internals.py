@@ -10,7 +10,7 @@ import torch
 from ..errors import UnsupportedModel
 
 
-# -- attention implementation (qgraph.export.fingerprint, qgraph.export.disk_cache, qgraph.export) ----------------------
+# -- attention implementation (qgraph.export.fingerprint, qgraph.export.disk_cache, qgraph.export) ---------------------
 # Alike in transformers 5.23 and 5.24. A config's attention implementation ("sdpa", "eager",
 # ...) is only exposed as ``config._attn_implementation`` (a property over
 # ``_attn_implementation_internal``, whose setter also sets every sub-config's).
@@ -48,7 +48,7 @@ def experts_implementation(config) -> str | None:
     return getattr(config, "_experts_implementation", None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _experts_functions():
     try:
         from transformers.integrations import moe

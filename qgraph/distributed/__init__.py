@@ -58,7 +58,7 @@ class Stages:
                                   f"{self.timeout!r}")
 
     @classmethod
-    def of(cls, stages) -> "Stages | None":
+    def of(cls, stages) -> Stages | None:
         """``stages=`` as given to ``instrument``: None, a number, a list of first blocks, or a ``Stages``."""
         if stages is None or isinstance(stages, Stages):
             return stages
@@ -83,8 +83,8 @@ def stage_program(program, stages: Stages) -> Pipeline:
     blocks = len(family.block_mixers(program.model.config))
     cuts = cuts_for(list(stages.split) if isinstance(stages.split, tuple) else stages.split, blocks)
     if stages.microbatches > 1 and program.exported.images:
-        raise InvalidArgument("micro-batches cut input_ids and attention_mask, not the images: call the image-text model "
-                              "with microbatches=1 (or without images)")
+        raise InvalidArgument("micro-batches cut input_ids and attention_mask, not the images: call the image-text "
+                              "model with microbatches=1 (or without images)")
     plan = split(program.module, blocks_of(family), cuts)
     device = next(iter(program.model.parameters()), torch.empty(0)).device
     world = join(device if device.type != "meta" else torch.device("cpu"))

@@ -86,7 +86,7 @@ def carries_grad(plan: Plan, differentiable: set[int]) -> dict[tuple, bool]:
     for stage, module in enumerate(plan.modules):
         grad = {}
         for node, (kind, *where) in zip(module.graph.find_nodes(op="placeholder"), plan.inputs[stage]):
-            grad[node] = where[0] in differentiable if kind == "input" else flags[("stage", *where)]
+            grad[node] = where[0] in differentiable if kind == "input" else flags[("stage",) + tuple(where)]
         for node in module.graph.nodes:
             if node.op not in ("placeholder", "output"):
                 grad[node] = _floating(node) and any(grad.get(n, False) for n in node.all_input_nodes)
@@ -158,7 +158,7 @@ class Engine:
         value = torch.stack([piece.detach() for piece in losses]).sum() if losses else None
         return run.joined(), value
 
-    def _step(self, run: "_Run", group, args: list, rows: slice, count: int, loss, losses: list) -> None:
+    def _step(self, run: _Run, group, args: list, rows: slice, count: int, loss, losses: list) -> None:
         """One schedule step over the batch's ``rows`` as ``count`` equal micro-batches."""
         device = stage_device()
         root = [torch.arange(rows.start, rows.stop, device=device)] + \
@@ -351,7 +351,7 @@ class StageModule(torch.nn.Module):
         plan = engine.plan
         env = {item: value.item() if item in engine.scalars else value
                for item, value in zip(engine.chain.into(stage), carried)}
-        inputs = [env[(kind, *where)] if kind == "stage" or where[0] in engine.batched else run.args[where[0]]
+        inputs = [env[(kind,) + tuple(where)] if kind == "stage" or where[0] in engine.batched else run.args[where[0]]
                   for kind, *where in plan.inputs[stage]]
         produced = self.module(*inputs)
         outputs, bare = outputs_of(self.module)

@@ -131,7 +131,8 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=N
             return None  # the same model under other baked-in values: export again
         if finish is not None:
             program = finish(program, reads)
-        problem = "it does not repeat into this model's blocks" if program is None else _mismatch(program, model, inputs)
+        problem = ("it does not repeat into this model's blocks" if program is None
+                   else _mismatch(program, model, inputs))
     except Exception as error:  # a corrupt or incompatible file: export again
         problem = _one_line(f"{type(error).__name__}: {error}")
     if problem:
@@ -200,7 +201,8 @@ def _mismatch(program: ExportedProgram, model: torch.nn.Module, inputs: tuple[st
             return f"the model has no {spec.target}"
         saved = program.state_dict.get(spec.target, program.constants.get(spec.target))
         if saved is not None and (tuple(saved.shape) != tuple(tensor.shape) or saved.dtype != tensor.dtype):
-            return f"{spec.target} is {tuple(saved.shape)} {saved.dtype} there, {tuple(tensor.shape)} {tensor.dtype} here"
+            return (f"{spec.target} is {tuple(saved.shape)} {saved.dtype} there, "
+                    f"{tuple(tensor.shape)} {tensor.dtype} here")
     return None
 
 
@@ -217,7 +219,7 @@ def _version(distribution: str) -> str:
         return "unknown"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_digest() -> str:
     package = Path(__file__).parent.parent
     digest = hashlib.sha256()

@@ -224,7 +224,7 @@ class _Repeater:
             seed_index = self.blocks.seed[position]
             local: dict[Node, Node] = {}
 
-            def read(arg, position=position, index=index, local=local):
+            def read(arg, position=position, index=index, local=local, hidden=hidden):
                 if arg is self.hidden_in[position]:
                     return hidden
                 if arg in local:
@@ -242,9 +242,9 @@ class _Repeater:
                     new.args = (new.args[0], f"{ports[port]}.{side}", *new.args[2:])
                 stack = node.meta.get("nn_module_stack")
                 if stack:
-                    new.meta["nn_module_stack"] = {
-                        scope.sub(f"{self.blocks.path}.{index}", key): (scope.sub(f"{self.blocks.path}.{index}", path), kind)
-                        for key, (path, kind) in stack.items()}
+                    here = f"{self.blocks.path}.{index}"
+                    new.meta["nn_module_stack"] = {scope.sub(here, key): (scope.sub(here, path), kind)
+                                                   for key, (path, kind) in stack.items()}
                 local[node] = new
             hidden = local[self.hidden_out[position]]
         last_out = self.hidden_out[len(self.blocks.seed) - 1]
@@ -259,7 +259,8 @@ class _Repeater:
         renames = {}
         for module_path, _ in self.model.named_modules():
             if module_path == seed_path or module_path.startswith(seed_path + "."):
-                renames[self.family.module_name(module_path)] = self.family.module_name(path + module_path[len(seed_path):])
+                own = path + module_path[len(seed_path):]
+                renames[self.family.module_name(module_path)] = self.family.module_name(own)
         return renames
 
     def _exported(self, graph: torch.fx.Graph, specs: list[InputSpec], env: dict[Node, Node]) -> ExportedProgram:

@@ -72,7 +72,7 @@ class ExportedModel:
         return self.inputs != TEXT_INPUTS
 
 
-_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def _cache_key(model: torch.nn.Module) -> tuple:
@@ -174,8 +174,8 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)
     patches = family.images.patches(model) if images else contextlib.nullcontext()
     family_patches = family.export_patches(model) if family.export_patches else contextlib.nullcontext()
-    with hooks_set_aside(model), export_patches(model, family.export_methods), _delta_rule_ops(model, family), _port_markers(model, family), \
-            family_patches, patches, \
+    with hooks_set_aside(model), export_patches(model, family.export_methods), _delta_rule_ops(model, family), \
+            _port_markers(model, family), family_patches, patches, \
             constants.recording(twin) as reads:
         program = compat.export(twin, example, dynamic)
     return program, frozenset(read for read in reads if read[1] not in family.cache_indices)

@@ -15,7 +15,6 @@ import mmap
 import os
 import sys
 import threading
-from typing import Optional
 
 import torch
 
@@ -27,7 +26,7 @@ __all__ = ["BufferPool", "HUGE_PAGE_MIN_BYTES", "empty", "reusing"]
 #: block at 256 tokens) and on CPU first-touching fresh 4 KiB pages costs several times the
 #: arithmetic that fills them; 2 MiB pages cut that ~4x. PyTorch does the same for every
 #: allocation when ``THP_MEM_ALLOC_ENABLE=1`` is set, in which case this is skipped.
-HUGE_PAGE_MIN_BYTES: Optional[int] = 32 << 20
+HUGE_PAGE_MIN_BYTES: int | None = 32 << 20
 _HUGE_PAGE = 2 << 20
 
 
@@ -48,7 +47,7 @@ class BufferPool:
         self._mappings: list[mmap.mmap] = []
         self._lock = threading.Lock()  # two threads calling one program never take the same mapping
 
-    def take(self, size: int) -> Optional[mmap.mmap]:
+    def take(self, size: int) -> mmap.mmap | None:
         """A free mapping of ``size`` bytes (None if there is none; then the free mappings of other
         sizes are released: a new prompt length will not use them). The caller's reference makes
         it used before the lock is released."""
@@ -78,7 +77,7 @@ class BufferPool:
         return sum(len(mapping) for mapping in self._mappings)
 
 
-_POOL: contextvars.ContextVar[Optional[BufferPool]] = contextvars.ContextVar("qgraph_state_buffers", default=None)
+_POOL: contextvars.ContextVar[BufferPool | None] = contextvars.ContextVar("qgraph_state_buffers", default=None)
 
 
 @contextlib.contextmanager

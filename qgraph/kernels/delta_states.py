@@ -17,9 +17,10 @@ cumulative log decay from the chunk start to token ``t`` and ``d_j`` the chunk's
 
 so every in-chunk state is a masked, decay-weighted sum of outer products: batched matmuls, no
 loop over tokens (the states entering each 8-token block come from a scan over the chunk's blocks,
-then every token's state from its block's with one batched matmul per chunk). :func:`chunk_gated_delta_rule_with_states` runs transformers' chunked algorithm
-(UT transform per chunk, sequential scan over chunks) and evaluates that sum per chunk, either for
-every row or only for the rows the caller asked for. ``qgraph::chunk_gated_delta_rule_states``
+then every token's state from its block's with one batched matmul per chunk).
+:func:`chunk_gated_delta_rule_with_states` runs transformers' chunked algorithm (UT transform per chunk,
+sequential scan over chunks) and evaluates that sum per chunk, either for every row or only for the rows
+the caller asked for. ``qgraph::chunk_gated_delta_rule_states``
 (``qgraph.kernels.ops``) wraps it as an opaque custom op so it exports as one graph node with
 dynamic batch/seq; its autograd (``qgraph.kernels.grad``) recomputes
 :func:`chunk_gated_delta_rule_with_states` under autograd. The big all-token states buffers come
@@ -30,7 +31,7 @@ chunk-start state and corrected values, streamed to memory once), about twice as
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -129,9 +130,10 @@ def _write_all_states(out, scratch, state0, key, new_values, cum, pairwise, bloc
     Two levels so the work is ~``2 * c * block`` outer-product terms instead of ``c * c``: the
     states entering each block of ``block`` tokens come from :func:`_entering_states`, then each
     token's state is its block's entering state decayed plus the decay-weighted outer products of
-    its own block only, all of the chunk's tokens in one batched matmul. The per-token states -- the only large tensor -- are written by ``bmm``
-    directly into the (float32) output and finished in place, so no chunk-sized temporary is
-    allocated per chunk: on CPU, first-touching fresh memory costs as much as the math.
+    its own block only, all of the chunk's tokens in one batched matmul. The per-token states -- the only
+    large tensor -- are written by ``bmm`` directly into the (float32) output and finished in place, so no
+    chunk-sized temporary is allocated per chunk: on CPU, first-touching fresh memory costs as much as the
+    math.
     """
     wanted_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (state0, key, new_values, cum))
     if not wanted_grad and native.write_chunk_states(out, state0, key, new_values, cum):
@@ -270,11 +272,11 @@ def chunk_gated_delta_rule_with_states(
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor] = None,
+    initial_state: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     chunk_size: int = 64,
-    positions: Optional[torch.Tensor] = None,
-    heads: Optional[torch.Tensor] = None,
+    positions: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
     states_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule returning the output, per-token recurrent states and final state.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ def _differentiable(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def recompute_grads(function: Callable, inputs: Sequence, grad_outputs: Sequence[Optional[torch.Tensor]]) -> list:
+def recompute_grads(function: Callable, inputs: Sequence, grad_outputs: Sequence[torch.Tensor | None]) -> list:
     """Gradients of ``function(*inputs)`` for ``grad_outputs`` (one per output, None for unused).
 
     Returns one entry per input: a contiguous gradient for each floating-point tensor input (zeros
@@ -74,7 +74,7 @@ def _grad_like(x: torch.Tensor) -> torch.Tensor:
 def delta_rule_backward(
     kind: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor, use_qk_l2norm_in_kernel: bool, kernels: str,
-    grad_output: Optional[torch.Tensor], grad_state: Optional[torch.Tensor],
+    grad_output: torch.Tensor | None, grad_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the ``kind`` ("chunk" or "recurrent") delta-rule op for query, key, value, g,
     beta and initial_state, from the model's own kernel recomputed under autograd."""
@@ -152,9 +152,9 @@ for _kind, _op in (("chunk", ops.chunk_gated_delta_rule), ("recurrent", ops.recu
 @torch.library.custom_op("qgraph::delta_rule_states_backward", mutates_args=())
 def delta_rule_states_backward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor], positions: Optional[torch.Tensor], heads: Optional[torch.Tensor],
+    initial_state: torch.Tensor | None, positions: torch.Tensor | None, heads: torch.Tensor | None,
     use_qk_l2norm_in_kernel: bool, chunk_size: int, states_dtype: torch.dtype,
-    grad_output: Optional[torch.Tensor], grad_states: Optional[torch.Tensor], grad_final_state: Optional[torch.Tensor],
+    grad_output: torch.Tensor | None, grad_states: torch.Tensor | None, grad_final_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``qgraph::chunk_gated_delta_rule_states`` for query, key, value, g, beta and
     initial_state (an empty tensor when there was none). With no (or an all-zero) gradient for the

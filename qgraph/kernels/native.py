@@ -22,7 +22,6 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -38,7 +37,7 @@ def enabled() -> bool:
 
 
 @functools.cache
-def _compiled() -> Optional[ctypes.CDLL]:
+def _compiled() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         warnings.warn("qgraph: no C compiler ($CC or cc) found; all-token DeltaNet states use the "
@@ -60,7 +59,7 @@ def _compiled() -> Optional[ctypes.CDLL]:
     return loaded
 
 
-def _library() -> Optional[ctypes.CDLL]:
+def _library() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it is turned off or cannot be built."""
     if os.environ.get("QGRAPH_NATIVE", "1") == "0":
         return None

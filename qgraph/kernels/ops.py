@@ -21,7 +21,7 @@ equal the plain model's.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -138,9 +138,9 @@ def chunk_gated_delta_rule_states(
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor] = None,
-    positions: Optional[torch.Tensor] = None,
-    heads: Optional[torch.Tensor] = None,
+    initial_state: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     chunk_size: int = 64,
     states_dtype: torch.dtype = torch.float32,

@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..figure import Figure
 from .common import KINDS, _kind, _layout  # noqa: F401 - explore reads these
-from .draw import _DRAW, _residual_grid, lens_figure  # noqa: F401 - lens reads lens_figure
+from .draw import DRAW, residual_grid, lens_figure  # noqa: F401 - lens reads lens_figure
 
 __all__ = ["KINDS", "lens_figure", "plot"]
 
@@ -46,7 +46,7 @@ def plot(out, name: str, tokens=None, **options) -> Figure:
             raise NotSupported(f"'{name}' selects {len(names)} values ({found}{', ...' if len(names) > 4 else ''}): a "
                                f"glob plots residual-stream values (blocks × tokens); plot the others one by one")
         _check_options("Residual", options)
-        return _residual_grid(out, names, tokens, **options)
+        return residual_grid(out, names, tokens, **options)
     name, kind = names[0], kinds[names[0]]
     if kind is None:
         layout = _layout(out, name)
@@ -54,7 +54,7 @@ def plot(out, name: str, tokens=None, **options) -> Figure:
         raise NotSupported(f"'{name}' has {what}, which has no plot; these layouts plot: "
                            + ", ".join(f"{k} ({what})" for k, (what, _) in KINDS.items()))
     _check_options(kind, options)
-    return _DRAW[kind](out, name, tokens, **options)
+    return DRAW[kind](out, name, tokens, **options)
 
 
 def _select(out, pattern: str) -> list[str]:

@@ -44,22 +44,22 @@ def _kind(layout: str) -> str | None:
     return kind if kind in KINDS else None
 
 
-def _index(value, size: int, what: str) -> int:
+def checked_index(value, size: int, what: str) -> int:
     """``value`` as an index into ``size`` things (negative counts from the end)."""
     if not isinstance(value, int) or isinstance(value, bool) or not -size <= value < size:
         raise OutOfRange(f"{what}={value!r}: there are {size} (give an int in [-{size}, {size}))")
     return value % size
 
 
-def _tensor(out, name: str) -> torch.Tensor:
+def value_of(out, name: str) -> torch.Tensor:
     return out.values[name]
 
 
-def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+def on_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().float().cpu()
 
 
-def _option(out, name: str, key: str):
+def asked_option(out, name: str, key: str):
     """A value's option as it was asked (``values={name: {"heads": [...]}}``), if the source knows it."""
     options = getattr(getattr(out, "source", None), "options", None)
     return (options.get(name) or {}).get(key) if isinstance(options, Mapping) else None
@@ -97,14 +97,14 @@ def decode(ids, tokenizer) -> list[str]:
     return [text if text.strip() else "␣" * len(text) or "∅" for text in shown]  # a space shows as ␣
 
 
-def _labels(out, seq: int, tokens, batch: int) -> list[str]:
+def token_labels(out, seq: int, tokens, batch: int) -> list[str]:
     """The labels of a value's ``seq`` token positions."""
     if tokens is not None:
         if isinstance(tokens, str) or not isinstance(tokens, Sequence):
             raise InvalidType(f"tokens= takes a list of strings (one per token), not {type(tokens).__name__}")
         rows = list(tokens)
         if rows and not isinstance(rows[0], str) and isinstance(rows[0], Sequence):  # one list per batch row
-            rows = list(rows[_index(batch, len(rows), "batch")])
+            rows = list(rows[checked_index(batch, len(rows), "batch")])
         if len(rows) != seq:
             raise InvalidArgument(f"tokens= has {len(rows)} labels for {seq} token positions: give one per token")
         return [str(t) for t in rows]
@@ -114,7 +114,7 @@ def _labels(out, seq: int, tokens, batch: int) -> list[str]:
     return [str(i) for i in range(seq)]
 
 
-def _ticks(axis, labels: list[str], which: str, rotate: bool = False) -> None:
+def ticks(axis, labels: list[str], which: str, rotate: bool = False) -> None:
     """Label an axis with ``labels``, at most ``_MAX_LABELS`` of them (every n-th past that)."""
     step = max(1, math.ceil(len(labels) / _MAX_LABELS))
     at = list(range(0, len(labels), step))
@@ -128,7 +128,7 @@ def _ticks(axis, labels: list[str], which: str, rotate: bool = False) -> None:
         axis.set_yticklabels([labels[i] for i in at], **kwargs)
 
 
-def _canvas(width: float, height: float):
+def new_figure(width: float, height: float):
     """A matplotlib figure on an Agg canvas (no pyplot, no GUI)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure as Drawing
@@ -137,16 +137,16 @@ def _canvas(width: float, height: float):
     return figure
 
 
-def _side(seq: int) -> float:
+def panel_side(seq: int) -> float:
     """The side of a token × token panel, in inches."""
     return min(4.5, max(2.4, 0.13 * seq))
 
 
-def _title(name: str, batch: int | None, rows: int | None) -> str:
+def title(name: str, batch: int | None, rows: int | None) -> str:
     return name if batch is None or not rows or rows == 1 else f"{name}  ·  batch {batch}"
 
 
-def _input_length(out) -> int | None:
+def input_length(out) -> int | None:
     ids = getattr(out, "input_ids", None)
     return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
 
@@ -154,7 +154,7 @@ def _input_length(out) -> int | None:
 # -- small helpers --------------------------------------------------------------------------------------
 
 
-def _as_list(value, what: str) -> list:
+def as_list(value, what: str) -> list:
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
     if isinstance(value, (list, tuple, range)):
@@ -162,19 +162,19 @@ def _as_list(value, what: str) -> list:
     raise InvalidType(f"{what}= takes an int or a list of ints, not {type(value).__name__}")
 
 
-def _head_labels(out, name: str, heads: int) -> list[int]:
+def head_labels(out, name: str, heads: int) -> list[int]:
     """The heads' numbers in the model (a value asked with ``heads=[...]`` holds only those)."""
-    asked = _option(out, name, "heads")
+    asked = asked_option(out, name, "heads")
     return list(asked) if asked is not None and len(asked) == heads else list(range(heads))
 
 
-def _describe(out, name: str) -> str:
+def describe(out, name: str) -> str:
     catalogue = getattr(getattr(out, "source", None), "catalogue", None)
     entry = catalogue.get(name) if isinstance(catalogue, Mapping) else None
     return getattr(entry, "description", "") or ""
 
 
-def _common(names: list[str]) -> list[str]:
+def common_tail(names: list[str]) -> list[str]:
     """The dotted parts every name shares at the same place from the end (``layer_output``)."""
     parts = [n.split(".") for n in names]
     shared = []
@@ -185,9 +185,9 @@ def _common(names: list[str]) -> list[str]:
     return ["*." + ".".join(reversed(shared))] if shared else []
 
 
-def _short_names(names: list[str]) -> list[str]:
+def short_names(names: list[str]) -> list[str]:
     """Each name without the dotted tail all share (``layers.3`` for ``layers.3.layer_output``)."""
-    tail = _common(names)
+    tail = common_tail(names)
     cut = len(tail[0]) - 1 if tail else 0
     short = [n[:-cut] if cut and len(n) > cut else n for n in names]
     return short if len(set(short)) == len(short) else names

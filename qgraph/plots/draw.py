@@ -1,4 +1,4 @@
-"""One drawing per layout kind (``_DRAW``), and the logit lens's grid."""
+"""One drawing per layout kind (``DRAW``), and the logit lens's grid."""
 from __future__ import annotations
 
 import math
@@ -7,26 +7,27 @@ import torch
 
 from ..errors import InvalidArgument, NotSupported
 from ..figure import Figure
-from .common import (_as_list, _canvas, _common, _cpu, _describe, _head_labels, _index, _input_length, _kind, _layout,
-                     _labels, _option, _short_names, _side, _tensor, _ticks, _title, decode, tokenizer_of)
+from .common import (_kind, _layout, as_list, asked_option, checked_index, common_tail, decode, describe, head_labels,
+                     input_length, new_figure, on_cpu, panel_side, short_names, ticks, title, token_labels,
+                     tokenizer_of, value_of)
 
 
 # -- drawing --------------------------------------------------------------------------------------------
 
 
 def _pattern(out, name: str, tokens=None, *, batch: int = 0, heads=None, image: int = 0) -> Figure:
-    value = _tensor(out, name)
+    value = value_of(out, name)
     vision = isinstance(value, (list, tuple))
     if vision:  # the vision tower's patterns: one [heads, patches, patches] per image
-        image = _index(image, len(value), "image")
-        matrix, rows = _cpu(value[image]), None
+        image = checked_index(image, len(value), "image")
+        matrix, rows = on_cpu(value[image]), None
     else:
-        batch = _index(batch, value.shape[0], "batch")
-        matrix, rows = _cpu(value[batch]), value.shape[0]
+        batch = checked_index(batch, value.shape[0], "batch")
+        matrix, rows = on_cpu(value[batch]), value.shape[0]
     count = matrix.shape[0]
-    chosen = list(range(count)) if heads is None else [_index(h, count, "head") for h in _as_list(heads, "heads")]
+    chosen = list(range(count)) if heads is None else [checked_index(h, count, "head") for h in as_list(heads, "heads")]
     queries, keys = matrix.shape[-2], matrix.shape[-1]
-    labels = [str(i) for i in range(keys)] if vision and tokens is None else _labels(out, keys, tokens, batch)
+    labels = [str(i) for i in range(keys)] if vision and tokens is None else token_labels(out, keys, tokens, batch)
     probabilities = name.endswith("probabilities")
     signed = name.endswith("effective_attention")  # a DeltaNet's: signed weights, nothing above the diagonal
     shown = matrix[chosen].masked_fill(~torch.isfinite(matrix[chosen]), float("nan"))
@@ -40,8 +41,8 @@ def _pattern(out, name: str, tokens=None, *, batch: int = 0, heads=None, image: 
         low = -high
     columns = min(len(chosen), 4)
     lines = math.ceil(len(chosen) / columns)
-    side = _side(keys)
-    figure = _canvas(side * columns + 0.6, side * lines + 0.9)
+    side = panel_side(keys)
+    figure = new_figure(side * columns + 0.6, side * lines + 0.9)
     import matplotlib
     colours = matplotlib.colormaps["Blues" if probabilities else "RdBu_r" if signed else "viridis"].with_extremes(
         bad="#ffffff")  # masked: blank
@@ -50,58 +51,58 @@ def _pattern(out, name: str, tokens=None, *, batch: int = 0, heads=None, image: 
         axes.imshow(shown[k].numpy(), cmap=colours, vmin=low, vmax=high if high > low else low + 1,
                     interpolation="nearest", aspect="equal")
         axes.set_title(f"head {head}", fontsize=9)
-        _ticks(axes, labels, "x", rotate=True)
-        _ticks(axes, labels[keys - queries:] if queries <= keys else labels, "y")
+        ticks(axes, labels, "x", rotate=True)
+        ticks(axes, labels[keys - queries:] if queries <= keys else labels, "y")
         if k % columns == 0:
             axes.set_ylabel("query", fontsize=8)
         axes.set_xlabel("key", fontsize=8)
     where = f"image {image}" if vision else None
-    figure.suptitle(_title(name, batch, rows) + (f"  ·  {where}" if where else ""), fontsize=10)
+    figure.suptitle(title(name, batch, rows) + (f"  ·  {where}" if where else ""), fontsize=10)
     return Figure.from_matplotlib(figure, name, {"pattern": shown, "heads": chosen, "tokens": labels})
 
 
 def _gates(out, name: str, tokens=None, *, batch: int = 0) -> Figure:
-    value = _tensor(out, name)
-    batch = _index(batch, value.shape[0], "batch")
-    grid = _cpu(value[batch]).transpose(0, 1)  # [heads, seq]
+    value = value_of(out, name)
+    batch = checked_index(batch, value.shape[0], "batch")
+    grid = on_cpu(value[batch]).transpose(0, 1)  # [heads, seq]
     heads, seq = grid.shape
-    labels = _labels(out, seq, tokens, batch)
-    figure = _canvas(min(14.0, max(4.0, 0.16 * seq + 1.6)), max(1.8, 0.28 * heads + 1.3))
+    labels = token_labels(out, seq, tokens, batch)
+    figure = new_figure(min(14.0, max(4.0, 0.16 * seq + 1.6)), max(1.8, 0.28 * heads + 1.3))
     axes = figure.add_subplot()
     picture = axes.imshow(grid.numpy(), cmap="magma" if name.endswith("decays") else "viridis", aspect="auto",
                           interpolation="nearest")
     figure.colorbar(picture, ax=axes, shrink=0.9).set_label(name.rsplit(".", 1)[-1], fontsize=8)
-    _ticks(axes, labels, "x", rotate=True)
-    _ticks(axes, [f"head {h}" for h in _head_labels(out, name, heads)], "y")
-    axes.set_title(_describe(out, name), fontsize=8)
-    figure.suptitle(_title(name, batch, value.shape[0]), fontsize=10)
+    ticks(axes, labels, "x", rotate=True)
+    ticks(axes, [f"head {h}" for h in head_labels(out, name, heads)], "y")
+    axes.set_title(describe(out, name), fontsize=8)
+    figure.suptitle(title(name, batch, value.shape[0]), fontsize=10)
     return Figure.from_matplotlib(figure, name, {"grid": grid, "tokens": labels})
 
 
 def _states(out, name: str, tokens=None, *, batch: int = 0, head: int = 0, position: int = -1) -> Figure:
-    value = _tensor(out, name)
-    batch = _index(batch, value.shape[0], "batch")
-    states = _cpu(value[batch])
+    value = value_of(out, name)
+    batch = checked_index(batch, value.shape[0], "batch")
+    states = on_cpu(value[batch])
     over_tokens = states.dim() == 4  # [seq|positions, heads, key_dim, value_dim]; else [heads, key_dim, value_dim]
     heads = states.shape[-3]
-    head = _index(head, heads, "head")
-    names = _head_labels(out, name, heads)
-    figure = _canvas(10.5, 3.6)
+    head = checked_index(head, heads, "head")
+    names = head_labels(out, name, heads)
+    figure = new_figure(10.5, 3.6)
     left, right = figure.subplots(1, 2, width_ratios=[1.8, 1])
     if over_tokens:
         norms = states.flatten(-2).norm(dim=-1).transpose(0, 1)  # [heads, seq]
-        asked, length = _option(out, name, "positions"), _input_length(out)
+        asked, length = asked_option(out, name, "positions"), input_length(out)
         if asked is not None and len(asked) == norms.shape[1]:  # `state` at positions=[...]: each its token
-            every = _labels(out, length, tokens, batch) if length else None
+            every = token_labels(out, length, tokens, batch) if length else None
             labels = [f"{p}: {every[p]}" if every and -length <= p < length else str(p) for p in asked]
         else:
-            labels = _labels(out, norms.shape[1], tokens, batch)
+            labels = token_labels(out, norms.shape[1], tokens, batch)
         for h in range(heads):
             left.plot(range(norms.shape[1]), norms[h].numpy(), marker="o" if norms.shape[1] <= 32 else None,
                       markersize=3, linewidth=1.2, label=f"head {names[h]}")
-        _ticks(left, labels, "x", rotate=True)
+        ticks(left, labels, "x", rotate=True)
         left.set_ylabel("state norm", fontsize=8)
-        position = _index(position, states.shape[0], "position")
+        position = checked_index(position, states.shape[0], "position")
         matrix = states[position, head]
         where = f"after token {position} ({labels[position]})"
     else:
@@ -120,7 +121,7 @@ def _states(out, name: str, tokens=None, *, batch: int = 0, head: int = 0, posit
     right.set_title(f"head {names[head]}'s state {where}".strip(), fontsize=9)
     right.set_xlabel("value dim", fontsize=8)
     right.set_ylabel("key dim", fontsize=8)
-    figure.suptitle(_title(name, batch, value.shape[0]), fontsize=10)
+    figure.suptitle(title(name, batch, value.shape[0]), fontsize=10)
     data = {"norms": norms, "matrix": matrix, "head": head}
     if over_tokens:
         data.update(position=position, tokens=labels)
@@ -128,54 +129,54 @@ def _states(out, name: str, tokens=None, *, batch: int = 0, head: int = 0, posit
 
 
 def _residual(out, name: str, tokens=None, *, batch: int = 0) -> Figure:
-    value = _tensor(out, name)
-    batch = _index(batch, value.shape[0], "batch")
-    norms = _cpu(value[batch]).norm(dim=-1)  # [seq]
+    value = value_of(out, name)
+    batch = checked_index(batch, value.shape[0], "batch")
+    norms = on_cpu(value[batch]).norm(dim=-1)  # [seq]
     patches = _kind(_layout(out, name)) == "Patches"  # the vision tower's: numbered, not tokens
     labels = [str(i) for i in range(norms.shape[0])] if patches and tokens is None \
-        else _labels(out, norms.shape[0], tokens, batch)
-    figure = _canvas(min(14.0, max(4.5, 0.16 * len(labels) + 1.5)), 3.0)
+        else token_labels(out, norms.shape[0], tokens, batch)
+    figure = new_figure(min(14.0, max(4.5, 0.16 * len(labels) + 1.5)), 3.0)
     axes = figure.add_subplot()
     axes.plot(range(len(labels)), norms.numpy(), marker="o" if len(labels) <= 48 else None, markersize=3,
               color="#4a7bd0", linewidth=1.3)
-    _ticks(axes, labels, "x", rotate=True)
+    ticks(axes, labels, "x", rotate=True)
     axes.set_ylabel("norm", fontsize=8)
     axes.grid(alpha=0.3)
     axes.set_title(f"the norm of each {'patch' if patches else 'token'}'s vector", fontsize=8)
-    figure.suptitle(_title(name, batch, value.shape[0]), fontsize=10)
+    figure.suptitle(title(name, batch, value.shape[0]), fontsize=10)
     return Figure.from_matplotlib(figure, name, {"norm": norms, "tokens": labels})
 
 
-def _residual_grid(out, names: list[str], tokens=None, *, batch: int = 0) -> Figure:
-    values = [_tensor(out, n) for n in names]
+def residual_grid(out, names: list[str], tokens=None, *, batch: int = 0) -> Figure:
+    values = [value_of(out, n) for n in names]
     seqs = {tuple(v.shape[:2]) for v in values}
     if len(seqs) > 1:
-        raise InvalidArgument(f"the values {', '.join(names)} differ in batch or tokens ({sorted(seqs)}): plot them one "
-                              f"by one")
-    batch = _index(batch, values[0].shape[0], "batch")
-    grid = torch.stack([_cpu(v[batch]).norm(dim=-1) for v in values])  # [values, seq]
-    labels = _labels(out, grid.shape[1], tokens, batch)
-    rows = _short_names(names)
-    figure = _canvas(min(14.0, max(4.5, 0.16 * len(labels) + 2.5)), max(2.2, 0.26 * len(names) + 1.4))
+        raise InvalidArgument(f"the values {', '.join(names)} differ in batch or tokens ({sorted(seqs)}): plot "
+                              f"them one by one")
+    batch = checked_index(batch, values[0].shape[0], "batch")
+    grid = torch.stack([on_cpu(v[batch]).norm(dim=-1) for v in values])  # [values, seq]
+    labels = token_labels(out, grid.shape[1], tokens, batch)
+    rows = short_names(names)
+    figure = new_figure(min(14.0, max(4.5, 0.16 * len(labels) + 2.5)), max(2.2, 0.26 * len(names) + 1.4))
     axes = figure.add_subplot()
     picture = axes.imshow(grid.numpy(), cmap="viridis", aspect="auto", interpolation="nearest", origin="lower")
     figure.colorbar(picture, ax=axes, shrink=0.9).set_label("norm", fontsize=8)
-    _ticks(axes, labels, "x", rotate=True)
-    _ticks(axes, rows, "y")
+    ticks(axes, labels, "x", rotate=True)
+    ticks(axes, rows, "y")
     axes.set_title("the norm of each token's vector, block by block", fontsize=8)
-    figure.suptitle(_title(" · ".join(_common(names)) or names[0], batch, values[0].shape[0]), fontsize=10)
+    figure.suptitle(title(" · ".join(common_tail(names)) or names[0], batch, values[0].shape[0]), fontsize=10)
     return Figure.from_matplotlib(figure, f"{len(names)} values", {"grid": grid, "names": names, "rows": rows,
                                                                    "tokens": labels})
 
 
 def _features(out, name: str, tokens=None, *, batch: int = 0, top: int = 5, rows: int = 24) -> Figure:
-    value = _tensor(out, name)
+    value = value_of(out, name)
     layout = _layout(out, name)
     if layout.rstrip("]").split()[-1:] == ["k"]:
         raise NotSupported(f"'{name}' ({layout}) holds a TopK SAE's k picks without the features they are: plot "
                            f"'{name.rsplit('.', 1)[0]}.features'")
-    batch = _index(batch, value.shape[0], "batch")
-    acts = _cpu(value[batch])  # [seq, features]
+    batch = checked_index(batch, value.shape[0], "batch")
+    acts = on_cpu(value[batch])  # [seq, features]
     width = acts.shape[-1]
     if not isinstance(top, int) or isinstance(top, bool) or not 1 <= top <= width:
         raise InvalidArgument(f"top={top!r}: give an int in [1, {width}]")
@@ -185,21 +186,21 @@ def _features(out, name: str, tokens=None, *, batch: int = 0, top: int = 5, rows
     chosen = torch.unique(best.indices.flatten())
     chosen = chosen[acts[:, chosen].max(dim=0).values.argsort(descending=True)][:rows]
     grid = acts[:, chosen].transpose(0, 1)  # [features, seq]
-    labels = _labels(out, acts.shape[0], tokens, batch)
+    labels = token_labels(out, acts.shape[0], tokens, batch)
     unit = "neuron" if _kind(layout) == "Neurons" else "feature"
-    figure = _canvas(min(14.0, max(4.5, 0.16 * len(labels) + 2.2)), max(2.2, 0.2 * len(chosen) + 1.4))
+    figure = new_figure(min(14.0, max(4.5, 0.16 * len(labels) + 2.2)), max(2.2, 0.2 * len(chosen) + 1.4))
     axes = figure.add_subplot()
     picture = axes.imshow(grid.numpy(), cmap="Oranges", aspect="auto", interpolation="nearest")
     figure.colorbar(picture, ax=axes, shrink=0.9).set_label("activation", fontsize=8)
-    _ticks(axes, labels, "x", rotate=True)
-    _ticks(axes, [f"{unit} {int(f)}" for f in chosen], "y")
+    ticks(axes, labels, "x", rotate=True)
+    ticks(axes, [f"{unit} {int(f)}" for f in chosen], "y")
     axes.set_title(f"each token's top {top} {unit}s ({len(chosen)} {unit}s, the most active first)", fontsize=8)
-    figure.suptitle(_title(name, batch, value.shape[0]), fontsize=10)
+    figure.suptitle(title(name, batch, value.shape[0]), fontsize=10)
     return Figure.from_matplotlib(figure, name, {"features": chosen, "grid": grid, "top": best.indices,
                                                  "tokens": labels})
 
 
-_DRAW = {"Pattern": _pattern, "Gates": _gates, "States": _states, "State": _states, "Residual": _residual,
+DRAW = {"Pattern": _pattern, "Gates": _gates, "States": _states, "State": _states, "Residual": _residual,
          "Patches": _residual, "Features": _features, "Neurons": _features}
 
 
@@ -215,7 +216,7 @@ def lens_figure(lens, tokenizer=None, batch: int = 0, tokens=None) -> Figure:
     blocks = sorted(lens)
     ids = torch.stack([lens[b][0][:, :, 0] for b in blocks])  # [blocks, batch, positions]: each top-1
     probabilities = torch.stack([lens[b][1][:, :, 0] for b in blocks]).float()
-    batch = _index(batch, ids.shape[1], "batch")
+    batch = checked_index(batch, ids.shape[1], "batch")
     ids, probabilities = ids[:, batch].cpu(), probabilities[:, batch].detach().cpu()
     cells = [decode(row.tolist(), tokenizer) for row in ids]
     positions = list(getattr(lens, "positions", range(ids.shape[1])))
@@ -228,7 +229,7 @@ def lens_figure(lens, tokenizer=None, batch: int = 0, tokens=None) -> Figure:
         labels = [f"{p}: {t}" for p, t in zip(positions, decode(inputs[batch, positions].tolist(), tokenizer))]
     else:
         labels = [str(p) for p in positions]
-    figure = _canvas(max(3.5, 1.1 * len(positions) + 1.8), max(2.4, 0.34 * len(blocks) + 1.2))
+    figure = new_figure(max(3.5, 1.1 * len(positions) + 1.8), max(2.4, 0.34 * len(blocks) + 1.2))
     axes = figure.add_subplot()
     picture = axes.imshow(probabilities.numpy(), cmap="Blues", vmin=0, vmax=1, aspect="auto", origin="lower",
                           interpolation="nearest")

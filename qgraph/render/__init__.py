@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # the submodule diagram.py is imported here, before the function ``diagram`` below takes its name
-from .diagram import Diagram
+from .diagram import Diagram  # noqa: F401
 from ..errors import InvalidArgument, InvalidType, NoVisionEncoder, OutOfRange
 
 __all__ = ["FORMATS", "GraphvizNotFound", "NoVisionEncoder", "diagram", "render"]
@@ -122,4 +122,5 @@ def _unpack(model_or_ig):
         return model_or_ig.model, marks
     if hasattr(model_or_ig, "config") and hasattr(model_or_ig, "named_modules"):
         return model_or_ig, {}
-    raise InvalidType(f"render takes a Qwen3.5 model or a qgraph.instrument(...) result, not {type(model_or_ig).__name__}")
+    raise InvalidType(f"render takes a Qwen3.5 model or a qgraph.instrument(...) result, not "
+                      f"{type(model_or_ig).__name__}")

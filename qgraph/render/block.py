@@ -71,9 +71,12 @@ class _Block(BlockGrouping, BlockLabels, BlockTaps, Drawing):
         self._clusters()
         members = self._members(lambda node, key: key[0] in ("op", "module") and (
             self.detail == "ops" or self.kinds.get(node) != "pass"))
-        keys = set(members) | {f.src for f in flows if isinstance(f.src, tuple)} | {f.dst for f in flows if isinstance(f.dst, tuple)}
-        first = lambda key: min((self.view.index[n] for n in members.get(key, ())),
-                                default=-1 if key[0] == "in" else 10 ** 9)
+        keys = (set(members) | {f.src for f in flows if isinstance(f.src, tuple)}
+                | {f.dst for f in flows if isinstance(f.dst, tuple)})
+
+        def first(key):
+            return min((self.view.index[n] for n in members.get(key, ())), default=-1 if key[0] == "in" else 10 ** 9)
+
         spine = self._spine(flows)
         for key, box in self._add_boxes(keys, members, lambda k: (first(k), str(k))).items():
             if key in spine:
@@ -87,7 +90,8 @@ class _Block(BlockGrouping, BlockLabels, BlockTaps, Drawing):
         def kind_of(flow, src, dst):
             if flow.src in on_spine and flow.dst in on_spine:
                 return "spine"
-            return "context" if isinstance(flow.src, tuple) and flow.src[0] == "in" and flow.src[1] != "residual" else "data"
+            context = isinstance(flow.src, tuple) and flow.src[0] == "in" and flow.src[1] != "residual"
+            return "context" if context else "data"
 
         self._add_wires(flows, kind_of, self._ports if self.detail == "modules" else None)
         for name in self.ghosts:

@@ -72,7 +72,8 @@ def tensor_inputs(node: Node) -> list[Node]:
 
 
 def op_name(node: Node) -> str:
-    """``aten.linear.default`` -> ``linear``; ``qgraph.chunk_gated_delta_rule.default`` -> ``chunk_gated_delta_rule``."""
+    """``aten.linear.default`` -> ``linear``; ``qgraph.chunk_gated_delta_rule.default`` ->
+    ``chunk_gated_delta_rule``."""
     target = node.target
     if target is operator.getitem:
         return "getitem"
@@ -100,7 +101,8 @@ class GraphView:
         self.graph: Graph = program.graph
         self.catalogue, self.locator = program.catalogue, program.locator
         for node in self.graph.nodes:  # an output read the locator added runs where its op runs
-            if node.target is operator.getitem and "nn_module_stack" not in node.meta and isinstance(node.args[0], Node):
+            if (node.target is operator.getitem and "nn_module_stack" not in node.meta
+                    and isinstance(node.args[0], Node)):
                 if "nn_module_stack" in node.args[0].meta:
                     node.meta["nn_module_stack"] = node.args[0].meta["nn_module_stack"]
 

@@ -33,7 +33,8 @@ class BlockLabels:
         view, kind = self.view, key[0]
         if kind == "in":
             if key[1] == "residual":
-                label = bold("residual stream") + "<BR/>" + small(f"from {self._source_name(self.residual_in)}", 9, "#DDDDDD")
+                source = small(f"from {self._source_name(self.residual_in)}", 9, "#DDDDDD")
+                label = bold("residual stream") + "<BR/>" + source
                 return Box(box_id, label, "stream", None, "the residual stream entering the block")
             rotary = next((s for n in self.nodes for u in n.all_input_nodes if u not in self.inside
                            for s in view.scopes(u) if "rotary" in s), "rotary_emb")
@@ -90,9 +91,12 @@ class BlockLabels:
         elif "RMSNorm" in type_name:
             one_plus = any(n.target is aten.add.Tensor and 1.0 in n.args and self.const.get(n) for n in nodes)
             gated = any(n.target is aten.silu.default for n in nodes)
-            detail = type_name + ("  ·  gain 1 + w" if one_plus else "  ·  gain w") + ("  ·  × silu(gate)" if gated else "")
-        kind = "norm" if "Norm" in type_name else ("act" if "Activation" in type_name or "act" in relative else "module")
-        return Box(box_id, bold(relative) + "<BR/>" + small(detail), kind, cluster, f"{scope} ({view.types.get(scope, '')})")
+            detail = (type_name + ("  ·  gain 1 + w" if one_plus else "  ·  gain w")
+                      + ("  ·  × silu(gate)" if gated else ""))
+        activation = "Activation" in type_name or "act" in relative
+        kind = "norm" if "Norm" in type_name else ("act" if activation else "module")
+        tooltip = f"{scope} ({view.types.get(scope, '')})"
+        return Box(box_id, bold(relative) + "<BR/>" + small(detail), kind, cluster, tooltip)
 
     def _op_box(self, nodes, box_id) -> Box:
         view = self.view

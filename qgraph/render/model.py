@@ -177,7 +177,8 @@ class _Model(Drawing):
             entry = self.values[name]
             sources = derived_sources(entry)
             anchors = [a for a in self.tap_ids if set(self.tap_ids[a]) & set(sources)]
-            label = f'<B>{esc(name)}</B> {small(dims(entry.layout), 8, "#888888")}<BR/>{small("derived after the run", 8, "#888888")}'
+            label = (f'<B>{esc(name)}</B> {small(dims(entry.layout), 8, "#888888")}<BR/>'
+                     f'{small("derived after the run", 8, "#888888")}')
             box = d.add(Box(f"x{len(d.boxes)}", label, self._tap_kind([name], "tap_ghost"), None,
                             f"{entry.layout}: {entry.description}", {"values": [name], "id": name}))
             for anchor in anchors:
@@ -200,7 +201,8 @@ class _Model(Drawing):
                         and any(f.origin == op and self._reaches(f, main, flows) for f in flows)):
                     main.add(op)
         for tap_id, node in self.tap_nodes.items():
-            if self.groups[node] in main and any(f.src == tap_id and f.dst in main | set(self.tap_nodes) for f in flows):
+            reached = main | set(self.tap_nodes)
+            if self.groups[node] in main and any(f.src == tap_id and f.dst in reached for f in flows):
                 main.add(tap_id)
         return main
 
@@ -246,15 +248,17 @@ class _Model(Drawing):
         if re.match(r"vision\.layers\.\d+(-\d+)?$", name):
             first, _, last = name.removeprefix("vision.layers.").partition("-")
             title = name if not last else f"vision.layers.{first} – {last}  (× {int(last) - int(first) + 1})"
-            return Box(box_id, bold(title) + "<BR/>" + small(f"vision block  ·  {short_class(view.types.get(name, ''))}"),
-                       "block_vision", "vision", f"{name}: a vision encoder block")
+            subtitle = small(f"vision block  ·  {short_class(view.types.get(name, ''))}")
+            return Box(box_id, bold(title) + "<BR/>" + subtitle, "block_vision", "vision",
+                       f"{name}: a vision encoder block")
         cluster = "vision" if name.startswith(("vision.", "projector")) else None
         type_name = short_class(view.types.get(name, ""))
         sub = type_name
         linear = next((n for n in nodes if n.target in (aten.linear.default, aten.embedding.default)), None)
         if linear is not None and type_name in ("Linear", "Embedding"):
             rows, cols = linear.args[0 if linear.target is aten.embedding.default else 1].meta["val"].shape[:2]
-            sub = f"{type_name} {rows} × {cols}" if linear.target is aten.embedding.default else f"{type_name} {cols} → {rows}"
+            embedding = linear.target is aten.embedding.default
+            sub = f"{type_name} {rows} × {cols}" if embedding else f"{type_name} {cols} → {rows}"
         if name == "rotary_emb":
             sub = f"{type_name}  ·  cos, sin for the attention blocks"
         box_kind = "rotary" if name == "rotary_emb" else ("norm" if "Norm" in type_name else "module")
@@ -268,7 +272,8 @@ class _Model(Drawing):
         mixer = self.mixers[blocks[0]]
         title = name if len(blocks) == 1 else f"layers.{blocks[0]} – {blocks[-1]}  (× {len(blocks)})"
         sub = f"{self.view.family.title(mixer)}  ·  {mixer}"
-        marked = [n for n in self.highlight if any(n.startswith(f"layers.{b}.") for b in blocks) and n not in self.values]
+        marked = [n for n in self.highlight
+                  if any(n.startswith(f"layers.{b}.") for b in blocks) and n not in self.values]
         label = bold(title) + "<BR/>" + small(sub, 9, "#333333")
         if marked:
             edits = sum(self.highlight[n] == "edit" for n in marked)
@@ -284,8 +289,9 @@ class _Model(Drawing):
             entry = self.values[name]
             rows.append(tap_row(name, entry.layout, self.highlight.get(name), value_color="#7A6A3A"))
             tips.append(f"{entry.layout}: {entry.description}")
-        cluster = "vision" if "vision" in self.diagram.clusters and all(
-            self.values[n].host == "vision" for n in names) and not any(n.endswith("image_features") for n in names) else None
+        vision = all(self.values[n].host == "vision" for n in names) and not any(
+            n.endswith("image_features") for n in names)
+        cluster = "vision" if "vision" in self.diagram.clusters and vision else None
         return Box(tap_id, "<BR/>".join(rows), self._tap_kind(names), cluster, " | ".join(tips),
                    {"values": list(names), "id": "+".join(names), "group": "main"})
 
