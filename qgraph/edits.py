@@ -24,7 +24,7 @@ import torch
 from .errors import EditError, InvalidArgument, InvalidType
 
 # Which layout dims each selector addresses, in order of preference.
-_AXES = {
+AXES = {
     "batch": ("batch",),
     "positions": ("seq", "query", "image_tokens", "video_tokens", "patches"),
     "heads": ("num_heads", "num_kv_heads", "key_heads", "value_heads", "heads"),
@@ -56,7 +56,7 @@ class Edit:
     experts: Sequence[int] | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
-        for selector in _AXES:
+        for selector in AXES:
             chosen = getattr(self, selector)
             if chosen is not None:
                 setattr(self, selector, indices(chosen, selector, f"{type(self).__name__}({selector}=...)"))
@@ -76,7 +76,7 @@ class Edit:
     def _region(self, x: torch.Tensor, target: Target):
         """An open-mesh index of the selected region: one broadcastable index tensor per axis."""
         index = [torch.arange(size, device=x.device) for size in x.shape]
-        for selector, dims in _AXES.items():
+        for selector, dims in AXES.items():
             chosen = getattr(self, selector)
             if chosen is None:
                 continue

@@ -306,7 +306,7 @@ def _facts(name: str, catalogue, marks: dict) -> dict:
 
 def _add_captured(data: dict, out, plots: int) -> None:
     """Shape, dtype, statistics and (for the first ``plots`` values with a plot) the plot of every value ``out`` holds."""
-    from .plots import KINDS, _kind, _layout
+    from .plots import KINDS, kind_of, layout_of
     budget = plots
     for name, value in out.values.items():
         if name not in data:
@@ -319,7 +319,7 @@ def _add_captured(data: dict, out, plots: int) -> None:
         facts["shape"] = " ".join(f"[{' '.join(map(str, t.shape))}]" for t in tensors)
         facts["dtype"] = str(tensors[0].dtype).replace("torch.", "")
         facts["stats"] = _stats(tensors)
-        if _kind(_layout(out, name)) is None:
+        if kind_of(layout_of(out, name)) is None:
             facts["noplot"] = "no plot for this layout (plots: " + ", ".join(KINDS) + ")"
             continue
         if budget <= 0:

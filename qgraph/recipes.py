@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .edits import _AXES, Add, Zero
+from .edits import AXES, Add, Zero
 from .errors import InvalidArgument, InvalidType
 
 
@@ -103,7 +103,7 @@ def _by_location(effect: torch.Tensor, dims: list[str], name: str, positions, he
             continue
         if axis is None:
             raise InvalidArgument(f"attribution_patch({what}={given!r}) at '{name}': its layout has no "
-                                  f"{'/'.join(_AXES[what])} axis; leave {what}=None to take the whole value")
+                                  f"{'/'.join(AXES[what])} axis; leave {what}=None to take the whole value")
         kept[axis] = locations(given, effect.shape[axis], what, name)
     others = [axis for axis in range(effect.dim()) if axis not in kept]
     summed = effect.sum(dim=others) if others else effect  # the kept axes stay, in the layout's order

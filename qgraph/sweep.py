@@ -20,7 +20,7 @@ import torch
 
 from .distributed import blocks_of
 from .distributed.split import pick, split
-from .edits import _AXES, Edit, Replace, indices
+from .edits import AXES, Edit, Replace, indices
 from .errors import InternalError, InvalidArgument, InvalidType
 from .inputs import prepare, vision_given
 from .passes.edit import applying
@@ -205,7 +205,7 @@ def spots_of(dims: list[str], shape, positions, heads, name: str, layout: str) -
     for what, given in (("positions", positions), ("heads", heads)):
         if given is not None and axes[what] is None:
             raise InvalidArgument(f"patch({what}={given!r}) at '{name}': its layout ({layout}) has no "
-                                  f"{'/'.join(_AXES[what])} axis; leave {what}=None to patch the whole value")
+                                  f"{'/'.join(AXES[what])} axis; leave {what}=None to patch the whole value")
         chosen[what] = [None] if given is None else locations(given, shape[axes[what]], what, name)
     return axes, chosen, [(p, h) for p in chosen["positions"] for h in chosen["heads"]]
 
@@ -221,7 +221,7 @@ def stacked(values: list, chosen: dict, positions, heads, name: str):
 
 def axis_of(dims: list[str], what: str) -> int | None:
     """The axis of a layout's ``dims`` that ``what`` (an edit selector: batch, positions, heads) addresses."""
-    return next((dims.index(name) for name in _AXES[what] if name in dims), None)
+    return next((dims.index(name) for name in AXES[what] if name in dims), None)
 
 
 def locations(given, size: int, what: str, name: str) -> list[int]:

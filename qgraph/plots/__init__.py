@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..figure import Figure
-from .common import KINDS, _kind, _layout  # noqa: F401 - explore reads these
+from .common import KINDS, kind_of, layout_of  # noqa: F401 - explore reads these
 from .draw import DRAW, residual_grid, lens_figure  # noqa: F401 - lens reads lens_figure
 
 __all__ = ["KINDS", "lens_figure", "plot"]
@@ -39,17 +39,17 @@ def plot(out, name: str, tokens=None, **options) -> Figure:
     if not isinstance(name, str):
         raise InvalidType(f"plot takes a value's name (a string), not {type(name).__name__}")
     names = _select(out, name)
-    kinds = {n: _kind(_layout(out, n)) for n in names}
+    kinds = {n: kind_of(layout_of(out, n)) for n in names}
     if len(names) > 1:
         if not all(kinds[n] in ("Residual", "Patches") for n in names):
-            found = ", ".join(f"{n} ({_layout(out, n) or 'no layout'})" for n in names[:4])
+            found = ", ".join(f"{n} ({layout_of(out, n) or 'no layout'})" for n in names[:4])
             raise NotSupported(f"'{name}' selects {len(names)} values ({found}{', ...' if len(names) > 4 else ''}): a "
                                f"glob plots residual-stream values (blocks × tokens); plot the others one by one")
         _check_options("Residual", options)
         return residual_grid(out, names, tokens, **options)
     name, kind = names[0], kinds[names[0]]
     if kind is None:
-        layout = _layout(out, name)
+        layout = layout_of(out, name)
         what = f"layout {layout}" if layout else "no layout (a module port, or not known to this output)"
         raise NotSupported(f"'{name}' has {what}, which has no plot; these layouts plot: "
                            + ", ".join(f"{k} ({what})" for k, (what, _) in KINDS.items()))

@@ -26,7 +26,7 @@ KINDS = {
 _MAX_LABELS = 64  # token labels on one axis; past that every n-th token is labelled
 
 
-def _layout(out, name: str) -> str:
+def layout_of(out, name: str) -> str:
     """A captured value's layout, from what made the output (an instrumented model's catalogue, a
     loaded program's metadata); "" when unknown."""
     source = getattr(out, "source", None)
@@ -39,7 +39,7 @@ def _layout(out, name: str) -> str:
     return ""
 
 
-def _kind(layout: str) -> str | None:
+def kind_of(layout: str) -> str | None:
     kind = layout.split("[", 1)[0].strip()
     return kind if kind in KINDS else None
 

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import InvalidArgument, NotSupported
 from ..figure import Figure
-from .common import (_kind, _layout, as_list, asked_option, checked_index, common_tail, decode, describe, head_labels,
+from .common import (kind_of, layout_of, as_list, asked_option, checked_index, common_tail, decode, describe, head_labels,
                      input_length, new_figure, on_cpu, panel_side, short_names, ticks, title, token_labels,
                      tokenizer_of, value_of)
 
@@ -132,7 +132,7 @@ def _residual(out, name: str, tokens=None, *, batch: int = 0) -> Figure:
     value = value_of(out, name)
     batch = checked_index(batch, value.shape[0], "batch")
     norms = on_cpu(value[batch]).norm(dim=-1)  # [seq]
-    patches = _kind(_layout(out, name)) == "Patches"  # the vision tower's: numbered, not tokens
+    patches = kind_of(layout_of(out, name)) == "Patches"  # the vision tower's: numbered, not tokens
     labels = [str(i) for i in range(norms.shape[0])] if patches and tokens is None \
         else token_labels(out, norms.shape[0], tokens, batch)
     figure = new_figure(min(14.0, max(4.5, 0.16 * len(labels) + 1.5)), 3.0)
@@ -171,7 +171,7 @@ def residual_grid(out, names: list[str], tokens=None, *, batch: int = 0) -> Figu
 
 def _features(out, name: str, tokens=None, *, batch: int = 0, top: int = 5, rows: int = 24) -> Figure:
     value = value_of(out, name)
-    layout = _layout(out, name)
+    layout = layout_of(out, name)
     if layout.rstrip("]").split()[-1:] == ["k"]:
         raise NotSupported(f"'{name}' ({layout}) holds a TopK SAE's k picks without the features they are: plot "
                            f"'{name.rsplit('.', 1)[0]}.features'")
@@ -187,7 +187,7 @@ def _features(out, name: str, tokens=None, *, batch: int = 0, top: int = 5, rows
     chosen = chosen[acts[:, chosen].max(dim=0).values.argsort(descending=True)][:rows]
     grid = acts[:, chosen].transpose(0, 1)  # [features, seq]
     labels = token_labels(out, acts.shape[0], tokens, batch)
-    unit = "neuron" if _kind(layout) == "Neurons" else "feature"
+    unit = "neuron" if kind_of(layout) == "Neurons" else "feature"
     figure = new_figure(min(14.0, max(4.5, 0.16 * len(labels) + 2.2)), max(2.2, 0.2 * len(chosen) + 1.4))
     axes = figure.add_subplot()
     picture = axes.imshow(grid.numpy(), cmap="Oranges", aspect="auto", interpolation="nearest")

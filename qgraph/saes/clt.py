@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidArgument, OutOfRange
-from .sae import _shape
+from .sae import shape_of
 from .transcoder import READS, WRITES
 
 
@@ -60,7 +60,7 @@ class CrossLayerTranscoder(torch.nn.Module):
         n = len(W_enc)
         first = W_enc[0]
         if not isinstance(first, Tensor) or first.dim() != 2:
-            raise InvalidArgument(f"{source}: W_enc[0] should be a [d_model, d_transcoder] tensor, not {_shape(first)}")
+            raise InvalidArgument(f"{source}: W_enc[0] should be a [d_model, d_transcoder] tensor, not {shape_of(first)}")
         d_model, d_transcoder = first.shape
         dims = {"W_enc": lambda i: (d_model, d_transcoder), "b_enc": lambda i: (d_transcoder,),
                 "W_dec": lambda i: (d_transcoder, n - i, d_model), "b_dec": lambda i: (d_model,),
@@ -72,7 +72,7 @@ class CrossLayerTranscoder(torch.nn.Module):
             for i, tensor in enumerate(value):
                 shape = dims[name](i)
                 if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape:
-                    raise InvalidArgument(f"{source}: {name}[{i}] has shape {_shape(tensor)}, expected {list(shape)} "
+                    raise InvalidArgument(f"{source}: {name}[{i}] has shape {shape_of(tensor)}, expected {list(shape)} "
                                           f"(d_model={d_model}, d_transcoder={d_transcoder} from W_enc[0] "
                                           f"[d_model, d_transcoder], {n} blocks)")
                 if not tensor.is_floating_point():
@@ -124,7 +124,7 @@ class CrossLayerTranscoder(torch.nn.Module):
 
     def _check_input(self, x, width: int, what: str) -> None:
         if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != width:
-            raise InvalidArgument(f"{self.source}: {what} should be [..., {width}], not {_shape(x)}")
+            raise InvalidArgument(f"{self.source}: {what} should be [..., {width}], not {shape_of(x)}")
 
     def pre(self, i: int, x: Tensor) -> Tensor:
         """Block ``i``'s pre-activations ``x @ W_enc[i] + b_enc[i]`` ``[..., d_transcoder]``, in the CLT's dtype."""

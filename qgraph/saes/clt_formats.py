@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
-from .formats import _yaml
+from .formats import read_yaml
 from .transcoder_formats import hooks_read, hooks_written, reads_of, writes_mlp
 
 MAX_BLOCKS = 4096  # a bound on the files a folder may name
@@ -76,13 +76,13 @@ def read(path, dtype: torch.dtype | None = None, reads: str | None = None) -> di
     if others:
         raise NotSupported(f"{path}: {', '.join(others[:3])}: qgraph reads cross-layer transcoders from safetensors "
                            f"files only ({_LAYOUTS})")
-    encoders = _numbered(path, files, r"W_enc_(\d+)\.safetensors")
-    gemma = _numbered(path, files, r"params_layer_(\d+)\.safetensors")
+    encoders = numbered(path, files, r"W_enc_(\d+)\.safetensors")
+    gemma = numbered(path, files, r"params_layer_(\d+)\.safetensors")
     if encoders and gemma:
         raise InvalidArgument(f"{path} holds both circuit-tracer's W_enc_{{i}} files and Gemma Scope 2's "
                               f"params_layer_{{i}} files: keep one cross-layer transcoder per folder")
     if encoders:
-        record = _circuit_tracer(path, encoders, _numbered(path, files, r"W_dec_(\d+)\.safetensors",
+        record = _circuit_tracer(path, encoders, numbered(path, files, r"W_dec_(\d+)\.safetensors",
                                                                   complete=False))
     elif gemma:
         record = _gemma_scope_2(path, gemma)
@@ -153,7 +153,7 @@ def _gemma_scope_2(folder: Path, files: dict) -> dict:
     return {**record, "W_skip": record["W_skip"] or None, "source": f"Gemma Scope 2 CLT {folder}"}
 
 
-def _numbered(folder: Path, files: dict, pattern: str, complete: bool = True) -> dict[int, Path]:
+def numbered(folder: Path, files: dict, pattern: str, complete: bool = True) -> dict[int, Path]:
     """``{i: file}`` of the folder's files named by ``pattern``, numbered 0 to n - 1 with none missing
     (where ``complete``); each a plain file of the folder itself (a link out of it is refused)."""
     found = {}
@@ -205,7 +205,7 @@ def _tensors(file: Path, handle, layout: dict[str, str], sizes: dict[str, int]) 
 
 
 def _config(file: Path) -> dict:
-    config = _yaml(file)
+    config = read_yaml(file)
     kind = config.get("model_kind", "cross_layer_transcoder")
     if kind != "cross_layer_transcoder":
         hint = ": a per-layer set loads with qgraph.Transcoder.load(path, layer=i)" if kind == "transcoder_set" else ""

@@ -48,9 +48,9 @@ def read(path, layer: int | None = None, k: int | None = None) -> dict:
     elif (path / "cfg.json").is_file():
         raise MissingFile(f"{path}: cfg.json has no weights beside it (sae_weights.safetensors for SAELens, "
                           f"sae.safetensors for sparsify)")
-    elif files := _numbered(path, r"layer(\d+)\.sae\.pt", want_dir=False):
+    elif files := numbered(path, r"layer(\d+)\.sae\.pt", want_dir=False):
         record = _qwen_scope(_pick(files, layer, path, "layer{i}.sae.pt files"), k)
-    elif folders := _numbered(path, r"layers\.(\d+)", want_dir=True):
+    elif folders := numbered(path, r"layers\.(\d+)", want_dir=True):
         return read(_pick(folders, layer, path, "layers.{i} folders"), layer, k)
     elif (path / "config.yaml").is_file():
         raise InvalidArgument(f"{path}: config.yaml, a circuit-tracer transcoder set: load it with "
@@ -86,7 +86,7 @@ def _qwen_scope(file: Path, k: int | None) -> dict:
 
 
 def _saelens(folder: Path, k: int | None) -> dict:
-    cfg, where = _json(folder / "cfg.json"), folder / "cfg.json"
+    cfg, where = read_json(folder / "cfg.json"), folder / "cfg.json"
     architecture = cfg.get("architecture", "standard")
     nested = architecture if isinstance(architecture, dict) else {}
     if nested:
@@ -108,7 +108,7 @@ def _saelens(folder: Path, k: int | None) -> dict:
     if cfg.get("finetuning_scaling_factor"):
         raise NotSupported(f"{where}: finetuning_scaling_factor is not supported: fold it into W_dec first")
     weights = folder / "sae_weights.safetensors"
-    tensors = _safetensors(weights)
+    tensors = read_safetensors(weights)
     if architecture == "jumprelu" and "threshold" not in tensors and "log_threshold" in tensors:
         tensors["threshold"] = tensors["log_threshold"].exp()  # as SAELens's training SAEs keep it
     layout = {"W_enc": "d_in d_sae", "b_enc": "d_sae", "W_dec": "d_sae d_in", "b_dec": "d_in"}
@@ -130,7 +130,7 @@ def _saelens(folder: Path, k: int | None) -> dict:
 
 
 def _sparsify(folder: Path, k: int | None) -> dict:
-    cfg, where = _json(folder / "cfg.json"), folder / "cfg.json"
+    cfg, where = read_json(folder / "cfg.json"), folder / "cfg.json"
     if cfg.get("transcode"):
         raise NotSupported(f"{where}: a transcoder (transcode=true), not an SAE: qgraph reads SAEs")
     if cfg.get("skip_connection"):
@@ -138,7 +138,7 @@ def _sparsify(folder: Path, k: int | None) -> dict:
     if cfg.get("activation", "topk") != "topk":
         raise NotSupported(f"{where}: activation {cfg['activation']!r} is not supported (only 'topk')")
     weights = folder / "sae.safetensors"
-    tensors = _safetensors(weights)
+    tensors = read_safetensors(weights)
     d_in, d_sae = _check_layout(weights, tensors, {"encoder.weight": "d_sae d_in", "encoder.bias": "d_sae",
                                                    "W_dec": "d_sae d_in", "b_dec": "d_in"})
     latents = cfg.get("num_latents") or (cfg["expansion_factor"] * d_in if cfg.get("expansion_factor") else None)
@@ -178,7 +178,7 @@ def k_from_name(path: Path) -> int | None:
     return None
 
 
-def _numbered(folder: Path, pattern: str, want_dir: bool) -> dict[int, Path]:
+def numbered(folder: Path, pattern: str, want_dir: bool) -> dict[int, Path]:
     """The entries of ``folder`` whose names match ``pattern`` (one group: the number), by number."""
     found = {}
     for entry in folder.iterdir():
@@ -200,7 +200,7 @@ def _layer_of(hook: str | None) -> int | None:
     return int(match[1]) if match else None
 
 
-def _json(file: Path) -> dict:
+def read_json(file: Path) -> dict:
     try:
         cfg = json.loads(file.read_text())
     except ValueError as error:
@@ -210,7 +210,7 @@ def _json(file: Path) -> dict:
     return cfg
 
 
-def _yaml(file: Path) -> dict:
+def read_yaml(file: Path) -> dict:
     """The settings of a YAML file (safe_load: data only), or an InvalidArgument naming the file."""
     import yaml
     try:
@@ -222,7 +222,7 @@ def _yaml(file: Path) -> dict:
     return config
 
 
-def _safetensors(file: Path) -> dict:
+def read_safetensors(file: Path) -> dict:
     from safetensors.torch import load_file
     try:
         return load_file(str(file))

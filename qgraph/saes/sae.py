@@ -58,12 +58,12 @@ class SAE(torch.nn.Module):
         self.activation, self.k = activation, k
         self.subtract_b_dec, self.topk_relu, self.hook = bool(subtract_b_dec), bool(topk_relu), hook
         dtype = W_enc.dtype
-        self.W_enc = _frozen(W_enc, dtype)
-        self.b_enc = _frozen(b_enc, dtype)
-        self.W_dec = _frozen(W_dec, dtype)
-        self.b_dec = _frozen(b_dec, dtype)
+        self.W_enc = frozen(W_enc, dtype)
+        self.b_enc = frozen(b_enc, dtype)
+        self.W_dec = frozen(W_dec, dtype)
+        self.b_dec = frozen(b_dec, dtype)
         if activation == "jumprelu":
-            self.threshold = _frozen(threshold, dtype)
+            self.threshold = frozen(threshold, dtype)
         else:
             self.register_parameter("threshold", None)
 
@@ -141,7 +141,7 @@ class SAE(torch.nn.Module):
                 f"hook={self.hook!r}, dtype={self.W_enc.dtype}, source={self.source!r}")
 
 
-def _frozen(tensor: Tensor, dtype: torch.dtype) -> torch.nn.Parameter:
+def frozen(tensor: Tensor, dtype: torch.dtype) -> torch.nn.Parameter:
     """A parameter holding ``tensor`` (no copy where it already has ``dtype``), without gradients:
     the SAE is read and edited, not trained."""
     return torch.nn.Parameter(tensor.detach().to(dtype), requires_grad=False)
@@ -152,10 +152,10 @@ def _check_shapes(source: str, W_enc, b_enc, W_dec, b_dec, threshold, activation
     """A ValueError naming ``source`` and the tensor when the record's shapes disagree (a transcoder's,
     ``decodes_input=False``, decodes to b_dec's width, its d_out, rather than to d_in)."""
     if not isinstance(W_enc, Tensor) or W_enc.dim() != 2:
-        raise InvalidArgument(f"{source}: W_enc should be a [d_in, d_sae] tensor, not {_shape(W_enc)}")
+        raise InvalidArgument(f"{source}: W_enc should be a [d_in, d_sae] tensor, not {shape_of(W_enc)}")
     d_in, d_sae = W_enc.shape
     if not decodes_input and (not isinstance(b_dec, Tensor) or b_dec.dim() != 1):
-        raise InvalidArgument(f"{source}: b_dec should be a [d_out] tensor, not {_shape(b_dec)}")
+        raise InvalidArgument(f"{source}: b_dec should be a [d_out] tensor, not {shape_of(b_dec)}")
     d_out = d_in if decodes_input else b_dec.shape[0]
     expected = {"b_enc": (b_enc, (d_sae,)), "W_dec": (W_dec, (d_sae, d_out)), "b_dec": (b_dec, (d_out,))}
     if activation == "jumprelu":
@@ -165,9 +165,9 @@ def _check_shapes(source: str, W_enc, b_enc, W_dec, b_dec, threshold, activation
     for name, (tensor, shape) in expected.items():
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape:
             makes = "makes" if decodes_input else f"and b_dec [d_out={d_out}] make"
-            raise InvalidArgument(f"{source}: {name} has shape {_shape(tensor)}, but W_enc [d_in={d_in}, d_sae={d_sae}] "
+            raise InvalidArgument(f"{source}: {name} has shape {shape_of(tensor)}, but W_enc [d_in={d_in}, d_sae={d_sae}] "
                                   f"{makes} it {list(shape)}")
 
 
-def _shape(tensor) -> str:
+def shape_of(tensor) -> str:
     return str(list(tensor.shape)) if isinstance(tensor, Tensor) else type(tensor).__name__

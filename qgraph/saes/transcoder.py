@@ -23,7 +23,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..errors import InvalidArgument
-from .sae import SAE, _frozen, _shape
+from .sae import SAE, frozen, shape_of
 
 READS = ("mlp_input", "layer_mid")  # the values of a block a transcoder may read
 WRITES = "mlp.mlp_output"  # the value of a block it writes
@@ -50,10 +50,10 @@ class Transcoder(SAE):
         if W_skip is None:
             self.register_parameter("W_skip", None)
         elif not isinstance(W_skip, Tensor) or tuple(W_skip.shape) != (self.d_in, self.d_out):
-            raise InvalidArgument(f"{source}: W_skip has shape {_shape(W_skip)}, but W_enc [d_in={self.d_in}, ...] and "
+            raise InvalidArgument(f"{source}: W_skip has shape {shape_of(W_skip)}, but W_enc [d_in={self.d_in}, ...] and "
                                   f"b_dec [d_out={self.d_out}] make it {[self.d_in, self.d_out]} (x @ W_skip)")
         else:
-            self.W_skip = _frozen(W_skip, self.W_enc.dtype)
+            self.W_skip = frozen(W_skip, self.W_enc.dtype)
 
     @classmethod
     def load(cls, path, layer: int | None = None, k: int | None = None) -> "Transcoder":

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
 from ..values.aliases import tl_names, tl_split, tl_value
-from .formats import _json, _numbered, _safetensors, _yaml
+from .formats import read_json, numbered, read_safetensors, read_yaml
 from .transcoder import READS, WRITES
 
 # SAELens architectures -> (activation, has W_skip)
@@ -62,10 +62,10 @@ def read(path, layer: int | None = None, k: int | None = None) -> dict:
         config = _config(path / "config.yaml")
         number, file = _pick(_set_files(path, config), layer, path, "layer files (config.yaml)")
         record = _circuit_tracer(file, config, k, number)
-    elif files := _numbered(path, r"layer_(\d+)\.safetensors", want_dir=False):
+    elif files := numbered(path, r"layer_(\d+)\.safetensors", want_dir=False):
         number, file = _pick(files, layer, path, "layer_{i}.safetensors files")
         record = _circuit_tracer(file, {}, k, number)
-    elif folders := _numbered(path, r"layer_(\d+)", want_dir=True):
+    elif folders := numbered(path, r"layer_(\d+)", want_dir=True):
         return read(_pick(folders, layer, path, "layer_{i} folders")[1], layer, k)
     else:
         raise MissingFile(f"no transcoder in {path}: expected {_LAYOUTS}")
@@ -77,7 +77,7 @@ def read(path, layer: int | None = None, k: int | None = None) -> dict:
 
 
 def _circuit_tracer(file: Path, config: dict, k: int | None, layer: int | None) -> dict:
-    tensors = _safetensors(file)
+    tensors = read_safetensors(file)
     layout = {"b_enc": "d_transcoder", "b_dec": "d_model", "W_enc": "d_transcoder d_model",
               "W_dec": "d_transcoder d_model"}
     if "W_skip" in tensors:
@@ -111,7 +111,7 @@ def _circuit_tracer(file: Path, config: dict, k: int | None, layer: int | None) 
 
 
 def _saelens(folder: Path, k: int | None) -> dict:
-    cfg, where = _json(folder / "cfg.json"), folder / "cfg.json"
+    cfg, where = read_json(folder / "cfg.json"), folder / "cfg.json"
     architecture = cfg.get("architecture", "standard")
     if architecture not in SAELENS:
         raise InvalidArgument(f"{where}: architecture {architecture!r} is not a transcoder's ({', '.join(SAELENS)}): "
@@ -126,7 +126,7 @@ def _saelens(folder: Path, k: int | None) -> dict:
             raise NotSupported(f"{where}: {key}={cfg[key]!r} is not supported (only 'none')")
     activation, skip = SAELENS[architecture]
     weights = folder / "sae_weights.safetensors"
-    tensors = _safetensors(weights)
+    tensors = read_safetensors(weights)
     layout = {"b_enc": "d_sae", "b_dec": "d_out", "W_enc": "d_in d_sae", "W_dec": "d_sae d_out"}
     if activation == "jumprelu":
         layout["threshold"] = "d_sae"
@@ -194,7 +194,7 @@ def _set_files(folder: Path, config: dict) -> dict[int, Path | str]:
     from the folder under its file name, and stays a string (to be named) where it is not there."""
     listed = config.get("transcoders")
     if listed is None:
-        return _numbered(folder, r"layer_(\d+)\.safetensors", want_dir=False)
+        return numbered(folder, r"layer_(\d+)\.safetensors", want_dir=False)
     files = {}
     for index, entry in enumerate(listed if isinstance(listed, list) else []):
         number, where = (entry.get("layer", index), entry.get("filepath")) if isinstance(entry, dict) else (index, entry)
@@ -228,7 +228,7 @@ def _pick(found: dict, layer: int | None, folder: Path, what: str) -> tuple[int,
 
 
 def _config(file: Path) -> dict:
-    config = _yaml(file)
+    config = read_yaml(file)
     kind = config.get("model_kind", "transcoder_set")
     if kind != "transcoder_set":
         raise NotSupported(f"{file}: model_kind {kind!r}: qgraph reads per-layer transcoders (transcoder_set), "

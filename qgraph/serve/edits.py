@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from ..edits import _AXES, Add, Edit, Replace, Scale, Zero
+from ..edits import AXES, Add, Edit, Replace, Scale, Zero
 from ..errors import EditError
 
 KINDS = {"Replace": Replace, "Add": Add, "Scale": Scale, "Zero": Zero}
@@ -29,7 +29,7 @@ def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, t
             raise EditError(f"the edit at '{name}' is a {kind}; a remote call takes Replace, Add, Scale, Zero or a "
                             f"function edit")
         spec, tensors = {"kind": kind}, {}
-        for selector in _AXES:
+        for selector in AXES:
             if getattr(edit, selector) is not None:
                 spec[selector] = list(getattr(edit, selector))
         field = _TENSORS.get(kind)
@@ -76,12 +76,12 @@ def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used:
         return load_function(spec["graph"], held, name)
     if kind not in KINDS:
         raise EditError(f"{where} is of kind {kind[:40]!r}; the kinds are {', '.join(KINDS)} and function")
-    allowed = {"kind", *_AXES, *([_TENSORS[kind]] if kind in _TENSORS else []), *_NUMBERS.get(kind, ())}
+    allowed = {"kind", *AXES, *([_TENSORS[kind]] if kind in _TENSORS else []), *_NUMBERS.get(kind, ())}
     unknown = sorted(set(spec) - allowed)
     if unknown:
         raise EditError(f"{where}: a {kind} takes {', '.join(sorted(allowed - {'kind'}))}, not {unknown}")
     fields = {}
-    for selector in _AXES:
+    for selector in AXES:
         if selector in spec:
             chosen = spec[selector]
             if not isinstance(chosen, list) or not 0 < len(chosen) <= _MAX_INDICES or not all(
