@@ -32,9 +32,9 @@ PARTS = {
     "features": ("Features [batch seq d_sae]", "The {kind}'s feature activations of {reads} (edit them here)"),
     "reconstruction": (None, "The {kind}'s {output}"),
     "error": (None, "{target} minus the {kind}'s {unedited}; read-only"),
-    "activations": ("Features [batch seq k]", "A TopK {kind}'s k feature activations per token: the features, as "
-                                              "edited, that its encoder selected, largest pre-activation first "
-                                              "(the sparse form); read-only"),
+    "activations": ("Features [batch seq k]", ("A TopK {kind}'s k feature activations per token: the features, as "
+                                               "edited, that its encoder selected, largest pre-activation first "
+                                               "(the sparse form); read-only")),
     "indices": ("Features [batch seq k]", "Which features its encoder selected (int32); read-only"),
 }
 SPARSE = ("activations", "indices")
