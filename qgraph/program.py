@@ -13,8 +13,7 @@ from torch.fx import GraphModule, Node
 
 from .errors import InvalidArgument, InvalidState, InvalidType
 from .values.catalogue import Entry, build_catalogue
-from .values.saes import sae_entries
-from .values.transcoders import transcoder_entries
+from .values.dictionaries import dictionary_entries
 from .export import ExportedModel
 from .kernels.buffers import BufferPool, reusing
 from .passes import Found, Locator, OnRequest
@@ -33,9 +32,9 @@ class Program:
         self.model, self.exported, self.family = model, exported, exported.family
         # tensors read instead of the model's (weights loaded for a model on meta), and their device
         self.weights, self.device = weights if weights is not None else {}, device
-        self.saes = saes or {}  # {hook value: (SAE, splice)}: their values are made on request (values.saes)
-        self.transcoders = transcoders or {}  # {block: (Transcoder, splice)}: likewise (values.transcoders)
-        self.spliced: dict[str, dict] = {}  # the splices made: {hook: {value name: node}}
+        self.saes = saes or {}  # {hook value: (SAE, splice)}: their values are made on request (values.dictionaries)
+        self.transcoders = transcoders or {}  # {block: (Transcoder, splice)}: likewise
+        self.spliced: dict[str, Node] = {}  # the values the splices made: {value name: node}
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(exported.graph, {}))
         attributes = {node.target: getattr(exported.program.graph_module, node.target)
@@ -69,10 +68,7 @@ class Program:
     def _catalogue(self) -> dict[str, Entry]:
         self.locator = Locator(self.graph, self.family, self.model.config)  # ports and scopes, for the diagrams
         entries = build_catalogue(self.family, self.model.config, self.locator, self.module_names)
-        entries = {**entries, **sae_entries(entries, self.saes, self.spliced)} if self.saes else entries
-        if self.transcoders:
-            entries = {**entries, **transcoder_entries(entries, self.transcoders, self.spliced)}
-        return entries
+        return {**entries, **dictionary_entries(entries, self.saes, self.transcoders, self.spliced)}
 
     def recatalogue(self) -> None:
         """Catalogue the graph again (after a rewrite: a decomposed block's pattern is now found)."""

@@ -26,7 +26,7 @@ def test_every_family_rule_type_has_a_locator():
 
 
 def test_every_rule_type_but_saes_has_a_locator():
-    # SAE values are made by values.saes, never located
+    # SAE values are made by values.dictionaries, never located
     assert {kind for kind in Rule.__subclasses__() if kind is not SAEPart} == set(LOCATORS)
 
 

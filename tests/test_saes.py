@@ -77,6 +77,26 @@ def test_the_reconstruction_splice_feeds_the_reconstruction(sdpa_model, sae, ids
     assert not torch.allclose(out.logits, run.logits)
 
 
+@pytest.mark.parametrize("splice", ["error", "reconstruction"])
+def test_the_splice_is_its_formulas_bit_for_bit(sdpa_model, sae, ids, splice):
+    """What block 2 reads and the SAE's values, exactly, against the SAE's own decode of the features
+    the graph made: ``error = x - decode(features0)``; with ``splice="error"`` block 2 reads ``x``
+    unedited and ``x + (decode(features) - decode(features0))`` edited; with ``"reconstruction"``,
+    ``decode(features)``."""
+    ig = qgraph.instrument(sdpa_model, values=VALUES, edits=["layers.1.sae.features"], saes={HOOK: sae}, splice=splice)
+    plain = ig(ids)
+    features0 = plain["layers.1.sae.features"]
+    active = int(features0[0, -1].argmax())
+    for out in (plain, ig(ids, edits={"layers.1.sae.features": qgraph.Scale(3.0, neurons=[active])})):
+        x, features = out[HOOK], out["layers.1.sae.features"]
+        assert torch.equal(x, plain[HOOK])  # the value itself stays the model's
+        assert torch.equal(out["layers.1.sae.error"], x - sae.decode(features0))
+        assert torch.equal(out["layers.1.sae.reconstruction"], sae.decode(features))
+        reads = x + (sae.decode(features) - sae.decode(features0)) if out is not plain else x
+        assert torch.equal(out["layers.2.layer_input"], sae.decode(features) if splice == "reconstruction" else reads)
+    assert not torch.equal(features, features0)
+
+
 def test_top_features_are_the_largest_activations(spliced, sae, ids, run):
     activations, features = spliced.top_features(ids, layer=1, k=3)
     expected = run["layers.1.sae.features"].topk(3, dim=-1)

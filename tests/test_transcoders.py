@@ -211,6 +211,30 @@ def test_the_reconstruction_splice_feeds_the_transcoders_output(sdpa_model, tc, 
     torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splice", ["error", "reconstruction"])
+def test_the_splice_is_its_formulas_bit_for_bit(sdpa_model, tc, ids, splice):
+    """What block 1 adds to its stream and the transcoder's values, exactly, against its own decode
+    and skip of the graph's features and MLP input: ``error = m - (decode(features0) + skip(x))``;
+    with ``splice="error"`` the block reads ``m`` unedited and ``m + (decode(features) -
+    decode(features0))`` edited (the skip path cancels); with ``"reconstruction"``,
+    ``decode(features) + skip(x)``."""
+    sides = ["layers.1.mlp_input", "layers.1.mlp.mlp_output", "layers.1.layer_mid", "layers.1.layer_output"]
+    ig = qgraph.instrument(sdpa_model, values=[*sides, *names(1)], edits=["layers.1.transcoder.features"],
+                           transcoders={1: tc}, splice=splice)
+    plain = ig(ids)
+    features0 = plain["layers.1.transcoder.features"]
+    active = int((features0 != 0).sum((0, 1)).argmax())
+    for out in (plain, ig(ids, edits={"layers.1.transcoder.features": qgraph.Scale(3.0, neurons=[active])})):
+        x, m, mid, features = (out[name] for name in (*sides[:3], "layers.1.transcoder.features"))
+        assert torch.equal(m, plain["layers.1.mlp.mlp_output"])  # the value itself stays the model's
+        assert torch.equal(out["layers.1.transcoder.error"], m - (tc.decode(features0) + tc.skip(x)))
+        recon = tc.decode(features) + tc.skip(x)
+        assert torch.equal(out["layers.1.transcoder.reconstruction"], recon)
+        reads = m + (tc.decode(features) - tc.decode(features0)) if out is not plain else m
+        assert torch.equal(out["layers.1.layer_output"], mid + (recon if splice == "reconstruction" else reads))
+    assert not torch.equal(features, features0)
+
+
 def test_a_topk_transcoder_across_the_moe_block(sparse_model, tmp_path_factory):
     model = sparse_model("qwen3_5_moe")
     folder = write_transcoders(tmp_path_factory.mktemp("moe-tc"), model.config.hidden_size, [3], 128,

@@ -1,7 +1,7 @@
 """Splice a cross-layer transcoder (``saes.clt.CrossLayerTranscoder``) across every block's MLP: block
 i's features read its MLP input and their decoders write the MLP outputs of blocks i..n-1; each
 block's features, reconstruction and error become nodes (the values ``layers.{i}.transcoder.*``,
-``values.transcoders``).
+``values.dictionaries``).
 
 The splice is one rewrite of the whole program, made when any of the CLT's values is asked for (or
 its features edited): a block's reconstruction reads the features of every block before it, and an
@@ -21,17 +21,19 @@ and what reads ``m_j`` reads, with ``splice="error"`` (the default), ``m_j + (de
 where the features of some block i <= j can be edited (exactly ``m_j`` while they are not edited: the
 two decodes agree bit for bit) and ``m_j`` itself otherwise; with ``splice="reconstruction"``,
 ``recon_j``. The encode and decode of each block are the CLT's own methods, called as submodules.
+These are a per-layer splice's formulas (``passes.splice``, whose functions emit them here) with the
+decode reading the features of every block before it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
-from ..kernels.ops import MARK_OP
-from .emit import emit_module, emitter
+from .emit import emitter
 from .on_request import Rewrite
+from .splice import emit_features, emit_outputs, name_parts
 
 aten = torch.ops.aten
 
@@ -59,8 +61,7 @@ class SpliceCLT(Rewrite):
     sources: tuple[Node, ...]
     outputs: tuple[Node, ...]
     splice: str = "error"
-    note: str = field(default="asking for it splices the cross-layer transcoder across every block's MLP (encode "
-                              "each block's input, decode to it and every later block, error at each output)")
+    note: str = Rewrite.note
 
     def apply(self, program, node: Node, name: str, option: dict) -> None:
         graph, module, clt = program.graph, program.module, self.clt
@@ -70,26 +71,14 @@ class SpliceCLT(Rewrite):
             stem = f"clt__layers_{j}__"
             for method in ("encode", "decode_to") + (("skip",) if clt.W_skip is not None else ()):
                 module.add_submodule(stem + method, BlockCall(clt, method, j))
-            readers = list(m.users)
-            emit, value = emitter(graph, m), m.meta["val"]
-            with value.fake_mode:
-                wide = value.new_empty(*value.shape[:-1], clt.d_transcoder)
+            readers, emit = list(m.users), emitter(graph, m)
             with graph.inserting_before(m.next):  # after block j's MLP output (x_j and blocks i < j before it)
-                original.append(emit_module(graph, m, stem + "encode", (x,), wide))
+                original.append(emit_features(graph, emit, m, stem, x, clt)[0])
                 features.append(emit(aten.alias.default, original[-1]))
-                decoded0 = emit_module(graph, m, stem + "decode_to", tuple(original), value)
-                skip = emit_module(graph, m, stem + "skip", (x,), value) if clt.W_skip is not None else None
-                recon0 = decoded0 if skip is None else emit(aten.add.Tensor, decoded0, skip)
-                parts = {"reconstruction": recon0, "error": emit(aten.sub.Tensor, m, recon0)}
-                out = m
-                if any(edited[:j + 1]) or self.splice == "reconstruction":
-                    decoded = emit_module(graph, m, stem + "decode_to", tuple(features), value)
-                    parts["reconstruction"] = decoded if skip is None else emit(aten.add.Tensor, decoded, skip)
-                    out = parts["reconstruction"] if self.splice == "reconstruction" else \
-                        emit(aten.add.Tensor, m, emit(aten.sub.Tensor, decoded, decoded0))
-                prefix = f"layers.{j}.transcoder"
-                named = {f"{prefix}.features": emit(MARK_OP, features[-1], f"{prefix}.features"),
-                         **{f"{prefix}.{part}": found for part, found in parts.items()}}
+                parts, out = emit_outputs(graph, emit, m, stem + "decode_to", tuple(original), tuple(features),
+                                          stem + "skip" if clt.W_skip is not None else None, x, any(edited[:j + 1]),
+                                          self.splice)
+                named = name_parts(emit, (f"layers.{j}.transcoder",), {"features": features[-1], **parts})
             for reader in readers:
                 reader.replace_input_with(m, out)
-            program.spliced[prefix] = named
+            program.spliced.update(named)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidArgument, OutOfRange
-from ..values.saes import prefixes
+from ..values.dictionaries import prefixes
 
 
 def top_features(ig, input_ids, layer: int | None = None, k: int = 10, attention_mask=None,

@@ -1,7 +1,7 @@
 """Checking ``instrument(model, saes={value: sae}, splice=...)``: which value each SAE reads, and that
-it fits there. The splice itself is a rewrite (``passes.sae.SpliceSAE``); its values are catalogued
-by ``values.saes``. Likewise ``instrument(model, transcoders={block: transcoder})``: ``check_transcoders``,
-``passes.transcoder.SpliceTranscoder``, ``values.transcoders`` (and ``transcoders=clt``, a cross-layer
+it fits there. The splice itself is a rewrite (``passes.splice.SpliceDictionary``); its values are
+catalogued by ``values.dictionaries``. Likewise ``instrument(model, transcoders={block: transcoder})``:
+``check_transcoders``, the same rewrite and catalogue (and ``transcoders=clt``, a cross-layer
 transcoder: ``passes.clt.SpliceCLT``)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from ..errors import InvalidArgument, InvalidType, NotSupported, OutOfRange
 from ..passes.locate import Found
-from ..passes.sae import SPLICES
+from ..passes.splice import SPLICES
 
 
 def check_saes(request, resolve, catalogue) -> dict:
@@ -100,7 +100,7 @@ def check_transcoders(request, catalogue, saes: dict) -> dict:
 def _check_block(block: int, tc, catalogue, saes: dict):
     """``tc`` (a block's transcoder, or a CLT's block), once the values it reads and writes are nodes
     of the program as wide as it, with no SAE (``saes``) at either."""
-    from ..values.transcoders import inputs
+    from ..values.dictionaries import inputs
     for name, width, what in zip(inputs(block, tc), (tc.d_in, tc.d_out), ("reads", "writes")):
         entry = catalogue.get(name)
         location = entry.location if entry is not None else None
