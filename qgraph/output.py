@@ -8,7 +8,7 @@ import torch
 
 from . import reprs
 from .errors import InvalidArgument, InvalidState, NotCaptured
-from .passes import views
+from .kernels import views
 from .values.names import canonical
 
 

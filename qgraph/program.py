@@ -16,10 +16,10 @@ from .values.catalogue import Entry, build_catalogue
 from .values.dictionaries import dictionary_entries
 from .export import ExportedModel
 from .kernels.buffers import BufferPool, reusing
-from .passes import Found, Locator, OnRequest
+from .values.locate import Found, Locator, OnRequest
 from .passes.base import Build, Request, run_passes
 from .passes.edit import EditSlot
-from .passes.on_request import input_name
+from .rewrites.on_request import input_name
 from .passes.pipeline import PIPELINE, build_passes
 from .runners import EAGER
 
@@ -114,7 +114,7 @@ class Program:
     def add_input(self, name: str, source, example: torch.Tensor, recipe: dict | None = None) -> Node:
         """A new program input after the existing ones, fed by ``source(call inputs)`` and shaped like
         ``example`` (its fake value lets passes infer shapes). ``recipe`` (JSON data) lets a saved
-        program rebuild ``source`` (``passes.on_request.input_source``); without one it cannot be saved."""
+        program rebuild ``source`` (``rewrites.on_request.input_source``); without one it cannot be saved."""
         with self.graph.inserting_after(self.graph.find_nodes(op="placeholder")[-1]):
             node = self.graph.placeholder(input_name(name))
         fake_mode = next(n.meta["val"].fake_mode for n in self.graph.find_nodes(op="placeholder")

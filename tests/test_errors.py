@@ -31,7 +31,7 @@ PACKAGE = Path(qgraph.__file__).resolve().parent
 _ON_PURPOSE = {
     ("qgraph/edits.py", "Edit.change", "NotImplementedError"):
         "the abstract method of Edit, which each tensor edit overrides (Python's own idiom)",
-    ("qgraph/passes/on_request.py", "Rewrite.apply", "NotImplementedError"):
+    ("qgraph/rewrites/on_request.py", "Rewrite.apply", "NotImplementedError"):
         "the abstract method of Rewrite, which each typed rewrite overrides (Python's own idiom)",
     ("qgraph/capture/read.py", "Capture.find", "KeyError"):
         "a lookup by key (a global row id; a capture's rows may have gaps), as dict's own: a KeyError",

@@ -11,8 +11,8 @@ from qgraph.export import export_model
 from qgraph.families import FAMILIES, family_for
 from qgraph.kernels.ops import STATES_OP
 from qgraph.passes.base import GraphPass, run_passes
-from qgraph.passes.locate import OnRequest
-from qgraph.passes.on_request import DecomposeSdpa, OpenConvContext, ReadAsAttention, SwapForStates, SwapForWrites
+from qgraph.values.locate import OnRequest
+from qgraph.rewrites.on_request import DecomposeSdpa, OpenConvContext, ReadAsAttention, SwapForStates, SwapForWrites
 from qgraph.program import Program
 from qgraph.render.graph import GraphView
 

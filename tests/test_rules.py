@@ -1,4 +1,4 @@
-"""The rule vocabulary's registries and traits: one locator per rule type (``passes.locate``), one
+"""The rule vocabulary's registries and traits: one locator per rule type (``values.locate``), one
 derivation per ``Derived`` rule's ``how`` (``values.derive``), and the traits the catalogue reads."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from qgraph.families import FAMILIES
 from qgraph.families.rules import (ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites, Derived,
                                    Port, ProgramInput, ProgramOutput, Routing, Rule, SAEPart)
-from qgraph.passes.locate import LOCATORS, Locator, Missing
+from qgraph.values.locate import LOCATORS, Locator, Missing
 from qgraph.values import derive
 
 

@@ -1,6 +1,6 @@
 """The vocabulary a family is written in: which rule finds which value.
 
-A rule says *where* a value lives, relative to the module that hosts it; ``passes.locate`` knows
+A rule says *where* a value lives, relative to the module that hosts it; ``values.locate`` knows
 *how* to find each kind of rule in an exported graph (by module scope and op pattern).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ class Rule:
     the value, never a glob (a value that rewrites its block when asked for); ``derived``: computed
     after the run from other values; ``region_edits_only``: an edit reaches it inside a kernel, as an
     affine map of each token's vector (``Replace``, ``Add``, ``Scale``, ``Zero``), so a function edit is
-    refused. ``passes.locate`` registers one locator per rule type
+    refused. ``values.locate`` registers one locator per rule type
     (``@locates``)."""
 
     read_only: ClassVar[bool] = False
@@ -58,7 +58,7 @@ class DeltaRule(Rule):
 @dataclass(frozen=True)
 class DeltaRuleStates(Rule):
     """The host's recurrent state after every token (``positions=False``) or after chosen tokens:
-    made on request by swapping the kernel node for the state-emitting op (``passes.swap``)."""
+    made on request by swapping the kernel node for the state-emitting op (``rewrites.swap``)."""
 
     read_only: ClassVar[bool] = True
     by_name_only: ClassVar[bool] = True  # swaps its block's kernel when asked for
@@ -71,7 +71,7 @@ class DeltaRuleReads(Rule):
     """The host's delta rule read as attention: its exact effective attention (``attention``, editable:
     the block then reads ``A' @ values`` plus the initial state's part) and what its initial state adds
     to its outputs (``initial_state``), made on request by a node beside the kernel that runs the rule
-    on one-hot values (``passes.swap.read_as_attention``)."""
+    on one-hot values (``rewrites.swap.read_as_attention``)."""
 
     by_name_only: ClassVar[bool] = True  # adds nodes to its block when asked for
 
@@ -85,7 +85,7 @@ class DeltaRuleReads(Rule):
 @dataclass(frozen=True)
 class DeltaRuleWrites(Rule):
     """What each token writes into the host's state, made on request by swapping the kernel for one
-    that returns the writes and takes an edit of them inside the recurrence (``passes.swap``)."""
+    that returns the writes and takes an edit of them inside the recurrence (``rewrites.swap``)."""
 
     by_name_only: ClassVar[bool] = True  # swaps its block's kernel when asked for
     region_edits_only: ClassVar[bool] = True
@@ -95,7 +95,7 @@ class DeltaRuleWrites(Rule):
 class ConvContext(Rule):
     """The left context of the host's causal conv (``input``: what it starts from, zeros at a
     prompt's start; ``output``: its last columns, the next call's context): made on request by
-    giving the conv an explicit context (``passes.swap.open_conv_context``)."""
+    giving the conv an explicit context (``rewrites.swap.open_conv_context``)."""
 
     by_name_only: ClassVar[bool] = True  # opens its block's conv when asked for
 
@@ -175,7 +175,7 @@ class Derived(Rule):
 @dataclass(frozen=True)
 class SAEPart(Rule):
     """A value of a sparse autoencoder spliced at another value (``qgraph.saes``): its ``features``,
-    ``reconstruction`` or ``error``. Not in a family's table: ``values.saes`` makes these entries."""
+    ``reconstruction`` or ``error``. Not in a family's table: ``values.dictionaries`` makes these entries."""
 
     part: str
 

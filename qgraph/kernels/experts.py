@@ -17,7 +17,7 @@ transformers' eager loop re-implemented here (ascending experts, ``index_add_``)
 top-k weights gathered from ``expert_weights``; either way the sum is the model's bit for bit.
 Its backward is an opaque op too, recomputing the forward under autograd (``grad.recompute_grads``).
 
-Asking for the experts' neurons splits the op in two (``passes.on_request.SplitExperts``):
+Asking for the experts' neurons splits the op in two (``rewrites.on_request.SplitExperts``):
 ``moe_expert_neurons`` (each token's ``act(gate) * up`` in each of its top-k experts, ``[batch seq top_k
 inner]``) and ``moe_experts_down`` (their down projections, weighted and summed), with the neurons a
 value in between that edits can change. The pair always runs the eager loop, whatever the model's

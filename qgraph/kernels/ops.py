@@ -11,7 +11,7 @@
   exist only between export and the passes: ``passes.markers`` removes every one of them, so the
   program that runs has none.
 * ``qgraph::chunk_gated_delta_rule_states`` is the chunked kernel that also returns the state after
-  every token (or after chosen tokens, for chosen heads): ``passes.swap`` puts it in place of
+  every token (or after chosen tokens, for chosen heads): ``rewrites.swap`` puts it in place of
   ``qgraph::chunk_gated_delta_rule`` when states are asked for. Its math is
   ``qgraph.kernels.delta_states``.
 

@@ -3,7 +3,7 @@
 * ``qgraph::delta_rule_attention``: the exact effective attention of the block's gated delta rule and
   what its initial state adds (``kernels.delta_reads.effective_attention``), from the kernel's own
   inputs, and a copy of the attention (the reference an edit of it is measured from: see
-  ``passes.swap.read_as_attention``); a node beside the kernel, which still computes the block's output.
+  ``rewrites.swap.read_as_attention``); a node beside the kernel, which still computes the block's output.
 * ``qgraph::chunk_gated_delta_rule_writes``: the rule that returns each token's write and takes an
   affine edit of it (``kernels.delta_reads.chunk_gated_delta_rule_writes``); it stands in place of
   the block's kernel when ``write_values`` is asked for or edited.

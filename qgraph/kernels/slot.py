@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from ..edits import Target, apply_edit
-from ..passes import views
+from . import views
 from .grad import recompute_grads
 
 # The edits of the call running in this context: {value name: (edit, target, view)}

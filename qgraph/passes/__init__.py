@@ -1,12 +1,9 @@
-"""Graph passes: the rewrites that build a program, in the order ``pipeline.PIPELINE`` lists them.
+"""The passes that build a program, and nothing else: ``pipeline.PIPELINE`` lists them in the order
+they run, ``base`` has the pass shape, the build context and the runner.
 
-``locate`` finds the node of each value, ``on_request`` holds the typed rewrites that make a value
-the graph does not hold (``make.MakeOnRequest`` applies them), ``decode`` makes a cached decoding
-step, ``edit`` inserts edit slots, ``tap`` makes nodes outputs and drops dead code, ``markers``
-strips the export-time port markers, ``device`` moves recorded devices. ``base`` has the pass shape,
-the build context and the runner.
+``make`` makes the on-request values a build asks for (by the typed rewrites of ``qgraph.rewrites``),
+``decode`` makes a cached decoding step, ``replacement`` the replacement model of an attribution graph,
+``edit`` inserts edit slots, ``tap`` makes nodes outputs and drops dead code, ``markers`` strips the
+export-time port markers, ``device`` moves recorded devices. Where each value is found
+(``values.locate``) and how it is viewed (``kernels.views``) live with the values and the kernels.
 """
-from .decompose import decompose_sdpa
-from .locate import Found, Locator, Missing, OnRequest
-
-__all__ = ["Found", "Locator", "Missing", "OnRequest", "decompose_sdpa"]

@@ -34,8 +34,8 @@ from torch.fx import Node
 from ..errors import InternalError
 from ..kernels.ops import DELTA_RULE_OPS
 from .base import BuildPass, PassResult
-from .emit import fake_result
-from .locate import Found, Locator, attention_core
+from ..rewrites.emit import fake_result
+from ..values.locate import Found, Locator, attention_core
 
 aten = torch.ops.aten
 CHUNK_OP, RECURRENT_OP = DELTA_RULE_OPS

@@ -15,7 +15,7 @@ import torch
 from ..edits import Edit, Target, apply_edit
 from ..errors import EditError
 from ..kernels.ops import MARK_OP
-from . import views
+from ..kernels import views
 from .base import BuildPass, PassResult
 
 

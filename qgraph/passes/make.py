@@ -1,10 +1,10 @@
-"""The pass that makes the on-request values a build needs, by their typed rewrites (``passes.on_request``)."""
+"""The pass that makes the on-request values a build needs, by their typed rewrites (``rewrites.on_request``)."""
 from __future__ import annotations
 
 from ..errors import InvalidArgument
 from .base import BuildPass, PassResult
-from .locate import OnRequest
-from .on_request import SwapForStates, SwapForWrites
+from ..values.locate import OnRequest
+from ..rewrites.on_request import SwapForStates, SwapForWrites
 
 
 class MakeOnRequest(BuildPass):

@@ -1,9 +1,9 @@
 """Make the values asked for outputs of the program, and drop what no output needs."""
 from __future__ import annotations
 
-from . import views
+from ..kernels import views
 from .base import BuildPass, PassResult
-from .locate import Found, gradient_node
+from ..values.locate import Found, gradient_node
 
 
 class Tap(BuildPass):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..passes.locate import Found
+from ..values.locate import Found
 from .diagram import Diagram
 from .flow import build_flows, splice_taps
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..passes.locate import OnRequest, attention_core
+from ..values.locate import OnRequest, attention_core
 from .diagram import Box, esc, small
 from .legend import TAPS, legend
 from .skeleton import derived_sources, dims, located

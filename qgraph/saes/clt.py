@@ -19,7 +19,7 @@ The conventions (every format, ``clt_formats.py``, is converted to them on loadi
 b_dec[j] is added once, to block j's reconstruction (circuit-tracer's ``compute_reconstruction``).
 ``reads`` is the value of each block it reads: ``mlp_input`` (the output of the MLP's norm:
 circuit-tracer's ``mlp.hook_in`` / ``ln2.hook_normalized``) or ``layer_mid`` (``hook_resid_mid``).
-Splice one with ``qgraph.instrument(model, transcoders=clt)`` (``passes.clt.SpliceCLT``).
+Splice one with ``qgraph.instrument(model, transcoders=clt)`` (``rewrites.clt.SpliceCLT``).
 """
 from __future__ import annotations
 

@@ -1,16 +1,16 @@
 """Checking ``instrument(model, saes={value: sae}, splice=...)``: which value each SAE reads, and that
-it fits there. The splice itself is a rewrite (``passes.splice.SpliceDictionary``); its values are
+it fits there. The splice itself is a rewrite (``rewrites.splice.SpliceDictionary``); its values are
 catalogued by ``values.dictionaries``. Likewise ``instrument(model, transcoders={block: transcoder})``:
 ``check_transcoders``, the same rewrite and catalogue (and ``transcoders=clt``, a cross-layer
-transcoder: ``passes.clt.SpliceCLT``)."""
+transcoder: ``rewrites.clt.SpliceCLT``)."""
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 
 from ..errors import InvalidArgument, InvalidType, NotSupported, OutOfRange
-from ..passes.locate import Found
-from ..passes.splice import SPLICES
+from ..values.locate import Found
+from ..rewrites.splice import SPLICES
 
 
 def check_saes(request, resolve, catalogue) -> dict:

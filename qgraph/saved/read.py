@@ -35,7 +35,7 @@ from ..export.fingerprint import fingerprint
 from ..inputs import check_text
 from ..output import Output
 from ..kernels.slot import editing
-from ..passes.on_request import input_source
+from ..rewrites.on_request import input_source
 from ..progress import stages
 from ..values import derive
 from ..weights import WeightsMismatch, check_fit, names, read, tensor_names, unexpected

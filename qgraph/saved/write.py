@@ -40,7 +40,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..kernels.slot import EDIT_SLOT_OP
 from ..passes.edit import EditSlot
-from ..passes.emit import MethodCall
+from ..rewrites.emit import MethodCall
 from ..progress import stages
 from ..values.catalogue import entry_data
 from ..weights import SHARD_SIZE, size_in_bytes, tensor_names, tied_groups

@@ -14,7 +14,7 @@ import sympy
 from .. import compat
 from ..families import Family
 from ..families.rules import ProgramInput, ValueSpec
-from ..passes.locate import Found, Locator, Missing, OnRequest
+from .locate import Found, Locator, Missing, OnRequest
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ cross-layer transcoder's blocks), one set per dictionary: its ``features``, ``re
 - A transcoder's, across block i's MLP, are ``layers.{i}.transcoder.*``; so are a cross-layer
   transcoder's block i's (``saes.clt.CLTBlock``).
 
-Each is made on request (``passes.splice.SpliceDictionary``): asking for any of them, or editing the
+Each is made on request (``rewrites.splice.SpliceDictionary``): asking for any of them, or editing the
 features, splices that dictionary into the program; once spliced they are found at the nodes the
-splice made. A cross-layer transcoder's blocks share one rewrite (``passes.clt.SpliceCLT``): asking for
+splice made. A cross-layer transcoder's blocks share one rewrite (``rewrites.clt.SpliceCLT``): asking for
 any block's value splices every block.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..families.rules import SAEPart, ValueSpec
-from ..passes.clt import SpliceCLT
-from ..passes.locate import Found, Missing, OnRequest
-from ..passes.splice import SpliceDictionary
+from ..rewrites.clt import SpliceCLT
+from .locate import Found, Missing, OnRequest
+from ..rewrites.splice import SpliceDictionary
 from .catalogue import Entry
 
 # each part's layout (None: that of the value the dictionary stands in for) and description, in its kind's words

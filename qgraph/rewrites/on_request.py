@@ -32,7 +32,7 @@ class Rewrite:
 
 @dataclass(frozen=True)
 class DecomposeSdpa(Rewrite):
-    """A block's attention pattern under sdpa: its sdpa node becomes explicit ops (``passes.decompose``)."""
+    """A block's attention pattern under sdpa: its sdpa node becomes explicit ops (``rewrites.decompose``)."""
 
     note = "asking for it decomposes the fused sdpa into q·kᵀ, softmax and ·v (this block only)"
 
@@ -42,7 +42,7 @@ class DecomposeSdpa(Rewrite):
 
 @dataclass(frozen=True)
 class SwapForStates(Rewrite):
-    """A DeltaNet block's states: its kernel becomes the state-emitting one (``passes.swap``), at
+    """A DeltaNet block's states: its kernel becomes the state-emitting one (``rewrites.swap``), at
     every token or at the ``positions`` option's tokens, for the ``heads`` option's heads."""
 
     at_positions: bool
@@ -68,7 +68,7 @@ class SwapForStates(Rewrite):
 @dataclass(frozen=True)
 class ReadAsAttention(Rewrite):
     """A DeltaNet block's effective attention and initial-state output: a node beside its kernel that
-    runs the rule on one-hot values (``passes.swap.read_as_attention``)."""
+    runs the rule on one-hot values (``rewrites.swap.read_as_attention``)."""
 
     note = "asking for it adds a node beside the kernel that runs the delta rule on one-hot values"
     replaces_node = False
@@ -80,7 +80,7 @@ class ReadAsAttention(Rewrite):
 @dataclass(frozen=True)
 class SwapForWrites(Rewrite):
     """A DeltaNet block's writes: its kernel becomes one that returns each token's write and takes an
-    edit of it inside the recurrence (``passes.swap.swap_for_writes``)."""
+    edit of it inside the recurrence (``rewrites.swap.swap_for_writes``)."""
 
     note = "asking for it swaps the kernel for one that returns each token's write and edits it in the recurrence"
 
@@ -90,7 +90,7 @@ class SwapForWrites(Rewrite):
 
 @dataclass(frozen=True)
 class OpenConvContext(Rewrite):
-    """A DeltaNet block's conv context: its causal conv gets an explicit left context (``passes.swap``)."""
+    """A DeltaNet block's conv context: its causal conv gets an explicit left context (``rewrites.swap``)."""
 
     note = "asking for it opens the causal conv to read the context it pads with"
 

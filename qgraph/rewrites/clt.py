@@ -21,7 +21,7 @@ and what reads ``m_j`` reads, with ``splice="error"`` (the default), ``m_j + (de
 where the features of some block i <= j can be edited (exactly ``m_j`` while they are not edited: the
 two decodes agree bit for bit) and ``m_j`` itself otherwise; with ``splice="reconstruction"``,
 ``recon_j``. The encode and decode of each block are the CLT's own methods, called as submodules.
-These are a per-layer splice's formulas (``passes.splice``, whose functions emit them here) with the
+These are a per-layer splice's formulas (``rewrites.splice``, whose functions emit them here) with the
 decode reading the features of every block before it.
 """
 from __future__ import annotations

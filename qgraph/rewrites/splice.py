@@ -28,7 +28,7 @@ cancels exactly) and ``m`` itself otherwise; with ``splice="reconstruction"``, `
 are the dictionary's own methods, called as submodules named after ``stem`` (SAEs at several values
 of one block each have their own), so ``torch.compile`` traces them with the rest.
 
-A cross-layer transcoder (``passes.clt``) is its own rewrite, as it spans blocks, but emits its
+A cross-layer transcoder (``rewrites.clt``) is its own rewrite, as it spans blocks, but emits its
 features, reconstruction, error and names with the functions here.
 """
 from __future__ import annotations

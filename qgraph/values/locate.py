@@ -24,9 +24,9 @@ from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleReads,
 from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from ..kernels.read_ops import ATTENTION_READ_OP, WRITES_OP
-from . import views
-from .swap import read_back
-from .on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts, SwapForStates,
+from ..kernels import views
+from ..rewrites.swap import read_back
+from ..rewrites.on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts, SwapForStates,
                          SwapForWrites)
 
 aten = torch.ops.aten
@@ -43,7 +43,7 @@ _SWAPPED = (STATES_OP, WRITES_OP)  # what a DeltaNet's kernel becomes on request
 
 @dataclass(frozen=True)
 class Found:
-    """The node holding a value, and the view it is served through (see ``passes.views``). A value
+    """The node holding a value, and the view it is served through (see ``kernels.views``). A value
     edited inside a kernel (``write_values``) names in ``probes`` the kernel's inputs its edit slot
     sits on (what the edit makes of zeros, then of ones); ``node`` is what the kernel returns, edited."""
 
@@ -54,7 +54,7 @@ class Found:
 
 @dataclass(frozen=True)
 class OnRequest:
-    """A value a pass makes by rewriting ``node`` (``passes.on_request``): a block's pattern by
+    """A value a pass makes by rewriting ``node`` (``rewrites.on_request``): a block's pattern by
     decomposing its sdpa node, its states by swapping its kernel, its conv context by opening its conv."""
 
     node: Node
@@ -117,7 +117,7 @@ class Locator:
         if locate is None:
             kind = type(rule).__name__
             raise InvalidType(f"no locator for rule type {kind} ({rule!r}): register one with "
-                              f"@locates({kind}) in qgraph.passes.locate")
+                              f"@locates({kind}) in qgraph.values.locate")
         return locate(self, host, rule)
 
     def kernel(self, host: str) -> Node | None:
@@ -188,7 +188,7 @@ def _writes(locator: Locator, host: str, rule: DeltaRuleWrites) -> Found | OnReq
         return Missing(f"this program swaps '{host}' kernel for one that returns its states, not its writes")
     if kernel.target is not WRITES_OP:
         return OnRequest(kernel, SwapForWrites())
-    shift, lift = kernel.args[6:8]  # each its probe plus the gradient's zeros (passes.swap.swap_for_writes)
+    shift, lift = kernel.args[6:8]  # each its probe plus the gradient's zeros (rewrites.swap.swap_for_writes)
     return Found(_output_item(locator.graph, kernel, 1), probes=(shift.args[0], lift.args[0]))
 
 
@@ -206,7 +206,7 @@ def _conv_context(locator: Locator, host: str, rule: ConvContext) -> Found | OnR
     convs = [n for n in locator.scopes.get(host, ()) if n.target is aten.conv1d.default]
     if not convs:
         return Missing(f"no causal conv under '{host}'")
-    if len(convs) == 1:  # the conv pads its own context: open it first (passes.swap.open_conv_context)
+    if len(convs) == 1:  # the conv pads its own context: open it first (rewrites.swap.open_conv_context)
         return OnRequest(convs[0], OpenConvContext())
     context = convs[1].args[0].args[0][0]  # the second conv reads cat(context, zeros)
     if rule.side == "input":
