@@ -14,7 +14,7 @@ from mkdocs.structure.files import File
 
 GROUPS = {  # page -> (title, what it covers, public names)
     "instrument": ("Instrumenting a model", "Exporting a model once and reading its values.",
-                   ["instrument", "InstrumentedModel", "Output", "support", "SupportTable", "register_family"]),
+                   ["instrument", "Instrument", "InstrumentedModel", "Output", "support", "SupportTable", "register_family"]),
     "edits": ("Edits", "What an edit does at a value, and the recipes built on edits.",
               ["Edit", "Add", "Replace", "Scale", "Zero", "steer", "skip_layers", "expert_neurons"]),
     "generation": ("Generation", "Generating with values and edits at every step.", ["GenerateOutput", "chat_prompt"]),
