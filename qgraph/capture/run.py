@@ -19,6 +19,7 @@ import torch
 
 from ..errors import InvalidArgument
 from ..instrument import instrument
+from ..saved.fields import integer
 from .data import documents, open_dataset, pack
 from ..distributed.world import join
 from .integrity import shard_file
@@ -232,13 +233,14 @@ class _quiet:
 
 
 def _check_arguments(context, batch_size, dtype, max_tokens, shard_rows) -> None:
+    positive = integer(1)
     for label, value in (("context", context), ("batch_size", batch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not positive(value):
             raise InvalidArgument(f"{label} must be a positive int, got {value!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InvalidArgument(f"dtype must be a floating torch dtype (torch.bfloat16, torch.float32), got {dtype!r}")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and not positive(max_tokens):
         raise InvalidArgument(f"max_tokens must be a positive int or None, got {max_tokens!r}")
-    if shard_rows is not None and (not isinstance(shard_rows, int) or shard_rows < 1 or shard_rows % batch_size):
+    if shard_rows is not None and (not positive(shard_rows) or shard_rows % batch_size):
         raise InvalidArgument(f"shard_rows must be a positive multiple of batch_size ({batch_size}), got "
                               f"{shard_rows!r}")

@@ -32,6 +32,7 @@ from torch.fx import Node
 
 from .. import compat
 from ..errors import SavedProgramError
+from .fields import integer
 from .allowed import FUNCTIONS
 
 # The budget: loading the largest graph these limits allow takes about 12 s and 0.5 GiB on a 2-core
@@ -52,6 +53,7 @@ ATOMS = 32  # a model's sizes have at most 6 (128*s0*(s1 + 3)): 5x
 TERMS = 4  # multiplied out; a model's have at most 2 (4*s0*s1 + 1); 8 let a reshape cost ~70 ms
 SIZE_DEGREE = 6  # a model's element counts have degree 3 (batch × length²); twice that
 POWER = 64  # the largest exponent of the size arithmetic's ** (a model's graph has none)
+_INT, _INT64 = integer(), integer(-2**63, 2**63 - 1)
 DIMS = 16  # dims of a tensor a node makes (a model's have at most 6; an input's or held tensor's at most 16)
 WHY = ("a saved program is bounded so that loading it takes seconds (docs/security.md); save one with fewer values "
        "or edit slots")
@@ -85,7 +87,7 @@ class Meter:
         or a power of the size arithmetic past ``POWER``."""
         if target is operator.pow:
             exponent = args[1] if len(args) == 2 else None
-            if not isinstance(exponent, int) or isinstance(exponent, bool) or not 0 <= exponent <= POWER:
+            if not integer(0, POWER)(exponent):
                 self.fail(node, f"raises a size to the power {str(exponent)[:40]}; the size arithmetic of a saved "
                                 f"program raises to integer powers of 0 to {POWER} only")
         pieces = self._pieces(target, args, kwargs)
@@ -133,11 +135,11 @@ class Meter:
                 self._checked.add(id(item))
             elif isinstance(item, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 self._size(node, item.node.expr)
-            elif isinstance(item, int) and not isinstance(item, bool) and not -2**63 <= item < 2**63:
+            elif _INT(item) and not _INT64(item):
                 self.fail(node, f"computes the number {str(item)[:40]}..., past the int64 a size is")
 
     def _size(self, node: Node, expression, element_count: bool = False) -> None:
-        if isinstance(expression, int) and not isinstance(expression, bool):
+        if _INT(expression):
             if not -2**63 <= expression < 2**63 and not element_count:
                 self.fail(node, f"makes a size of {str(expression)[:40]}..., past the int64 a size is")
             return

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from ..errors import SavedProgramError
 from .budget import CONTAINERS, GRAPH_BYTES
+from .fields import (Fields, dict_of, dtype_name, either, flag, identifier, integer, list_of, one_of, optional, record,
+                     tensor_shape, text)
 
 META, GRAPH, TENSORS = "qgraph.json", "graph.json", "tensors.safetensors"
 # inflated bytes each member may have (graph.json's from the load's budget); the held tensors are stored, never
@@ -75,82 +77,22 @@ def parse(data: bytes, name: str, path: Path) -> dict:
 
 # -- the fields --------------------------------------------------------------------------------------
 
-
-class _Fields:
-    """Checks of one JSON object's fields, each refusal naming ``where`` and the field."""
-
-    def __init__(self, data: dict, where: str):
-        self.data, self.where = data, where
-
-    def fail(self, field: str, why: str):
-        raise SavedProgramError(f"{self.where}: its field {field!r} {why}")
-
-    def get(self, field: str, check, what: str):
-        if field not in self.data:
-            self.fail(field, f"is missing (it holds {what})")
-        value = self.data[field]
-        if not check(value):
-            self.fail(field, f"is not {what}: {str(value)[:80]}")
-        return value
-
-
-def _text(value) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= 4096
-
-
-def _texts(value) -> bool:
-    return isinstance(value, list) and all(map(_text, value))
-
-
-def _count(low: int, high: int):
-    return lambda value: isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _dict_of(check):
-    return lambda value: isinstance(value, dict) and all(_text(key) and check(item) for key, item in value.items())
-
-
-def _shape(value) -> bool:
-    return isinstance(value, list) and len(value) <= 16 and all(_count(0, 2**40)(size) for size in value)
-
-
-def _dtype(value) -> bool:
-    import torch
-    name = value.removeprefix("torch.") if isinstance(value, str) else None
-    return name is not None and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def _view(value) -> bool:
-    return isinstance(value, list) and all(
-        step == ["unsqueeze"] or (isinstance(step, list) and len(step) == 3 and step[0] == "unflatten"
-                                  and all(map(_count(1, 2**31), step[1:]))) for step in value)
-
-
-def _slot(value) -> bool:
-    return isinstance(value, dict) and set(value) == {"layout", "dims", "view", "fixed"} and \
-        isinstance(value["layout"], str) and _texts(value["dims"]) and _view(value["view"]) and \
-        (value["fixed"] is None or _text(value["fixed"]))
-
-
-def _facts(value) -> bool:
-    from ..values.catalogue import FACTS
-    words = lambda v: isinstance(v, str) and len(v) <= 4096  # noqa: E731 — a port's layout may be ""
-    sizes = lambda v: isinstance(v, list) and len(v) <= 16 and all(  # noqa: E731
-        _count(0, 2**40)(s) or (isinstance(s, str) and len(s) <= 256) for s in v)
-    return isinstance(value, dict) and set(value) == set(FACTS) and all(map(words, (
-        value["host"], value["layout"], value["description"], value["availability"]))) and sizes(value["dims"]) \
-        and sizes(value["shape"]) and all(isinstance(value[k], bool) for k in ("port", "by_name_only", "available")) \
-        and (value["reason"] is None or words(value["reason"]))
-
-
-def _recipe(value) -> bool:
-    if not isinstance(value, dict):
-        return False
-    indices = lambda items: isinstance(items, list) and len(items) <= 65536 and all(  # noqa: E731
-        _count(-2**31, 2**31)(item) for item in items)
-    if value.get("kind") == "positions":
-        return set(value) == {"kind", "value", "positions"} and _text(value["value"]) and indices(value["positions"])
-    return value.get("kind") == "heads" and set(value) == {"kind", "heads"} and indices(value["heads"])
+_text, _texts = text(), list_of(text())
+_size, _shape = integer(0, 2**40), tensor_shape(16, 2**40)
+_unflatten = lambda step: isinstance(step, list) and len(step) == 3 and step[0] == "unflatten" and \
+    all(map(integer(1, 2**31), step[1:]))
+_slot = record({"layout": lambda v: isinstance(v, str), "dims": _texts, "fixed": optional(_text),
+                "view": list_of(either(lambda step: step == ["unsqueeze"], _unflatten))})
+_indices = list_of(integer(-2**31, 2**31), high=65536)
+_recipe = either(record({"kind": lambda v: v == "positions", "value": _text, "positions": _indices}),
+                 record({"kind": lambda v: v == "heads", "heads": _indices}))
+_words = text(low=0)  # a port's layout may be ""
+_sizes = list_of(either(_size, text(256, low=0)), high=16)
+# each of values.catalogue.FACTS with its check (a fact added there is refused here until it has one)
+FACT_CHECKS = {"host": _words, "layout": _words, "description": _words, "availability": _words, "dims": _sizes,
+               "shape": _sizes, "port": flag, "by_name_only": flag, "available": flag, "reason": optional(_words)}
+_parameter = lambda v: isinstance(v, list) and len(v) == 2 and _shape(v[0]) and dtype_name(v[1])
+GRAPH_FIELDS = {"graph", "inputs", "tensors", "placeholders", "symbols"}
 
 
 def bare_file_name(value) -> bool:
@@ -163,8 +105,8 @@ def check_meta(meta: dict, where: str) -> None:
     """Every field of ``qgraph.json`` (its format and versions are checked first, by ``read``)."""
     from ..families import FAMILIES
     from ..values.derive import DERIVATIONS
-    fields = _Fields(meta, f"{where} ({META})")
-    fields.get("versions", lambda v: _dict_of(_text)(v) and {"torch", "qgraph"} <= set(v), "the versions that wrote it")
+    fields = Fields(meta, f"{where} ({META})")
+    fields.get("versions", lambda v: dict_of(_text)(v) and {"torch", "qgraph"} <= set(v), "the versions that wrote it")
     families = {family.name: family for family in FAMILIES}
     family = families.get(fields.get("family", _text, "the name of a family"))
     if family is None:
@@ -172,58 +114,44 @@ def check_meta(meta: dict, where: str) -> None:
     from transformers import CONFIG_MAPPING
     if fields.get("model_type", _text, "a model_type") not in CONFIG_MAPPING:
         fields.fail("model_type", "names no model_type this transformers knows (its config is rebuilt from it)")
-    fields.get("model_class", lambda v: _text(v) and v.isidentifier(), "a class name")
-    fields.get("config", _dict_of(lambda v: True), "the model's config")
-    if any(key.startswith("__") or not key.isidentifier() for key in meta["config"]):
+    fields.get("model_class", identifier(), "a class name")
+    config = fields.get("config", dict_of(lambda v: True), "the model's config")
+    if any(key.startswith("__") or not key.isidentifier() for key in config):
         fields.fail("config", "names an attribute no config has (a dunder, or not an identifier)")
-    fields.get("blocks", _count(1, 100_000), "the number of blocks")
-    fields.get("vocab_size", _count(1, 2**31), "the vocabulary's size")
-    fields.get("logits", lambda v: isinstance(v, bool), "true or false")
+    fields.get("blocks", integer(1, 100_000), "the number of blocks")
+    fields.get("vocab_size", integer(1, 2**31), "the vocabulary's size")
+    fields.get("logits", flag, "true or false")
     fields.get("outputs", _texts, "a list of value names")
     fields.get("values", _texts, "a list of value names")
-    fields.get("layouts", _dict_of(_text), "the layout of each value")
-    fields.get("slots", _dict_of(_slot), "the edit slots ({layout, dims, view, fixed})")
-    fields.get("catalogue", _dict_of(_facts), "the facts of each value and slot (values.catalogue.FACTS)")
-    fields.get("inputs", lambda v: isinstance(v, list) and all(map(_recipe, v)), "the per-value inputs' recipes")
-    derived = fields.get("derived", _dict_of(lambda v: isinstance(v, dict) and set(v) == {"how", "sources"} and
-                                             _text(v["how"]) and _texts(v["sources"])), "the derived values")
+    fields.get("layouts", dict_of(_text), "the layout of each value")
+    fields.get("slots", dict_of(_slot), "the edit slots ({layout, dims, view, fixed})")
+    fields.get("catalogue", dict_of(record(FACT_CHECKS)), "the facts of each value and slot (values.catalogue.FACTS)")
+    fields.get("inputs", list_of(_recipe), "the per-value inputs' recipes")
+    derived = fields.get("derived", dict_of(record({"how": _text, "sources": _texts})), "the derived values")
     for name, rule in derived.items():
         if rule["how"] not in DERIVATIONS:
             fields.fail("derived", f"derives {name!r} by {rule['how']!r}, which is no derivation of this qgraph")
-    fields.get("parameters", _dict_of(lambda v: isinstance(v, list) and len(v) == 2 and _shape(v[0]) and _dtype(v[1])),
-               "the shape and dtype of each parameter it reads")
-    fields.get("weights", lambda v: v is None or bare_file_name(v),
-               "null or the name of a .safetensors file (or index) beside the program")
-    fields.get("tied", lambda v: isinstance(v, list) and all(map(_texts, v)), "the groups of tied parameters")
+    fields.get("parameters", dict_of(_parameter), "the shape and dtype of each parameter it reads")
+    fields.get("weights", optional(bare_file_name), "null or the name of a .safetensors file (or index) beside the program")
+    fields.get("tied", list_of(_texts), "the groups of tied parameters")
     fields.get("tensors", _texts, "the names of the model's tensors")
     fields.get("ignored", _texts, "the patterns of tensors its class ignores")
 
 
 def check_graph_fields(data: dict, meta: dict, where: str) -> None:
     """Every field of ``graph.json`` but the nodes (``fxdata`` reads those), against ``qgraph.json``."""
-    fields = _Fields(data, f"{where} ({GRAPH})")
-    extra = sorted(set(data) - {"graph", "inputs", "tensors", "placeholders", "symbols"})
-    if extra:
-        fields.fail(extra[0], "is not a field of a saved program's graph.json")
+    fields = Fields(data, f"{where} ({GRAPH})", keys=GRAPH_FIELDS)
     fields.get("graph", lambda v: isinstance(v, dict), "the graph's nodes")
     given = 2 + len(meta["inputs"])  # input_ids, attention_mask, the per-value inputs
-    fields.get("inputs", lambda v: isinstance(v, list) and all(
-        isinstance(item, dict) and len(item) == 1 and (_count(0, given - 1)(item.get("input")) or
-                                                       item.get("parameter") in meta["parameters"]) for item in v),
-        f"what feeds each input: {{\"input\": 0..{given - 1}}} or {{\"parameter\": a parameter of qgraph.json}}")
-    fields.get("tensors", _dict_of(lambda v: isinstance(v, dict) and set(v) == {"shape", "dtype", "device"} and
-                                   _shape(v["shape"]) and _dtype(v["dtype"]) and _text(v["device"])),
+    fields.get("inputs", list_of(either(record({"input": integer(0, given - 1)}),
+                                        record({"parameter": one_of(meta["parameters"])}))),
+               f"what feeds each input: {{\"input\": 0..{given - 1}}} or {{\"parameter\": a parameter of qgraph.json}}")
+    fields.get("tensors", dict_of(record({"shape": _shape, "dtype": dtype_name, "device": _text})),
                "the shape, dtype and device of each held tensor")
-    symbols = fields.get("symbols", _dict_of(lambda v: isinstance(v, dict) and set(v) == {"min", "max"} and
-                                             _count(0, 2**40)(v["min"]) and
-                                             (v["max"] is None or _count(0, 2**40)(v["max"]))),
-                         "each symbolic size's range")
-    size = lambda s: _count(0, 2**40)(s) or (isinstance(s, str) and s in symbols)  # noqa: E731
-    places = fields.get("placeholders", lambda v: isinstance(v, list) and all(
-        isinstance(p, dict) and set(p) == {"shape", "dtype", "device"} and _text(p["device"]) and
-        isinstance(p["shape"], list) and
-        len(p["shape"]) <= 16 and all(map(size, p["shape"])) and _dtype(p["dtype"]) for p in v),
-        "each input's shape, dtype and device")
+    symbols = fields.get("symbols", dict_of(record({"min": _size, "max": optional(_size)})), "each symbolic size's range")
+    sizes = list_of(either(_size, one_of(symbols)), high=16)
+    places = fields.get("placeholders", list_of(record({"shape": sizes, "dtype": dtype_name, "device": _text})),
+                        "each input's shape, dtype and device")
     if len(places) != len(data["inputs"]):
         fields.fail("placeholders", f"has {len(places)} entries for {len(data['inputs'])} inputs")
     for item, place in zip(data["inputs"], places):

@@ -12,11 +12,14 @@ import torch
 
 from ..edits import AXES, Add, Edit, Replace, Scale, Zero
 from ..errors import EditError
+from ..saved.fields import integer, list_of, number
 
 KINDS = {"Replace": Replace, "Add": Add, "Scale": Scale, "Zero": Zero}
 _NUMBERS = {"Add": ("scale",), "Scale": ("factor",)}  # a number field, or (Scale) a tensor by name
 _TENSORS = {"Replace": "tensor", "Add": "tensor"}
 _MAX_INDICES = 4096  # indices of one region selector
+_INDICES = list_of(integer(-2**31 + 1, 2**31 - 1), 1, _MAX_INDICES)
+_NUMBER = number()  # finite
 
 
 def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -38,7 +41,7 @@ def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, t
             spec[field] = f"{prefix}.{field}"
         for number in _NUMBERS.get(kind, ()):
             value = getattr(edit, number)
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):  # a number travels in the call
                 spec[number] = float(value)
             else:
                 tensors[f"{prefix}.{number}"] = _as_tensor(value)
@@ -84,8 +87,7 @@ def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used:
     for selector in AXES:
         if selector in spec:
             chosen = spec[selector]
-            if not isinstance(chosen, list) or not 0 < len(chosen) <= _MAX_INDICES or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and abs(i) < 2**31 for i in chosen):
+            if not _INDICES(chosen):
                 raise EditError(f"{where}: {selector} takes a list of 1 to {_MAX_INDICES} ints, not {str(chosen)[:60]}")
             fields[selector] = chosen
     if kind in _TENSORS:
@@ -94,7 +96,7 @@ def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used:
         value = spec.get(number, 1.0 if kind == "Add" else None)
         if isinstance(value, str):
             value = _tensor(value, tensors, prefix, used, where)
-        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or abs(value) == float("inf"):
+        elif not _NUMBER(value):
             raise EditError(f"{where}: {number} takes a finite number or a tensor's name, not {str(value)[:40]}")
         fields[number] = value
     return KINDS[kind](**fields)

@@ -33,6 +33,7 @@ from torch.fx import Graph, GraphModule
 from .. import compat
 from ..errors import EditError, NotSupported, QgraphError, SavedProgramError
 from ..saved import sandbox
+from ..saved.fields import Fields, dict_of, identifier, integer, list_of, one_of, record, shown, tensor_shape, text
 from ..saved.fxdata import graph_data, graph_from_data, held_name
 
 FORMAT = 1
@@ -183,58 +184,40 @@ def load_function(data: dict, tensors: dict[str, torch.Tensor], name: str) -> Ca
     return loaded
 
 
-def _int(value, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
 def _check_fields(data, tensors, where: str) -> None:
-    def need(ok: bool, what: str):
-        if not ok:
-            raise SavedProgramError(f"{where}: {what}")
-
-    need(isinstance(data, dict) and set(data) == _FIELDS, f"its data is not an object of exactly {sorted(_FIELDS)}")
-    need(data["format"] == FORMAT and type(data["format"]) is int, f"its format is not {FORMAT}")
-    dims = data["dims"]
-    need(isinstance(dims, list) and 1 <= len(dims) <= LIMITS["dims"] and all(
-        isinstance(d, str) and d.isidentifier() and len(d) <= 64 for d in dims) and len(set(dims)) == len(dims),
-        f"its dims are not 1 to {LIMITS['dims']} distinct names")
-    symbols, placeholders = data["symbols"], data["placeholders"]
+    fields = Fields(data, where, keys=_FIELDS, exact=True)
+    fields.get("format", integer(FORMAT, FORMAT), f"{FORMAT}")
+    dims = fields.get("dims", list_of(identifier(64), 1, LIMITS["dims"], distinct=True),
+                      f"1 to {LIMITS['dims']} distinct names")
     dynamic = [d for d in dims if d in DYNAMIC]
-    need(isinstance(symbols, dict) and set(symbols) == set(dynamic) and all(
-        isinstance(s, dict) and set(s) == {"min", "max"} and _int(s["min"], 1, DYNAMIC[d])
-        and _int(s["max"], s["min"], DYNAMIC[d]) for d, s in symbols.items()),
-        f"its symbols are not {{dim: {{min, max}}}} for exactly its dims {dynamic}, within their bounds {DYNAMIC}")
-    need(isinstance(placeholders, list) and len(placeholders) == 1, "it has not exactly one input")
-    spec = placeholders[0]
-    need(isinstance(spec, dict) and set(spec) == {"shape", "dtype", "device"} and spec["dtype"] in FLOATS
-         and isinstance(spec["device"], str) and len(spec["device"]) <= 64,
-         f"its input is not {{shape, dtype (one of {', '.join(FLOATS)}), device}}")
+    fields.get("symbols", lambda symbols: isinstance(symbols, dict) and set(symbols) == set(dynamic) and all(
+        record({"min": integer(1, DYNAMIC[d]), "max": integer(1, DYNAMIC[d])})(s) and s["min"] <= s["max"]
+        for d, s in symbols.items()),
+        f"{{dim: {{min, max}}}} for exactly its dims {dynamic}, within their bounds {DYNAMIC}")
+    [spec] = fields.get("placeholders", list_of(record({"shape": lambda v: isinstance(v, list), "dtype": one_of(FLOATS),
+                                                        "device": text(64)}), 1, 1),
+                       f"exactly one input {{shape, dtype (one of {', '.join(FLOATS)}), device}}")
     shape = spec["shape"]
-    need(isinstance(shape, list) and len(shape) == len(dims) and all(
-        size == d if d in DYNAMIC else _int(size, 1, LIMITS["size"]) for d, size in zip(dims, shape)),
-        f"its input's shape is not its dims' (a batch or sequence axis by its name, any other a size of 1 to "
-        f"{LIMITS['size']:,}): {str(shape)[:100]}")
-    need(math.prod(size for size in shape if isinstance(size, int)) <= LIMITS["elements"],
-         "its input's fixed sizes are too large")
-    declared = data["tensors"]
-    need(isinstance(declared, dict) and len(declared) <= LIMITS["tensors"] and all(
-        held_name(key) and isinstance(t, dict) and set(t) == {"shape", "dtype"} and t["dtype"] in HELD_DTYPES
-        and isinstance(t["shape"], list) and len(t["shape"]) <= LIMITS["dims"]
-        and all(_int(s, 0, LIMITS["elements"]) for s in t["shape"]) for key, t in declared.items()),
-        f"its tensors are not at most {LIMITS['tensors']} {{flat name: {{shape, dtype}}}}")
-    need(sum(math.prod(t["shape"]) for t in declared.values()) <= LIMITS["elements"],
-         f"its tensors hold more than {LIMITS['elements']:,} elements")
-    need(isinstance(tensors, dict) and set(tensors) == set(declared),
-         f"it is given other tensors than its data names ({', '.join(sorted(map(str, declared))[:5])})")
+    if not (len(shape) == len(dims) and all(size == d if d in DYNAMIC else integer(1, LIMITS["size"])(size)
+                                            for d, size in zip(dims, shape))):
+        fields.fail("placeholders", f"gives its input a shape not its dims' (a batch or sequence axis by its name, "
+                                    f"any other a size of 1 to {LIMITS['size']:,}): {shown(shape)}")
+    if math.prod(size for size in shape if isinstance(size, int)) > LIMITS["elements"]:
+        fields.fail("placeholders", f"gives its input fixed sizes of more than {LIMITS['elements']:,} elements")
+    declared = fields.get("tensors", dict_of(record({"shape": tensor_shape(LIMITS["dims"], LIMITS["elements"]),
+                                                    "dtype": one_of(HELD_DTYPES)}), held_name, LIMITS["tensors"]),
+                          f"at most {LIMITS['tensors']} {{flat name: {{shape, dtype}}}}")
+    if sum(math.prod(t["shape"]) for t in declared.values()) > LIMITS["elements"]:
+        fields.fail("tensors", f"holds more than {LIMITS['elements']:,} elements")
+    if not isinstance(tensors, dict) or set(tensors) != set(declared):
+        fields.refuse(f"it is given other tensors than its data names ({', '.join(sorted(declared)[:5])})")
     for key, tensor in tensors.items():
-        need(isinstance(tensor, torch.Tensor) and list(tensor.shape) == declared[key]["shape"]
-             and str(tensor.dtype).removeprefix("torch.") == declared[key]["dtype"],
-             f"its tensor {key} is not the {declared[key]['dtype']} {declared[key]['shape']} its data says")
-    graph = data["graph"]
-    need(isinstance(graph, dict) and set(graph) == {"nodes"} and isinstance(graph["nodes"], list),
-         "its graph is not {nodes: [...]}")
-    need(len(graph["nodes"]) <= LIMITS["nodes"],
-         f"its graph has {len(graph['nodes']):,} nodes, more than a function edit may have ({LIMITS['nodes']:,})")
+        if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != declared[key]["shape"] \
+                or str(tensor.dtype).removeprefix("torch.") != declared[key]["dtype"]:
+            fields.refuse(f"its tensor {key} is not the {declared[key]['dtype']} {declared[key]['shape']} its data says")
+    nodes = fields.get("graph", record({"nodes": lambda v: isinstance(v, list)}), "{nodes: [...]}")["nodes"]
+    if len(nodes) > LIMITS["nodes"]:
+        fields.fail("graph", f"has {len(nodes):,} nodes, more than a function edit may have ({LIMITS['nodes']:,})")
 
 
 def _on_device(value, device: str, depth: int = 0):

@@ -14,21 +14,23 @@ beside the tensors ``input_ids`` and ``attention_mask`` (``[batch, seq]``, integ
 """
 from __future__ import annotations
 
-import numbers
 import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InvalidArgument
+from ..saved.fields import Check, Fields, dict_of, flag, integer, list_of, number, one_of, optional, shown, text
 from .edits import decode
 from .limits import Limits
 from .wire import WireError
 
 CALL_KEYS = {"values", "edits", "logits", "generate", "backward", "lens"}
-GENERATE_KEYS = {"max_new_tokens": int, "min_new_tokens": int, "do_sample": bool, "temperature": float,
-                 "top_k": int, "top_p": float, "repetition_penalty": float, "seed": int, "steps": list}
+LENS_KEYS = {"positions", "top"}
 _NAME = 300  # characters of a value name or pattern
+_name = text(_NAME, printable=True)
+_INT, _REAL = (integer(), "an int"), (number(1e6), "a number of magnitude below 1e6")
+_REALS = ("temperature", "top_p", "repetition_penalty")
 TENSOR_FIELDS = ("tensor", "factor")  # the fields of an edit that may hold a tensor
 
 
@@ -90,32 +92,27 @@ class Request:
 def request_of(call: dict, tensors: dict[str, torch.Tensor], limits: Limits) -> Request:
     """The ``Request`` of a parsed body, or a ``WireError`` (400: not the format), ``TooLarge`` (413)
     or ``Unprocessable`` (422) naming the field."""
-    unknown = sorted(set(call) - CALL_KEYS)
-    if unknown:
-        raise WireError(f"the call holds {unknown}; a call holds {', '.join(sorted(CALL_KEYS))}")
+    fields = Fields(call, "the call", Unprocessable, keys=CALL_KEYS, unknown=WireError)
     used = {"input_ids", "attention_mask"}
     ids, mask = _inputs(tensors)
-    values = _values(call.get("values", []), limits)
-    edits = call.get("edits", {})
-    if not isinstance(edits, dict) or len(edits) > limits.max_values:
-        raise Unprocessable(f"edits takes an object {{pattern: edit}} of at most {limits.max_values} entries")
-    decoded = {}
-    for index, (pattern, spec) in enumerate(edits.items()):
-        _check_name(pattern, "an edit's pattern")
-        decoded[pattern] = decode(pattern, spec, tensors, f"edit.{index}", used)
-    logits = call.get("logits", True)
-    if not isinstance(logits, bool):
-        raise Unprocessable(f"logits takes true or false, not {str(logits)[:40]}")
+    values = _values(fields, limits)
+    edits = fields.get("edits", dict_of(lambda spec: True, _name, limits.max_values),
+                       f"an object {{pattern: edit}} of at most {limits.max_values} entries, each pattern a name of 1 "
+                       f"to {_NAME} printable characters", default={})
+    decoded = {pattern: decode(pattern, spec, tensors, f"edit.{index}", used)
+               for index, (pattern, spec) in enumerate(edits.items())}
+    logits = fields.get("logits", flag, "true or false", default=True)
     generate = _generate(call.get("generate"), limits)
-    backward = call.get("backward")
+    backward = fields.get("backward", optional(one_of(tensors)), "the name of the body's tensor of d loss / d logits",
+                          default=None)
     if backward is not None:
-        if generate is not None or not isinstance(backward, str) or backward not in tensors:
-            raise Unprocessable("backward names the tensor of d loss / d logits the body holds (not with generate)")
+        if generate is not None:
+            fields.fail("backward", "runs after one forward: a call with backward holds no generate")
         used.add(backward)
         backward = tensors[backward]
     lens = _lens(call.get("lens"))
-    if lens is not None and (generate is not None or backward is not None or call.get("edits")):
-        raise Unprocessable("lens runs alone: a call with lens holds no generate, backward or edits")
+    if lens is not None and (generate is not None or backward is not None or edits):
+        fields.fail("lens", "runs alone: a call with lens holds no generate, backward or edits")
     extra = sorted(set(tensors) - used)
     if extra:
         raise Unprocessable(f"the body holds tensors no field names: {extra[:5]}")
@@ -138,65 +135,50 @@ def _inputs(tensors: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.long(), mask.long()
 
 
-def _values(values, limits: Limits):
-    if isinstance(values, list):
-        if len(values) > limits.max_values:
-            raise TooLarge(f"the request asks for {len(values)} values, more than the {limits.max_values} it may")
-        for name in values:
-            _check_name(name, "a value")
-        return values
+def _values(fields: Fields, limits: Limits) -> list | dict:
+    values = fields.get("values", lambda v: isinstance(v, (list, dict)),
+                        'a list of names and globs, or an object {name: {"grad": true}}', default=[])
+    if len(values) > limits.max_values:
+        raise TooLarge(f"the request asks for {len(values)} values, more than the {limits.max_values} it may")
+    for name in values:
+        if not _name(name):
+            fields.fail("values", f"holds {shown(name)}, not the name of a value or a glob (1 to {_NAME} printable "
+                                  f"characters)")
     if isinstance(values, dict):
-        if len(values) > limits.max_values:
-            raise TooLarge(f"the request asks for {len(values)} values, more than the {limits.max_values} it may")
         for name, options in values.items():
-            _check_name(name, "a value")
-            if not isinstance(options, dict) or set(options) - {"grad"} or not all(
-                    isinstance(v, bool) for v in options.values()):
-                raise Unprocessable(f"the options of '{name[:60]}' take {{\"grad\": true|false}} only")
-        return values
-    raise Unprocessable("values takes a list of names and globs, or an object {name: {\"grad\": true}}")
+            Fields(options, f"the call's options of {shown(name)}", Unprocessable, keys={"grad"}).get(
+                "grad", flag, "true or false", default=False)
+    return values
 
 
-def _check_name(name, what: str) -> None:
-    if not isinstance(name, str) or not 0 < len(name) <= _NAME or not name.isprintable():
-        raise Unprocessable(f"{what} is a name of 1 to {_NAME} printable characters, not {str(name)[:60]!r}")
+def _generate_keys(most: int) -> dict[str, tuple[Check, str]]:
+    """What each setting of a call's generate takes (what ``ig.generate`` refuses of their values is refused
+    before the request is queued)."""
+    return {"max_new_tokens": (integer(1, most), f"a number of new tokens of 1 to {most} (--max-new-tokens)"),
+            "min_new_tokens": _INT, "do_sample": (flag, "true or false"), "temperature": _REAL, "top_k": _INT,
+            "top_p": _REAL, "repetition_penalty": _REAL, "seed": _INT,
+            "steps": (list_of(integer(0, most), high=most + 1), f"a list of step numbers 0 to {most}")}
 
 
 def _generate(settings, limits: Limits) -> dict | None:
     if settings is None:
         return None
-    if not isinstance(settings, dict):
-        raise Unprocessable("generate takes an object of settings, e.g. {\"max_new_tokens\": 8}")
-    unknown = sorted(set(settings) - set(GENERATE_KEYS))
-    if unknown:
-        raise Unprocessable(f"generate takes {', '.join(GENERATE_KEYS)}, not {unknown}")
-    for key, value in settings.items():
-        kind = GENERATE_KEYS[key]
-        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        fits = isinstance(value, bool) if kind is bool else (
-            isinstance(value, int) and not isinstance(value, bool) if kind is int else
-            number and value == value and abs(value) < 1e6 if kind is float else isinstance(value, list))
-        if not fits:
-            raise Unprocessable(f"generate's {key} takes {kind.__name__}, not {str(value)[:40]}")
-        if kind is float:
-            settings[key] = float(value)  # JSON's 0 for 0.0: what a local call passes
-    if "steps" in settings and not (len(settings["steps"]) <= limits.max_new_tokens + 1 and all(
-            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= limits.max_new_tokens
-            for s in settings["steps"])):
-        raise Unprocessable(f"generate's steps takes a list of step numbers 0 to {limits.max_new_tokens}")
-    new = settings.setdefault("max_new_tokens", 20)
-    if not 1 <= new <= limits.max_new_tokens:
-        raise Unprocessable(f"max_new_tokens is {new}; this server generates 1 to {limits.max_new_tokens} new tokens "
-                            f"(--max-new-tokens)")
+    takes = _generate_keys(limits.max_new_tokens)
+    fields = Fields(settings, "the call's generate", Unprocessable, keys=takes)
+    settings.setdefault("max_new_tokens", 20)
+    for key, (check, what) in takes.items():
+        if key in settings:
+            fields.get(key, check, what)
+    for key in _REALS:
+        if key in settings:
+            settings[key] = float(settings[key])  # JSON's 0 for 0.0: what a local call passes
     return settings
 
 
 def _lens(settings) -> dict | None:
     if settings is None:
         return None
-    positions, top = (settings.get(key) if isinstance(settings, dict) else None for key in ("positions", "top"))
-    if not isinstance(settings, dict) or set(settings) != {"positions", "top"} or not isinstance(positions, list) \
-            or not 0 < len(positions) <= 4096 or not all(isinstance(p, int) and not isinstance(p, bool) for p in positions) \
-            or not isinstance(top, int) or isinstance(top, bool) or not 1 <= top <= 1000:
-        raise Unprocessable('lens takes {"positions": [ints], "top": 1 to 1000}')
+    fields = Fields(settings, "the call's lens", Unprocessable, keys=LENS_KEYS, exact=True)
+    fields.get("positions", list_of(integer(), 1, 4096), "a list of 1 to 4096 positions (ints)")
+    fields.get("top", integer(1, 1000), "an int of 1 to 1000")
     return settings

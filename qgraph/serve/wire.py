@@ -18,11 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgument
+from ..saved.fields import Fields, integer, list_of, one_of, shown, text
 
 # safetensors' dtype names -> the torch dtype and its bytes per element: the dtypes a call may carry
 DTYPES = {"F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
           "F64": (torch.float64, 8), "I64": (torch.int64, 8), "I32": (torch.int32, 4), "BOOL": (torch.bool, 1)}
 _NAMES = {dtype: name for name, (dtype, _) in DTYPES.items()}
+_TENSOR_NAME = text(200, printable=True)
+_SIZE = integer(0, 2**62 - 1)  # a size or an offset a header may give
+_SHAPE = list_of(_SIZE, high=8)
 
 
 class WireError(InvalidArgument):
@@ -105,20 +109,11 @@ def _call(metadata) -> dict:
 
 
 def _entry(name: str, entry) -> tuple[int, int, str, list[int]]:
-    if not name.isprintable() or not 0 < len(name) <= 200:
-        raise WireError(f"a tensor's name {name[:40]!r} is not 1 to 200 printable characters")
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise WireError(f"tensor {name!r} is not {{dtype, shape, data_offsets}}")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
-        raise WireError(f"tensor {name!r} is of dtype {dtype!r}; a body carries {', '.join(DTYPES)}")
-    if not (isinstance(shape, list) and len(shape) <= 8 and all(_count(size) for size in shape)):
-        raise WireError(f"tensor {name!r} has shape {shape!r}: at most 8 sizes, each an int >= 0")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(offset) for offset in offsets)
-            and offsets[0] <= offsets[1]):
-        raise WireError(f"tensor {name!r} has data_offsets {offsets!r}: [start, stop], ints, start <= stop")
-    return offsets[0], offsets[1], dtype, shape
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
+    if not _TENSOR_NAME(name):
+        raise WireError(f"a tensor's name {shown(name)} is not 1 to 200 printable characters")
+    fields = Fields(entry, f"tensor {name!r}", WireError, keys=("dtype", "shape", "data_offsets"), exact=True)
+    dtype = fields.get("dtype", one_of(DTYPES), f"one of {', '.join(DTYPES)}")
+    shape = fields.get("shape", _SHAPE, "at most 8 sizes, each an int >= 0")
+    start, stop = fields.get("data_offsets", lambda v: list_of(_SIZE, 2, 2)(v) and v[0] <= v[1],
+                             "[start, stop], ints, start <= stop")
+    return start, stop, dtype, shape
