@@ -39,13 +39,13 @@ def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, t
         if field is not None:
             tensors[f"{prefix}.{field}"] = _as_tensor(getattr(edit, field))
             spec[field] = f"{prefix}.{field}"
-        for number in _NUMBERS.get(kind, ()):
-            value = getattr(edit, number)
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):  # a number travels in the call
-                spec[number] = float(value)
+        for option in _NUMBERS.get(kind, ()):
+            value = getattr(edit, option)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                spec[option] = float(value)
             else:
-                tensors[f"{prefix}.{number}"] = _as_tensor(value)
-                spec[number] = f"{prefix}.{number}"
+                tensors[f"{prefix}.{option}"] = _as_tensor(value)
+                spec[option] = f"{prefix}.{option}"
         return spec, tensors
     if callable(edit):
         if layout is None:
@@ -92,13 +92,13 @@ def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used:
             fields[selector] = chosen
     if kind in _TENSORS:
         fields[_TENSORS[kind]] = _tensor(spec.get(_TENSORS[kind]), tensors, prefix, used, where)
-    for number in _NUMBERS.get(kind, ()):
-        value = spec.get(number, 1.0 if kind == "Add" else None)
+    for option in _NUMBERS.get(kind, ()):
+        value = spec.get(option, 1.0 if kind == "Add" else None)
         if isinstance(value, str):
             value = _tensor(value, tensors, prefix, used, where)
         elif not _NUMBER(value):
-            raise EditError(f"{where}: {number} takes a finite number or a tensor's name, not {str(value)[:40]}")
-        fields[number] = value
+            raise EditError(f"{where}: {option} takes a finite number or a tensor's name, not {str(value)[:40]}")
+        fields[option] = value
     return KINDS[kind](**fields)
 
 
