@@ -84,9 +84,11 @@ def test_names_and_dtypes():
     assert not any(map(dtype_name, ["__class__", "Tensor", "nn", "float33", "", "torch.", 7]))
     assert identifier(4)("dims") and not identifier(3)("dims") and not identifier()("hidden size")
     assert list_of(text(), distinct=True)(["a", "b"]) and not list_of(text(), distinct=True)(["a", "a"])
-    assert list_of(integer(), 1, 2)([1, 2]) and not list_of(integer(), 1, 2)([]) and not list_of(integer(), 1, 2)([1] * 3)
+    one_or_two = list_of(integer(), 1, 2)
+    assert one_or_two([1, 2]) and not one_or_two([]) and not one_or_two([1] * 3)
     assert either(integer(0, 1), one_of({"seq"}))("seq") and optional(integer())(None) and not optional(integer())("")
-    assert record({"a": flag})({"a": True}) and not record({"a": flag})({"a": True, "b": 1}) and not record({"a": flag})({})
+    only_a = record({"a": flag})
+    assert only_a({"a": True}) and not only_a({"a": True, "b": 1}) and not only_a({}) and not only_a({"a": 1})
     assert dict_of(flag, high=1)({"a": True}) and not dict_of(flag, high=1)({"a": True, "b": False})
     assert not dict_of(flag)({"": True})  # a key is a text of 1 character or more
 
@@ -105,7 +107,7 @@ def test_fields_refuse_with_the_callers_class_naming_the_field():
     assert fields.get("m", integer(), "a count", default=3) == 3 and fields.get("s", text(), "a text") == "x"
     with pytest.raises(WireError, match=r"the call is not an object of fields among m, n, s: it holds \['x'\] too"):
         Fields({"x": 1}, "the call", Unprocessable, keys={"n", "s", "m"}, unknown=WireError)
-    with pytest.raises(SavedProgramError, match=r"the edit is not an object of exactly the fields a, b: it lacks \['b'\]"):
+    with pytest.raises(SavedProgramError, match=r"the edit is not an object of exactly the fields a, b: it lacks \['b"):
         Fields({"a": 1}, "the edit", keys={"a", "b"}, exact=True)
     with pytest.raises(SavedProgramError, match=r"the edit is not an object of exactly the fields a: \[1\]"):
         Fields([1], "the edit", keys={"a"}, exact=True)

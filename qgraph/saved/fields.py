@@ -12,16 +12,15 @@ naming where, the field, what it holds and (bounded, escaped) what it was given.
 from __future__ import annotations
 
 import math
-import numbers
 import reprlib
 from collections.abc import Callable, Collection
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
 from ..errors import SavedProgramError
 
-Check = Callable[[object], bool]
+Check = Callable[[Any], bool]
 TEXT = 4096  # characters of a text field unless it says otherwise
 DTYPES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))  # float32, half...
 _SHOWN = reprlib.Repr()
@@ -49,7 +48,7 @@ def integer(low: float = -math.inf, high: float = math.inf) -> Check:
 
 def number(bound: float = math.inf) -> Check:
     """A finite real number, an int or a float (never a bool, NaN or an infinity), of magnitude below ``bound``."""
-    return lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool) and -bound < value < bound
+    return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and -bound < value < bound
 
 
 def text(high: int = TEXT, low: int = 1, *, printable: bool = False) -> Check:
@@ -144,7 +143,7 @@ class Fields:
         """Refuse the object for ``why`` (a reason of no one field)."""
         raise self.error(f"{self.where}: {why}")
 
-    def get(self, field: str, check: Check, what: str, default=_REQUIRED):
+    def get(self, field: str, check: Check, what: str, default: Any = _REQUIRED) -> Any:
         """The value of ``field`` if ``check`` takes it (``what`` says what it holds, for the refusal);
         ``default`` when it is missing, if given (unchecked: the caller's own)."""
         if field not in self.data:

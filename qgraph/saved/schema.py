@@ -79,8 +79,14 @@ def parse(data: bytes, name: str, path: Path) -> dict:
 
 _text, _texts = text(), list_of(text())
 _size, _shape = integer(0, 2**40), tensor_shape(16, 2**40)
-_unflatten = lambda step: isinstance(step, list) and len(step) == 3 and step[0] == "unflatten" and \
-    all(map(integer(1, 2**31), step[1:]))
+
+
+def _unflatten(step) -> bool:
+    """``["unflatten", dim, size]``: a step of a slot's view."""
+    return isinstance(step, list) and len(step) == 3 and step[0] == "unflatten" and \
+        all(map(integer(1, 2**31), step[1:]))
+
+
 _slot = record({"layout": lambda v: isinstance(v, str), "dims": _texts, "fixed": optional(_text),
                 "view": list_of(either(lambda step: step == ["unsqueeze"], _unflatten))})
 _indices = list_of(integer(-2**31, 2**31), high=65536)
@@ -91,8 +97,12 @@ _sizes = list_of(either(_size, text(256, low=0)), high=16)
 # each of values.catalogue.FACTS with its check (a fact added there is refused here until it has one)
 FACT_CHECKS = {"host": _words, "layout": _words, "description": _words, "availability": _words, "dims": _sizes,
                "shape": _sizes, "port": flag, "by_name_only": flag, "available": flag, "reason": optional(_words)}
-_parameter = lambda v: isinstance(v, list) and len(v) == 2 and _shape(v[0]) and dtype_name(v[1])
 GRAPH_FIELDS = {"graph", "inputs", "tensors", "placeholders", "symbols"}
+
+
+def _parameter(value) -> bool:
+    """``[shape, dtype]``: a parameter the program reads."""
+    return isinstance(value, list) and len(value) == 2 and _shape(value[0]) and dtype_name(value[1])
 
 
 def bare_file_name(value) -> bool:
@@ -132,7 +142,8 @@ def check_meta(meta: dict, where: str) -> None:
         if rule["how"] not in DERIVATIONS:
             fields.fail("derived", f"derives {name!r} by {rule['how']!r}, which is no derivation of this qgraph")
     fields.get("parameters", dict_of(_parameter), "the shape and dtype of each parameter it reads")
-    fields.get("weights", optional(bare_file_name), "null or the name of a .safetensors file (or index) beside the program")
+    fields.get("weights", optional(bare_file_name),
+               "null or the name of a .safetensors file (or index) beside the program")
     fields.get("tied", list_of(_texts), "the groups of tied parameters")
     fields.get("tensors", _texts, "the names of the model's tensors")
     fields.get("ignored", _texts, "the patterns of tensors its class ignores")
@@ -148,7 +159,8 @@ def check_graph_fields(data: dict, meta: dict, where: str) -> None:
                f"what feeds each input: {{\"input\": 0..{given - 1}}} or {{\"parameter\": a parameter of qgraph.json}}")
     fields.get("tensors", dict_of(record({"shape": _shape, "dtype": dtype_name, "device": _text})),
                "the shape, dtype and device of each held tensor")
-    symbols = fields.get("symbols", dict_of(record({"min": _size, "max": optional(_size)})), "each symbolic size's range")
+    symbols = fields.get("symbols", dict_of(record({"min": _size, "max": optional(_size)})),
+                         "each symbolic size's range")
     sizes = list_of(either(_size, one_of(symbols)), high=16)
     places = fields.get("placeholders", list_of(record({"shape": sizes, "dtype": dtype_name, "device": _text})),
                         "each input's shape, dtype and device")

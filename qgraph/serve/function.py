@@ -214,7 +214,8 @@ def _check_fields(data, tensors, where: str) -> None:
     for key, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != declared[key]["shape"] \
                 or str(tensor.dtype).removeprefix("torch.") != declared[key]["dtype"]:
-            fields.refuse(f"its tensor {key} is not the {declared[key]['dtype']} {declared[key]['shape']} its data says")
+            fields.refuse(f"its tensor {key} is not the {declared[key]['dtype']} {declared[key]['shape']} its data "
+                          f"says")
     nodes = fields.get("graph", record({"nodes": lambda v: isinstance(v, list)}), "{nodes: [...]}")["nodes"]
     if len(nodes) > LIMITS["nodes"]:
         fields.fail("graph", f"has {len(nodes):,} nodes, more than a function edit may have ({LIMITS['nodes']:,})")
