@@ -297,10 +297,12 @@ class LoadedProgram:
         return patch_by_calls(self, clean, corrupt, names, metric, positions, heads)
 
     def generate(self, *args, **kwargs):
+        """Refused: a saved program is one forward pass, without the cache generation decodes from."""
         raise NotSupported(f"{self.path.name} is one forward pass, saved without a cache: generate with "
                            f"qgraph.instrument(model) or on a server (qgraph serve)")
 
     def logit_lens(self, *args, **kwargs):
+        """Refused: a saved program holds no readout (the final norm and head) to project the blocks' outputs."""
         raise NotSupported(f"{self.path.name} holds no readout of the blocks' outputs (the final norm and head "
                            f"as functions): read the lens with qgraph.instrument(model) or on a server")
 
