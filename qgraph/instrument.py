@@ -28,7 +28,7 @@ from .distributed import Stages, stage_program
 from .distributed.weights import load_weights
 
 def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True, compile=False,
-               saes=None, splice: str = "error", transcoders=None, stages=None) -> "InstrumentedModel":
+               saes=None, splice: str = "error", transcoders=None, stages=None) -> InstrumentedModel:
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
     ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
@@ -224,7 +224,7 @@ class InstrumentedModel:
             self._device = device
             self._build()
 
-    def variant(self, values=(), *, edits=(), logits: bool = True) -> "InstrumentedModel":
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> InstrumentedModel:
         """An instrument of the same model that runs as this one does (its SAEs, their splice and its
         fixed edits) and reads ``values``, with slots at ``edits`` (names); what ``patch``,
         ``attribution_patch``, ``logit_lens`` and ``top_features`` run. Kept for the next ask."""
@@ -244,7 +244,7 @@ class InstrumentedModel:
         from .sweep import sweep  # noqa: PLC0415 — the sweep (and the stages' cutting it uses) loads with the first patch
         return sweep(self, clean, corrupt, names, metric, positions, heads, batch_size)
 
-    def compile(self, **options) -> "InstrumentedModel":
+    def compile(self, **options) -> InstrumentedModel:
         """Run the program(s) under ``torch.compile`` (``fullgraph=True`` unless ``options`` say
         otherwise); returns self. The first call compiles; the batch and sequence dims are dynamic,
         so a new prompt length does not recompile. A call with per-call edits runs the eager program

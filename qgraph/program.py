@@ -74,7 +74,7 @@ class Program:
         """Catalogue the graph again (after a rewrite: a decomposed block's pattern is now found)."""
         self.catalogue = self._catalogue()
 
-    def make(self, names, options: dict[str, dict] | None = None) -> "Program":
+    def make(self, names, options: dict[str, dict] | None = None) -> Program:
         """Run the pipeline's first pass alone: the rewrites that make the on-request values among
         ``names``, catalogued again; the markers stay, nothing is tapped (what a diagram reads)."""
         build = Build(self, Request(list(names), options=options or {}))
@@ -83,7 +83,7 @@ class Program:
 
     def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool,
               options: dict[str, dict] | None = None, cache: str | None = None, make=(),
-              replacement: dict | None = None) -> "Program":
+              replacement: dict | None = None) -> Program:
         """Run the pipeline (``passes.pipeline.PIPELINE``) for a request: make the values that need a
         rewrite (and those in ``make``, and the SAEs and transcoders that change what the model reads),
         with ``cache`` (``"prompt"`` or ``"decode"``) make the graph a cached decoding step, insert the
@@ -139,7 +139,7 @@ class Program:
                                f"weights): load them with ig.load_weights(checkpoint) first")
         return args
 
-    def runs_on(self, runner) -> "Program":
+    def runs_on(self, runner) -> Program:
         """Run from now on by ``runner`` (``qgraph.runners``: ``Compiled``, ``Staged``; ``EAGER`` by default),
         as the instrument that built it chose."""
         self.runner = runner

@@ -1,8 +1,7 @@
 """Common interventions built on edits: steering, skipping blocks, activation patching."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 

@@ -27,7 +27,7 @@ from .passes.edit import applying
 from .progress import progress
 
 LOGITS_BUDGET = 2**27  # logits elements one pass may hold by default (512 MiB of float32)
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # built Program -> its Plan, cut once
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # built Program -> its Plan, cut once
 
 
 def sweep(instrumented, clean: dict, corrupt: dict, names: list[str], metric, positions=None, heads=None,

@@ -24,7 +24,7 @@ _CALL_EDITS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("qgraph_ca
 
 
 @contextlib.contextmanager
-def applying(edits: Mapping["EditSlot", object]):
+def applying(edits: Mapping[EditSlot, object]):
     """Apply ``{slot: edit}`` to the calls made in this block (this thread or task only); the
     edits in force before are back when it ends."""
     token = _CALL_EDITS.set(dict(edits))
@@ -55,7 +55,7 @@ class EditSlot(torch.nn.Module):
             self.check(fixed)
 
     @classmethod
-    def at(cls, entry, fixed=None) -> "EditSlot":
+    def at(cls, entry, fixed=None) -> EditSlot:
         """The slot at a catalogue ``entry`` (with ``fixed``, an edit fixed into the program), or an
         ``EditError`` saying why the value cannot be edited and what to edit instead."""
         if entry.read_only:

@@ -107,7 +107,7 @@ class ServedEntry:
     read_only = False
 
     @classmethod
-    def of(cls, name: str, data: dict) -> "ServedEntry":
+    def of(cls, name: str, data: dict) -> ServedEntry:
         return cls(name, **{**data, "dims": tuple(data["dims"]), "shape": tuple(data["shape"])})
 
 

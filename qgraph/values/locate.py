@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.fx import Graph, Node
 
 from ..errors import InvalidArgument, InvalidType
 from ..families import Family
-from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites, Derived,
-                              Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing, Rule, ScatterSource,
+from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites,
+                              Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing, Rule, ScatterSource,
                               VarlenAttention)
 from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from ..kernels.read_ops import ATTENTION_READ_OP, WRITES_OP
 from ..kernels import views
 from ..rewrites.swap import read_back
-from ..rewrites.on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts, SwapForStates,
-                         SwapForWrites)
+from ..rewrites.on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts,
+                                   SwapForStates, SwapForWrites)
 
 aten = torch.ops.aten
 

@@ -76,7 +76,7 @@ def standard(raw: str, family, config) -> list[str]:
     return [canonical(name, blocks)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _alias_pattern(template: str) -> re.Pattern:
     block = r"(?P<block>-?\d+|[\d*?]+)"
     return re.compile(block.join(map(re.escape, template.split("{i}"))) + r"(?P<rest>\..+)?\Z")
