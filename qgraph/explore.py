@@ -170,7 +170,7 @@ def explore(ig_or_model, out=None, *, blocks=None, plots: int = 32) -> Figure:
         if rest:
             parts.append(_section(f"other captured values ({len(rest)})", "", rest, shown, catalogue, out, opened=False))
 
-    data = {name: _facts(name, catalogue, marks) for name in shown}
+    data: dict[str, object] = {name: _facts(name, catalogue, marks) for name in shown}  # and "__out__": captured?
     if out is not None:
         _add_captured(data, out, plots)
     data["__out__"] = out is not None

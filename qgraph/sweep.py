@@ -140,15 +140,17 @@ class CorruptRun:
 
     def _repeat(self, value, meta, copies: int):
         """``value`` for ``copies`` copies of the batch: repeated along its batch axis (its leading one)."""
+        batch = self.batch
+        assert batch is not None, "copies of the batch are stacked only where it is dynamic (patch's per_pass)"
         if not isinstance(meta, torch.Tensor):
-            if self.batch.search(str(meta)):
+            if batch.search(str(meta)):
                 raise InternalError(f"patch: a size of the batch ({meta}) crosses a block boundary; the sweep cannot "
                                     f"stack locations along the batch")
             return value
         dims = [str(size) for size in meta.shape]
-        if dims and self.batch.fullmatch(dims[0]):
+        if dims and batch.fullmatch(dims[0]):
             return value.repeat(copies, *[1] * (value.dim() - 1))
-        if any(self.batch.search(dim) for dim in dims):
+        if any(batch.search(dim) for dim in dims):
             raise InternalError(f"patch: a tensor of shape {tuple(meta.shape)} crosses a block boundary with the batch "
                                 f"in a later axis; the sweep cannot stack locations along the batch")
         return value

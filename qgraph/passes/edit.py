@@ -102,19 +102,20 @@ class InsertEditSlots(BuildPass):
         graph, catalogue = graph_module.graph, self.build.program.catalogue
         for name, slot in self.build.request.slots.items():
             entry = catalogue[name]
-            node = entry.location.node
+            location = entry.found  # made (MakeOnRequest) before the slots go in
+            node = location.node
             if entry.spec is not None:  # a standard value: the tensor itself, not one module's view of it
                 while node.target is MARK_OP:
                     node = node.args[0]
             graph_module.add_submodule(name_of(name), slot)
-            for point in entry.location.probes or (node,):  # edited inside a kernel: at its probes
+            for point in location.probes or (node,):  # edited inside a kernel: at its probes
                 readers = list(point.users)
                 with graph.inserting_after(point):
                     slot_node = graph.call_module(name_of(name), (point,))
                 slot_node.meta["val"] = point.meta.get("val")
                 for reader in readers:
                     reader.replace_input_with(point, slot_node)
-            self.build.slot_nodes[name] = node if entry.location.probes else slot_node
+            self.build.slot_nodes[name] = node if location.probes else slot_node
         return PassResult(graph_module, bool(self.build.request.slots))
 
 

@@ -100,7 +100,7 @@ class Replacement(BuildPass):
             return PassResult(graph_module, True)
         _freeze(graph_module.graph, stops)
         _inject(program, _port(program, "layers.0.layer_input"), EMBEDDINGS)
-        features = []  # every block's, in block order: a cross-layer decoder reads those of the blocks before
+        features: list[Node] = []  # every block's, in block order: a cross-layer decoder reads those of the blocks before
         for block, calls in _calls(graph_module, transcoders):
             x = _port(program, f"layers.{block}.{calls.reads}")
             m = _port(program, f"layers.{block}.mlp.mlp_output")
