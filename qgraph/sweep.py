@@ -230,7 +230,8 @@ def locations(given, size: int, what: str, name: str) -> list[int]:
     """``"each"`` (every index of the axis) or indices, checked and made non-negative."""
     if isinstance(given, str):
         if given != "each":
-            raise InvalidArgument(f"patch({what}={given!r}): give None (the whole value), \"each\" or a list of indices")
+            raise InvalidArgument(f"patch({what}={given!r}): give None (the whole value), \"each\" or a list of "
+                                  "indices")
         return list(range(size))
     chosen = indices(given, what, f"patch({what}=...) at '{name}'")
     bad = [i for i in chosen if not -size <= i < size]
@@ -244,6 +245,6 @@ def _scalar(value, name: str) -> float:
         return value.item()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise InvalidType(f"patch with positions= or heads= stacks metric values into a tensor: metric(logits) must return a "
-                      f"number or a one-element tensor, got {type(value).__name__}"
+    raise InvalidType(f"patch with positions= or heads= stacks metric values into a tensor: metric(logits) must "
+                      f"return a number or a one-element tensor, got {type(value).__name__}"
                       f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''} at '{name}'")

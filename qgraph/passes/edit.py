@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -19,8 +20,9 @@ from ..kernels import views
 from .base import BuildPass, PassResult
 
 
-# The edits of the call running in this context: {slot: edit}
-_CALL_EDITS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("qgraph_call_edits", default={})
+# The edits of the call running in this context: {slot: edit} (none outside ``applying``: a read-only empty one)
+_CALL_EDITS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("qgraph_call_edits",
+                                                                     default=MappingProxyType({}))
 
 
 @contextlib.contextmanager

@@ -105,7 +105,8 @@ def dictionary_entries(catalogue: dict[str, Entry], saes: dict, transcoders: dic
             if id(clt) not in shared:
                 blocks = sorted(block for block, (other, _) in transcoders.items()
                                 if getattr(other, "clt", None) is clt)
-                sides = [[catalogue[name].found.node for name in inputs(block, transcoders[block][0])] for block in blocks]
+                sides = [[catalogue[name].found.node for name in inputs(block, transcoders[block][0])]
+                         for block in blocks]
                 shared[id(clt)] = OnRequest(sides[-1][1], SpliceCLT(clt, tuple(x for x, _ in sides),
                                                                     tuple(m for _, m in sides), splice, CLT.note))
             made = shared[id(clt)]
