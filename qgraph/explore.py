@@ -32,17 +32,18 @@ _CSS = """#{key} {{ font-family: Helvetica, Arial, sans-serif; font-size: 13px; 
 #{key} .qg-page {{ display: flex; gap: 12px; align-items: flex-start; }}
 #{key} .qg-graphs {{ flex: 1 1 62%; min-width: 0; }}
 #{key} .qg-graphs svg {{ max-width: 100%; height: auto; }}
-#{key} [id=detail] {{ flex: 1 1 38%; position: sticky; top: 0; max-height: 100vh; overflow: auto; border: 1px solid #ddd;
-  border-radius: 6px; padding: 8px 12px; background: #fcfcfc; }}
+#{key} [id=detail] {{ flex: 1 1 38%; position: sticky; top: 0; max-height: 100vh; overflow: auto;
+  border: 1px solid #ddd; border-radius: 6px; padding: 8px 12px; background: #fcfcfc; }}
 #{key} [id=detail] table {{ border-collapse: collapse; margin: 6px 0; }}
-#{key} [id=detail] th {{ text-align: left; padding: 2px 10px 2px 0; color: #555; font-weight: normal; vertical-align: top; }}
+#{key} [id=detail] th {{ text-align: left; padding: 2px 10px 2px 0; color: #555; font-weight: normal;
+  vertical-align: top; }}
 #{key} [id=detail] td {{ padding: 2px 0; font-family: Menlo, Consolas, monospace; font-size: 12px; }}
 #{key} [id=detail] svg {{ max-width: 100%; height: auto; }}
 #{key} details {{ margin: 4px 0 4px 10px; }}
 #{key} summary {{ cursor: pointer; font-weight: bold; padding: 2px 0; }}
 #{key} [data-value] {{ cursor: pointer; }}
-#{key} .qg-chip {{ display: inline-block; margin: 2px 3px; padding: 1px 6px; border: 1px solid #d9b23a; border-radius: 4px;
-  background: #fff4cc; font-family: Menlo, Consolas, monospace; font-size: 11px; }}
+#{key} .qg-chip {{ display: inline-block; margin: 2px 3px; padding: 1px 6px; border: 1px solid #d9b23a;
+  border-radius: 4px; background: #fff4cc; font-family: Menlo, Consolas, monospace; font-size: 11px; }}
 #{key} .qg-chip.qg-held {{ background: #ffb25b; }}
 #{key} .qg-chip.qg-selected {{ outline: 2px solid #d81b60; }}
 #{key} g.qg-selected > path, #{key} g.qg-selected > polygon, #{key} g.qg-selected a > path,
@@ -161,16 +162,17 @@ def explore(ig_or_model, out=None, *, blocks=None, plots: int = 32) -> Figure:
             values = _block_values(catalogue, f"vision.layers.{block}")
             diagram = _diagram(ig_or_model, "vision_block", block, catalogue, shown) \
                 if block == 0 or blocks == "all" else ""
-            inner.append(_section(f"vision block {block}" + ("" if diagram else " (its values; blocks=\"all\" draws it)"),
-                                  diagram, values, shown, catalogue, out, opened=bool(diagram)))
+            title = f"vision block {block}" + ("" if diagram else " (its values; blocks=\"all\" draws it)")
+            inner.append(_section(title, diagram, values, shown, catalogue, out, opened=bool(diagram)))
         parts.append(f'<details open class="qg-kind"><summary>vision encoder blocks: 0-{depth - 1}</summary>'
                      f'{"".join(inner)}</details>')
     if out is not None:  # what out holds and no list above shows (module ports, say)
         rest = [n for n in out.values if n not in shown]
         if rest:
-            parts.append(_section(f"other captured values ({len(rest)})", "", rest, shown, catalogue, out, opened=False))
+            parts.append(_section(f"other captured values ({len(rest)})", "", rest, shown, catalogue, out,
+                                  opened=False))
 
-    data = {name: _facts(name, catalogue, marks) for name in shown}
+    data: dict[str, object] = {name: _facts(name, catalogue, marks) for name in shown}  # and "__out__": captured?
     if out is not None:
         _add_captured(data, out, plots)
     data["__out__"] = out is not None
@@ -305,7 +307,8 @@ def _facts(name: str, catalogue, marks: dict) -> dict:
 
 
 def _add_captured(data: dict, out, plots: int) -> None:
-    """Shape, dtype, statistics and (for the first ``plots`` values with a plot) the plot of every value ``out`` holds."""
+    """Shape, dtype, statistics and (for the first ``plots`` values with a plot) the plot of every value
+    ``out`` holds."""
     from .plots import KINDS, kind_of, layout_of
     budget = plots
     for name, value in out.values.items():

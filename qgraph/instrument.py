@@ -23,12 +23,13 @@ from .passes.edit import EditSlot, applying
 from .program import Program
 from .runners import Staged
 from .values.options import check_options
+from .values.support import annotated_tree
 from .saes.splice import check_saes, check_transcoders
 from .distributed import Stages, stage_program
 from .distributed.weights import load_weights
 
 def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True, compile=False,
-               saes=None, splice: str = "error", transcoders=None, stages=None) -> "InstrumentedModel":
+               saes=None, splice: str = "error", transcoders=None, stages=None) -> InstrumentedModel:
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
     ``values`` takes names, globs (``layers.*.layer_output``; ``*`` stays within one dotted part,
@@ -86,10 +87,13 @@ class InstrumentedModel:
         if not isinstance(logits, bool):
             raise InvalidType(f"logits= takes True or False, not {logits!r}")
         self.model, self.config = model, model.config
-        self._request, self._logits, self._compile = (values, edits), logits, None
+        self._request, self._logits = (values, edits), logits
+        self._compile: dict | None = None  # torch.compile's options, once compiled (``compile``)
         self._sae_request, self._transcoder_request = (saes or {}, splice), (transcoders or {}, splice)
         self._stages = Stages.of(stages)
-        self._weights, self._device = {}, None  # tensors loaded for a model on meta (load_weights), and where
+        # tensors loaded for a model on meta (load_weights), and where
+        self._weights: dict[str, torch.Tensor] = {}
+        self._device: torch.device | None = None
         self._lock = threading.RLock()  # builds programs; calls themselves run unlocked
         self._variants: dict[tuple, InstrumentedModel] = {}  # what the helpers run (``variant``)
         self._decoders: dict[tuple, object] = {}  # generation's programs (``decoder``)
@@ -141,8 +145,8 @@ class InstrumentedModel:
             return
         unbatched = [name for name in self.values if self.catalogue[name].shape[:1] != ("batch",)]
         if unbatched:
-            raise InvalidArgument(f"micro-batches cut the batch, but {', '.join(unbatched[:3])} have no leading batch dim "
-                                  f"({self.catalogue[unbatched[0]].layout}): use microbatches=1 or leave them out")
+            raise InvalidArgument(f"micro-batches cut the batch, but {', '.join(unbatched[:3])} have no leading batch "
+                                  f"dim ({self.catalogue[unbatched[0]].layout}): use microbatches=1 or leave them out")
 
     def _new_slot(self, name: str, fixed=None) -> EditSlot:
         return EditSlot.at(self.catalogue[name], fixed)
@@ -224,7 +228,7 @@ class InstrumentedModel:
             self._device = device
             self._build()
 
-    def variant(self, values=(), *, edits=(), logits: bool = True) -> "InstrumentedModel":
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> InstrumentedModel:
         """An instrument of the same model that runs as this one does (its SAEs, their splice and its
         fixed edits) and reads ``values``, with slots at ``edits`` (names); what ``patch``,
         ``attribution_patch``, ``logit_lens`` and ``top_features`` run. Kept for the next ask."""
@@ -244,13 +248,13 @@ class InstrumentedModel:
         from .sweep import sweep  # noqa: PLC0415 — the sweep (and the stages' cutting it uses) loads with the first patch
         return sweep(self, clean, corrupt, names, metric, positions, heads, batch_size)
 
-    def compile(self, **options) -> "InstrumentedModel":
+    def compile(self, **options) -> InstrumentedModel:
         """Run the program(s) under ``torch.compile`` (``fullgraph=True`` unless ``options`` say
         otherwise); returns self. The first call compiles; the batch and sequence dims are dynamic,
         so a new prompt length does not recompile. A call with per-call edits runs the eager program
         (see ``qgraph.compile``)."""
         self._compile = options
-        for (images, slots), program in self._programs.items():
+        for (_, slots), program in self._programs.items():
             if slots == frozenset(self.slots):
                 compile_program(program, **options)
         return self
@@ -290,7 +294,7 @@ class InstrumentedModel:
             if tensor is None:  # computed on another rank
                 continue
             retain(tensor)  # a tensor, or its micro-batches' (stages in this process)
-            grads[name] = (tensor, program.catalogue[name].location.view)
+            grads[name] = (tensor, program.catalogue[name].found.view)  # tapped, so found
         return Output(logits, values, self.blocks, grads,
                       aliases=aliases(self.family, self.config), source=self, input_ids=prepared["input_ids"],
                       loss=ran[2] if loss is not None else None)
@@ -381,4 +385,8 @@ class InstrumentedModel:
     # -- looking: repr(ig) (and ig in a notebook) is a short summary; tree() the module tree annotated with
     # every standard value (qgraph/reprs.py)
     from .reprs import instrumented_repr as __repr__, instrumented_html as _repr_html_
-    from .values.support import tree
+
+    def tree(self) -> str:
+        """The module tree (as ``print(model)``) with each module's standard values and their layouts
+        under it; the values this instrument reads are marked ``*``."""
+        return annotated_tree(self.model, self.catalogue, highlight=set(self.values))

@@ -39,7 +39,7 @@ class Instrument(Protocol):
         """The value names ``patterns`` select (names, globs, ``layers[-1]``, TransformerLens and HF names)."""
         ...
 
-    def variant(self, values=(), *, edits=(), logits: bool = True) -> "Instrument":
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> Instrument:
         """An instrument of the same model, run the same way, reading ``values`` with slots at ``edits``."""
         ...
 

@@ -7,6 +7,9 @@ first pass alone, the rewrites that make on-request values (what a diagram draws
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
@@ -22,6 +25,8 @@ from .passes.edit import EditSlot
 from .rewrites.on_request import input_name
 from .passes.pipeline import PIPELINE, build_passes
 from .runners import EAGER
+
+InputSource = Callable[[dict], Any]  # a program input's tensor (or constant), from a call's prepared inputs
 
 
 class Program:
@@ -43,7 +48,7 @@ class Program:
         self.module_names = [name for _, name in self.family.ported_modules(model)]
         self.catalogue: dict[str, Entry] = self._catalogue()
         # (placeholder name, function of the call's inputs, how to rebuild it after saving: data or None)
-        self.extra_inputs: list[tuple[str, object, dict | None]] = []
+        self.extra_inputs: list[tuple[str, InputSource, dict | None]] = []
         self.slots: dict[str, EditSlot] = {}
         self.passes_run: list[str] = []  # every pass run on this program, in order (for failures to name)
         self.buffers = BufferPool()  # big state buffers kept for the next call (kernels.buffers.BufferPool)
@@ -74,7 +79,7 @@ class Program:
         """Catalogue the graph again (after a rewrite: a decomposed block's pattern is now found)."""
         self.catalogue = self._catalogue()
 
-    def make(self, names, options: dict[str, dict] | None = None) -> "Program":
+    def make(self, names, options: dict[str, dict] | None = None) -> Program:
         """Run the pipeline's first pass alone: the rewrites that make the on-request values among
         ``names``, catalogued again; the markers stay, nothing is tapped (what a diagram reads)."""
         build = Build(self, Request(list(names), options=options or {}))
@@ -83,7 +88,7 @@ class Program:
 
     def build(self, values: list[str], slots: dict[str, EditSlot], logits: bool,
               options: dict[str, dict] | None = None, cache: str | None = None, make=(),
-              replacement: dict | None = None) -> "Program":
+              replacement: dict | None = None) -> Program:
         """Run the pipeline (``passes.pipeline.PIPELINE``) for a request: make the values that need a
         rewrite (and those in ``make``, and the SAEs and transcoders that change what the model reads),
         with ``cache`` (``"prompt"`` or ``"decode"``) make the graph a cached decoding step, insert the
@@ -109,9 +114,9 @@ class Program:
     @property
     def derivations(self) -> dict[str, tuple[str, list[str]]]:
         """``{name: (how, sources)}`` of the derived values it serves (``values.derive.fill``)."""
-        return {name: (entry.spec.rule.how, self.sources_of(entry)) for name, entry in self.derived.items()}
+        return {name: (entry.derivation.how, self.sources_of(entry)) for name, entry in self.derived.items()}
 
-    def add_input(self, name: str, source, example: torch.Tensor, recipe: dict | None = None) -> Node:
+    def add_input(self, name: str, source: InputSource, example: torch.Tensor, recipe: dict | None = None) -> Node:
         """A new program input after the existing ones, fed by ``source(call inputs)`` and shaped like
         ``example`` (its fake value lets passes infer shapes). ``recipe`` (JSON data) lets a saved
         program rebuild ``source`` (``rewrites.on_request.input_source``); without one it cannot be saved."""
@@ -126,7 +131,7 @@ class Program:
     @staticmethod
     def sources_of(entry: Entry) -> list[str]:
         """The names a derived value is computed from."""
-        return [source.format(host=entry.host) for source in entry.spec.rule.sources]
+        return [source.format(host=entry.host) for source in entry.derivation.sources]
 
     def arguments(self, inputs: dict) -> list:
         """The program's arguments for prepared call inputs: the weights and buffers it reads, then the
@@ -139,7 +144,7 @@ class Program:
                                f"weights): load them with ig.load_weights(checkpoint) first")
         return args
 
-    def runs_on(self, runner) -> "Program":
+    def runs_on(self, runner) -> Program:
         """Run from now on by ``runner`` (``qgraph.runners``: ``Compiled``, ``Staged``; ``EAGER`` by default),
         as the instrument that built it chose."""
         self.runner = runner
@@ -174,21 +179,31 @@ class Program:
                                "(and torch.inference_mode())")
 
 
-def _input_sources(model, exported: ExportedModel, weights: dict):
+def _input_sources(model, exported: ExportedModel, weights: dict) -> list[InputSource]:
     """For each program input, a function of the call's inputs giving its tensor (parameters are the
     model's, or those in ``weights``)."""
-    sources = []
+    sources: list[InputSource] = []
     for spec in exported.program.graph_signature.input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             module_path, _, attribute = spec.target.rpartition(".")
-            module = model.get_submodule(module_path)
-            sources.append(lambda inputs, m=module, a=attribute, t=spec.target: weights[t] if t in weights
-                           else getattr(m, a))
+            sources.append(_parameter(model.get_submodule(module_path), attribute, spec.target, weights))
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            constant = exported.program.constants[spec.target]
-            sources.append(lambda inputs, c=constant: c)
+            sources.append(_constant(exported.program.constants[spec.target]))
         elif hasattr(spec.arg, "value"):  # a constant argument
-            sources.append(lambda inputs, v=spec.arg.value: v)
+            sources.append(_constant(spec.arg.value))
         else:
-            sources.append(lambda inputs, n=spec.arg.name: inputs[n])
+            sources.append(_call_input(spec.arg.name))
     return sources
+
+
+def _parameter(module: torch.nn.Module, attribute: str, target: str, weights: dict) -> InputSource:
+    """A parameter or buffer: the one in ``weights`` (looked up at each call), else the module's own."""
+    return lambda inputs: weights[target] if target in weights else getattr(module, attribute)
+
+
+def _constant(value) -> InputSource:
+    return lambda inputs: value
+
+
+def _call_input(name: str) -> InputSource:
+    return lambda inputs: inputs[name]

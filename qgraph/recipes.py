@@ -1,8 +1,7 @@
 """Common interventions built on edits: steering, skipping blocks, activation patching."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -80,8 +79,9 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
         out = watcher(**corrupt)
         score = metric(out.logits)
         if not isinstance(score, torch.Tensor) or score.numel() != 1:
+            shape = tuple(score.shape) if isinstance(score, torch.Tensor) else ""
             raise InvalidArgument(f"attribution_patch needs metric(logits) to return a scalar tensor to differentiate, "
-                                  f"got {type(score).__name__}{tuple(score.shape) if isinstance(score, torch.Tensor) else ''}")
+                                  f"got {type(score).__name__}{shape}")
         grads = out.gradients(score.reshape(()), names)
     attributions = {}
     for name in names:

@@ -27,7 +27,7 @@ from .passes.edit import applying
 from .progress import progress
 
 LOGITS_BUDGET = 2**27  # logits elements one pass may hold by default (512 MiB of float32)
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # built Program -> its Plan, cut once
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # built Program -> its Plan, cut once
 
 
 def sweep(instrumented, clean: dict, corrupt: dict, names: list[str], metric, positions=None, heads=None,
@@ -140,15 +140,17 @@ class CorruptRun:
 
     def _repeat(self, value, meta, copies: int):
         """``value`` for ``copies`` copies of the batch: repeated along its batch axis (its leading one)."""
+        batch = self.batch
+        assert batch is not None, "copies of the batch are stacked only where it is dynamic (patch's per_pass)"
         if not isinstance(meta, torch.Tensor):
-            if self.batch.search(str(meta)):
+            if batch.search(str(meta)):
                 raise InternalError(f"patch: a size of the batch ({meta}) crosses a block boundary; the sweep cannot "
                                     f"stack locations along the batch")
             return value
         dims = [str(size) for size in meta.shape]
-        if dims and self.batch.fullmatch(dims[0]):
+        if dims and batch.fullmatch(dims[0]):
             return value.repeat(copies, *[1] * (value.dim() - 1))
-        if any(self.batch.search(dim) for dim in dims):
+        if any(batch.search(dim) for dim in dims):
             raise InternalError(f"patch: a tensor of shape {tuple(meta.shape)} crosses a block boundary with the batch "
                                 f"in a later axis; the sweep cannot stack locations along the batch")
         return value
@@ -228,7 +230,8 @@ def locations(given, size: int, what: str, name: str) -> list[int]:
     """``"each"`` (every index of the axis) or indices, checked and made non-negative."""
     if isinstance(given, str):
         if given != "each":
-            raise InvalidArgument(f"patch({what}={given!r}): give None (the whole value), \"each\" or a list of indices")
+            raise InvalidArgument(f"patch({what}={given!r}): give None (the whole value), \"each\" or a list of "
+                                  "indices")
         return list(range(size))
     chosen = indices(given, what, f"patch({what}=...) at '{name}'")
     bad = [i for i in chosen if not -size <= i < size]
@@ -242,6 +245,6 @@ def _scalar(value, name: str) -> float:
         return value.item()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise InvalidType(f"patch with positions= or heads= stacks metric values into a tensor: metric(logits) must return a "
-                      f"number or a one-element tensor, got {type(value).__name__}"
+    raise InvalidType(f"patch with positions= or heads= stacks metric values into a tensor: metric(logits) must "
+                      f"return a number or a one-element tensor, got {type(value).__name__}"
                       f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''} at '{name}'")

@@ -12,14 +12,18 @@ port markers (it runs before ``StripMarkers``) or runs after they are gone; ``re
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..errors import InternalError
 from ..kernels.ops import MARK_OP
+
+if TYPE_CHECKING:  # qgraph.program imports the passes
+    from ..program import Program
 
 __all__ = ["Build", "BuildPass", "GraphPass", "PassResult", "Request", "run_passes"]
 
@@ -55,7 +59,7 @@ class Build:
     adds (the memory a cached step taps: ``OpenCache``; the replacement model's: ``Replacement``) and the
     names tapped, in output order (``Tap``)."""
 
-    program: object  # qgraph.program.Program
+    program: Program
     request: Request
     slot_nodes: dict[str, Node] = field(default_factory=dict)
     taps: dict = field(default_factory=dict)  # {name: Found}: more outputs a pass adds (a cached step's memory)
@@ -102,7 +106,8 @@ def run_passes(module: GraphModule, passes: list[PassBase], done: list[str] | No
                 module = result.graph_module
             module.graph.lint()
         except Exception as error:
-            error.add_note(f"qgraph: in pass {graph_pass!r}, after {', '.join(done) or 'no other pass'}")
+            if sys.version_info >= (3, 11):  # add_note is 3.11's; on 3.10 the error goes up as it is
+                error.add_note(f"qgraph: in pass {graph_pass!r}, after {', '.join(done) or 'no other pass'}")
             raise
         done.append(repr(graph_pass))
     return module

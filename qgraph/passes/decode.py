@@ -103,7 +103,7 @@ def _feed_positions(program, locator) -> None:
         raise InternalError(f"no rotary embedding module '{family.rotary}' found in the program: cannot "
                             f"offset positions")
     inside = set(rotary)
-    readers = {}
+    readers: dict[Node, list[Node]] = {}  # a position-id input of the rotary -> the rotary nodes that read it
     for node in rotary:
         for arg in node.all_input_nodes:
             value = arg.meta.get("val")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -19,12 +20,13 @@ from ..kernels import views
 from .base import BuildPass, PassResult
 
 
-# The edits of the call running in this context: {slot: edit}
-_CALL_EDITS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("qgraph_call_edits", default={})
+# The edits of the call running in this context: {slot: edit} (none outside ``applying``: a read-only empty one)
+_CALL_EDITS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("qgraph_call_edits",
+                                                                     default=MappingProxyType({}))
 
 
 @contextlib.contextmanager
-def applying(edits: Mapping["EditSlot", object]):
+def applying(edits: Mapping[EditSlot, object]):
     """Apply ``{slot: edit}`` to the calls made in this block (this thread or task only); the
     edits in force before are back when it ends."""
     token = _CALL_EDITS.set(dict(edits))
@@ -55,7 +57,7 @@ class EditSlot(torch.nn.Module):
             self.check(fixed)
 
     @classmethod
-    def at(cls, entry, fixed=None) -> "EditSlot":
+    def at(cls, entry, fixed=None) -> EditSlot:
         """The slot at a catalogue ``entry`` (with ``fixed``, an edit fixed into the program), or an
         ``EditError`` saying why the value cannot be edited and what to edit instead."""
         if entry.read_only:
@@ -102,19 +104,20 @@ class InsertEditSlots(BuildPass):
         graph, catalogue = graph_module.graph, self.build.program.catalogue
         for name, slot in self.build.request.slots.items():
             entry = catalogue[name]
-            node = entry.location.node
+            location = entry.found  # made (MakeOnRequest) before the slots go in
+            node = location.node
             if entry.spec is not None:  # a standard value: the tensor itself, not one module's view of it
                 while node.target is MARK_OP:
                     node = node.args[0]
             graph_module.add_submodule(name_of(name), slot)
-            for point in entry.location.probes or (node,):  # edited inside a kernel: at its probes
+            for point in location.probes or (node,):  # edited inside a kernel: at its probes
                 readers = list(point.users)
                 with graph.inserting_after(point):
                     slot_node = graph.call_module(name_of(name), (point,))
                 slot_node.meta["val"] = point.meta.get("val")
                 for reader in readers:
                     reader.replace_input_with(point, slot_node)
-            self.build.slot_nodes[name] = node if entry.location.probes else slot_node
+            self.build.slot_nodes[name] = node if location.probes else slot_node
         return PassResult(graph_module, bool(self.build.request.slots))
 
 

@@ -1,6 +1,8 @@
 """The pass that makes the on-request values a build needs, by their typed rewrites (``rewrites.on_request``)."""
 from __future__ import annotations
 
+from torch.fx import Node
+
 from ..errors import InvalidArgument
 from .base import BuildPass, PassResult
 from ..values.locate import OnRequest
@@ -26,7 +28,7 @@ class MakeOnRequest(BuildPass):
 
     def requires(self, graph_module) -> None:
         super().requires(graph_module)
-        by_node = {}
+        by_node: dict[Node, str] = {}  # a kernel's node -> the first value that swaps it
         for name, request in self.requests.items():
             if not isinstance(request.rewrite, (SwapForStates, SwapForWrites)):
                 continue

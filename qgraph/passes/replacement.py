@@ -100,7 +100,8 @@ class Replacement(BuildPass):
             return PassResult(graph_module, True)
         _freeze(graph_module.graph, stops)
         _inject(program, _port(program, "layers.0.layer_input"), EMBEDDINGS)
-        features = []  # every block's, in block order: a cross-layer decoder reads those of the blocks before
+        # every block's features, in block order: a cross-layer decoder reads those of the blocks before
+        features: list[Node] = []
         for block, calls in _calls(graph_module, transcoders):
             x = _port(program, f"layers.{block}.{calls.reads}")
             m = _port(program, f"layers.{block}.mlp.mlp_output")
@@ -131,7 +132,8 @@ def _calls(graph_module, transcoders):
     """``(block, _BlockCalls)`` of every block, in order: ``{block: Transcoder}``, or a cross-layer
     transcoder (``saes.clt.CrossLayerTranscoder``: every block)."""
     if isinstance(transcoders, dict):
-        return [(block, _BlockCalls(graph_module, block, tc, tc.reads, False)) for block, tc in sorted(transcoders.items())]
+        return [(block, _BlockCalls(graph_module, block, tc, tc.reads, False))
+                for block, tc in sorted(transcoders.items())]
     return [(block, _BlockCalls(graph_module, block, transcoders, transcoders.reads, True))
             for block in range(transcoders.n_layers)]
 

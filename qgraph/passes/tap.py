@@ -33,13 +33,14 @@ class Tap(BuildPass):
         for name in request.values:
             if catalogue[name].derived:
                 wanted += [source for source in program.sources_of(catalogue[name]) if source not in wanted]
-        found = {}
-        for name in wanted:
-            location = catalogue[name].location
+        found: dict[str, Found] = {}
+        for name in wanted:  # each made (MakeOnRequest) by now
+            location = catalogue[name].found
             found[name] = Found(build.slot_nodes[name], location.view) if name in build.slot_nodes else location
         for name in request.values:
             if request.options.get(name, {}).get("grad"):
-                found[grad_tap(name)] = Found(gradient_node(Found(found[name].node, (), catalogue[name].location.probes)))
+                probes = catalogue[name].found.probes
+                found[grad_tap(name)] = Found(gradient_node(Found(found[name].node, (), probes)))
         return {**found, **build.taps}
 
 

@@ -42,7 +42,7 @@ def emit_module(graph: Graph, scope: Node, target: str, args: tuple, like: torch
     like the fake tensor ``like`` (a submodule's output is not computed on fakes: its weights are real)."""
     node = graph.call_module(target, args)
     node.meta.update(_scope(scope))
-    with like.fake_mode:
+    with like.fake_mode:  # type: ignore[attr-defined]  # a FakeTensor's (torch._subclasses): torch's stubs say Tensor
         node.meta["val"] = like.new_empty(like.shape)
     return node
 

@@ -96,8 +96,8 @@ def open_conv_context(graph: Graph, conv: Node) -> tuple[Node, Node]:
     """Give a causal ``conv1d`` (left padding ``w = k - 1``, then ``[..., :seq]``) an explicit left
     context: the conv's output gains the context's contribution, ``conv(cat(context, zeros))``
     (non-zero in its first ``w`` columns). The context starts as zeros, so the numbers stay those of
-    the plain conv (to float rounding, ~1e-7) until an edit gives a previous call's columns. Returns the context node (the edit point)
-    and the last ``w`` columns of ``cat(context, x)`` (the next call's context)."""
+    the plain conv (to float rounding, ~1e-7) until an edit gives a previous call's columns. Returns the
+    context node (the edit point) and the last ``w`` columns of ``cat(context, x)`` (the next call's context)."""
     x, weight, _, stride, _, dilation, groups = conv.args
     width = weight.meta["val"].shape[-1] - 1
     output = conv

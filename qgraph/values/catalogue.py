@@ -13,7 +13,7 @@ import sympy
 
 from .. import compat
 from ..families import Family
-from ..families.rules import ProgramInput, ValueSpec
+from ..families.rules import Derived, ProgramInput, ValueSpec
 from .locate import Found, Locator, Missing, OnRequest
 
 
@@ -34,6 +34,13 @@ class Entry:
         return isinstance(self.location, (Found, OnRequest)) or self.derived
 
     @property
+    def found(self) -> Found:
+        """Where the program holds it, for a value known to be there: one a build asked for, once its passes
+        made it (``passes.make.MakeOnRequest``), or one checked to be found."""
+        assert isinstance(self.location, Found), f"'{self.name}' is not a node of the program: {self.location}"
+        return self.location
+
+    @property
     def derived(self) -> bool:
         return self.spec is not None and self.spec.rule.derived
 
@@ -46,12 +53,19 @@ class Entry:
         return self.spec is not None and self.spec.rule.by_name_only
 
     @property
+    def derivation(self) -> Derived:
+        """The rule of a derived value (``derived``): how it is computed, and from which values."""
+        rule = self.spec.rule if self.spec is not None else None
+        assert isinstance(rule, Derived), f"'{self.name}' is not a derived value"
+        return rule
+
+    @property
     def read_only(self) -> bool:
         return self.spec is not None and self.spec.read_only
 
     @property
     def reason(self) -> str | None:
-        return None if self.available else self.location.reason
+        return self.location.reason if isinstance(self.location, Missing) and not self.derived else None
 
     @property
     def port(self) -> bool:
@@ -107,7 +121,7 @@ class ServedEntry:
     read_only = False
 
     @classmethod
-    def of(cls, name: str, data: dict) -> "ServedEntry":
+    def of(cls, name: str, data: dict) -> ServedEntry:
         return cls(name, **{**data, "dims": tuple(data["dims"]), "shape": tuple(data["shape"])})
 
 
@@ -167,7 +181,9 @@ def port_size(size, symbols, whole: dict | None = None) -> int | str:
 
 def _symbol_names(locator: Locator):
     """A function naming the program's symbolic sizes after the call's dims (``4*s43*s53`` -> ``4*batch*seq``)."""
-    batch, seq = locator.locate("", ProgramInput("input_ids")).node.meta["val"].shape
+    input_ids = locator.locate("", ProgramInput("input_ids"))
+    assert isinstance(input_ids, Found), f"every exported program takes input_ids: {input_ids}"
+    batch, seq = input_ids.node.meta["val"].shape
     names = {str(batch): "batch", str(seq): "seq"}
     return lambda size: re.sub(r"\bs\d+\b", lambda m: names.get(m.group(0), m.group(0)), size)
 

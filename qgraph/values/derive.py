@@ -5,7 +5,7 @@ rule, and a saved program's JSON, name it; ``fill`` computes a program's derived
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..families.rules import SAEPart, ValueSpec
 from ..rewrites.clt import SpliceCLT
-from .locate import Found, Missing, OnRequest
+from .locate import Found, Located, Missing, OnRequest
 from ..rewrites.splice import SpliceDictionary
 from .catalogue import Entry
 
@@ -92,19 +92,20 @@ def dictionary_entries(catalogue: dict[str, Entry], saes: dict, transcoders: dic
     entries = {}
     for hook, (sae, splice) in saes.items():
         entries.update(_sae_entries(catalogue, saes, hook, sae, splice, spliced))
-    shared = {}  # {id(clt): its one rewrite}
-    for layer, (tc, splice) in transcoders.items():
+    shared: dict[int, OnRequest] = {}  # {id(clt): its one rewrite}
+    for layer, (tc, splice) in transcoders.items():  # what each reads and writes is found (saes.splice checked)
         read, written = inputs(layer, tc)
         host, clt, prefix = catalogue[written], getattr(tc, "clt", None), f"layers.{layer}.{TRANSCODER.tag}"
         if clt is None:
             kind, what = TRANSCODER, tc.activation
-            made = OnRequest(host.location.node, _splice(TRANSCODER, tc, f"layers.{layer}", (prefix,),
-                                                         catalogue[read].location.node, splice))
+            made = OnRequest(host.found.node, _splice(TRANSCODER, tc, f"layers.{layer}", (prefix,),
+                                                      catalogue[read].found.node, splice))
         else:  # one rewrite at the last block's MLP output splices every block of the CLT
             kind, what = CLT, "a cross-layer transcoder"
             if id(clt) not in shared:
-                blocks = sorted(block for block, (other, _) in transcoders.items() if getattr(other, "clt", None) is clt)
-                sides = [[catalogue[name].location.node for name in inputs(block, transcoders[block][0])]
+                blocks = sorted(block for block, (other, _) in transcoders.items()
+                                if getattr(other, "clt", None) is clt)
+                sides = [[catalogue[name].found.node for name in inputs(block, transcoders[block][0])]
                          for block in blocks]
                 shared[id(clt)] = OnRequest(sides[-1][1], SpliceCLT(clt, tuple(x for x, _ in sides),
                                                                     tuple(m for _, m in sides), splice, CLT.note))
@@ -118,6 +119,7 @@ def _sae_entries(catalogue: dict[str, Entry], saes: dict, hook: str, sae, splice
     """The entries of the SAE at ``hook``, made on request where its value is a node without a view;
     a short name several SAEs of ``saes`` would share is missing, with the names to write instead."""
     host, names = catalogue[hook], tuple(f"{prefix}.{SAE.tag}" for prefix in prefixes(saes)[hook])
+    made: OnRequest | Missing
     if isinstance(host.location, Found) and not host.location.view:
         made = OnRequest(host.location.node, _splice(SAE, sae, hook, names, None, splice))
     else:
@@ -140,8 +142,8 @@ def _splice(kind: Kind, dictionary, at: str, names: tuple[str, ...], source, spl
     return SpliceDictionary(dictionary, names, f"{kind.tag}__{at.replace('.', '_')}__", source, splice, kind.note)
 
 
-def _entries(kind: Kind, dictionary, host: Entry, block: str, names: tuple[str, ...], made, which: str,
-             spliced: dict) -> dict[str, Entry]:
+def _entries(kind: Kind, dictionary, host: Entry, block: str, names: tuple[str, ...], made: OnRequest | Missing,
+             which: str, spliced: dict) -> dict[str, Entry]:
     """The entries of one dictionary of ``kind`` on ``block``, standing in for the value ``host`` (its
     layout, its shape), named ``<name>.<part>`` for each of ``names``: found in ``spliced``, else
     ``made`` (``OnRequest`` or ``Missing``); ``which`` says, where the sparse form is missing, what the
@@ -154,6 +156,7 @@ def _entries(kind: Kind, dictionary, host: Entry, block: str, names: tuple[str, 
         spec = ValueSpec(f"{kind.tag}.{part}", kind.tag, layout, description, SAEPart(part))
         for prefix in names:
             name = f"{prefix}.{part}"
+            where: Located
             if part in SPARSE and dictionary.k is None:
                 where = Missing(f"the sparse form is a TopK {kind.word}'s (k features per token); {which}: read "
                                 f"'{prefix}.features'")

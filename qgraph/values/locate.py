@@ -10,24 +10,25 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TypeVar, cast
 
 import torch
 from torch.fx import Graph, Node
 
 from ..errors import InvalidArgument, InvalidType
 from ..families import Family
-from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites, Derived,
-                              Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing, Rule, ScatterSource,
+from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites,
+                              Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing, Rule, ScatterSource,
                               VarlenAttention)
 from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from ..kernels.read_ops import ATTENTION_READ_OP, WRITES_OP
 from ..kernels import views
 from ..rewrites.swap import read_back
-from ..rewrites.on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts, SwapForStates,
-                         SwapForWrites)
+from ..rewrites.on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts,
+                                   SwapForStates, SwapForWrites)
 
 aten = torch.ops.aten
 
@@ -69,18 +70,23 @@ class Missing:
     reason: str
 
 
-LocateRule = Callable[["Locator", str, Rule], "Found | OnRequest | Missing"]
+Located = Found | OnRequest | Missing  # what a locator answers
+LocateRule = Callable[["Locator", str, Rule], Located]
 LOCATORS: dict[type[Rule], LocateRule] = {}  # rule type -> how to find its values (``@locates``)
+R = TypeVar("R", bound=Rule)
 
 
-def locates(rule_type: type[Rule]) -> Callable[[LocateRule], LocateRule]:
+def locates(rule_type: type[R]) -> Callable[[Callable[[Locator, str, R], Located]],
+                                            Callable[[Locator, str, R], Located]]:
     """Register the decorated ``(locator, host, rule) -> Found | OnRequest | Missing`` as the way
     ``Locator.locate`` finds the values of ``rule_type`` (one locator per rule type)."""
-    def register(function: LocateRule) -> LocateRule:
+    def register(function: Callable[[Locator, str, R], Located]) -> Callable[[Locator, str, R], Located]:
         known = LOCATORS.get(rule_type)
         if known is not None and known.__qualname__ != function.__qualname__:  # (a module reload re-registers)
             raise InvalidArgument(f"{rule_type.__name__} already has a locator: {known.__qualname__}")
-        LOCATORS[rule_type] = function
+        # a locator of R takes only R's rules, and ``Locator.locate`` gives it those alone (looked up by
+        # type(rule)): a registry keyed by type, which the type system cannot say
+        LOCATORS[rule_type] = cast(LocateRule, function)
         return function
     return register
 
@@ -110,7 +116,7 @@ class Locator:
             for path, _ in (node.meta.get("nn_module_stack") or {}).values():
                 self.scopes[family.module_name(path)].append(node)
 
-    def locate(self, host: str, rule: Rule) -> Found | OnRequest | Missing:
+    def locate(self, host: str, rule: Rule) -> Located:
         """Where ``rule`` finds its value on the module ``host`` (a spec name, "" for the model): what
         the locator registered for the rule's type (``@locates``) answers."""
         locate = LOCATORS.get(type(rule))

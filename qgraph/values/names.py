@@ -68,15 +68,15 @@ def standard(raw: str, family, config) -> list[str]:
                 raise UnknownValue(_lacking(raw, template, hosts, index % blocks, family, config)
                                    + _instead(family, template, str(index % blocks)))
             return [found + rest]
-        found = [_alias_value(family, config, hosts, i) for i in range(blocks) if _glob(block).match(str(i))]
-        if not any(found):
+        each = [_alias_value(family, config, hosts, i) for i in range(blocks) if _glob(block).match(str(i))]
+        if not any(each):
             raise UnknownValue(f"'{raw}' selects no value: {_meaning(template, hosts, family, config)}"
                                + _instead(family, template, block))
-        return [value + rest for value in found if value]
+        return [value + rest for value in each if value]
     return [canonical(name, blocks)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _alias_pattern(template: str) -> re.Pattern:
     block = r"(?P<block>-?\d+|[\d*?]+)"
     return re.compile(block.join(map(re.escape, template.split("{i}"))) + r"(?P<rest>\..+)?\Z")
@@ -168,7 +168,8 @@ def resolve(patterns, catalogue: dict[str, Entry], family, config) -> list[str]:
     (it skips the unavailable ones it also matches).
     """
     selected: dict[str, None] = {}
-    for raw, pattern in ((raw, pattern) for raw in patterns_of(patterns) for pattern in standard(raw, family, config)):
+    for raw, pattern in ((given, pattern) for given in patterns_of(patterns)
+                         for pattern in standard(given, family, config)):
         if "*" in pattern or "?" in pattern:
             regex = _glob(pattern)
             # a module's ports are matched only by a pattern that asks for ports (or crosses parts)
@@ -182,7 +183,7 @@ def resolve(patterns, catalogue: dict[str, Entry], family, config) -> list[str]:
             available = [name for name in matches if catalogue[name].available]
             if not available:
                 if matches:
-                    reasons = sorted({catalogue[name].reason for name in matches})
+                    reasons = sorted(filter(None, {catalogue[name].reason for name in matches}))
                     raise UnavailableValue(f"'{raw}' matches only unavailable values: " + "; ".join(reasons))
                 raise UnknownValue(_unknown_message(raw, pattern, catalogue, family, config))
             selected.update(dict.fromkeys(available))

@@ -35,10 +35,11 @@ class SupportTable:
         for entry in catalogue.values():
             if entry.spec is None:
                 continue
-            generic = re.sub(r"^layers\.\d+", "layers.{i}", re.sub(r"^vision\.layers\.\d+", "vision.layers.{j}", entry.name))
+            generic = re.sub(r"^layers\.\d+", "layers.{i}",
+                             re.sub(r"^vision\.layers\.\d+", "vision.layers.{j}", entry.name))
             row = rows.setdefault(generic, Row(generic, entry.layout, entry.shape, entry.description, {}))
-            block = re.match(r"^(?:vision\.)?layers\.(\d+)", entry.name)
-            row.blocks[int(block.group(1)) if block else None] = entry.reason
+            numbered = re.match(r"^(?:vision\.)?layers\.(\d+)", entry.name)
+            row.blocks[int(numbered.group(1)) if numbered else None] = entry.reason
         block_mixers, kinds = family.block_mixers(config), family.kinds(config)
         for row in rows.values():  # mixer values on the other kind's blocks
             mixer = row.name.split(".")[2] if row.name.startswith("layers.{i}.") else None
@@ -102,10 +103,11 @@ def plain_text(renderable) -> str:
     import io
 
     from rich.console import Console
-    console = Console(file=io.StringIO(), width=100_000, color_system=None, force_terminal=False,
+    text = io.StringIO()
+    console = Console(file=text, width=100_000, color_system=None, force_terminal=False,
                       legacy_windows=False, soft_wrap=False)
     console.print(renderable)
-    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
+    return "\n".join(line.rstrip() for line in text.getvalue().splitlines())
 
 
 def _availability(row: Row) -> str:
@@ -113,7 +115,7 @@ def _availability(row: Row) -> str:
         reason = row.blocks[None]
         return "yes" if reason is None else f"no: {reason}"
     yes = [block for block, reason in sorted(row.blocks.items()) if reason is None]
-    no = {}
+    no: dict[str, list[int]] = {}
     for block, reason in sorted(row.blocks.items()):
         if reason is not None:
             no.setdefault(reason.replace(f"block {block} ", "the block "), []).append(block)
@@ -194,9 +196,3 @@ def _summary(table):
              f"some blocks, {counts['no']} unavailable), {len(table.ports)} module ports ({ports} available)")
     return Summary(title, ("value", "layout", "shape", "available"), rows,
                    ["print(table) also says why a value is unavailable; table.ports lists the module ports"], text_rows)
-
-
-def tree(self) -> str:
-    """The module tree (as ``print(model)``) with each module's standard values and their layouts
-    under it; the values this instrument reads are marked ``*``."""
-    return annotated_tree(self.model, self.catalogue, highlight=set(self.values))
