@@ -85,7 +85,7 @@ def blocks_text(blocks: list[int]) -> str:
 def merged(rows) -> list[tuple]:
     """Rows ``(name, *cells)`` whose names differ only in their block index and whose cells are equal,
     as one row named ``layers.{0-2,5}.rest`` at the place of the first."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[int | None]] = {}  # None: a name with no block index (one row of its own)
     for name, *cells in rows:
         found = _BLOCK.match(name)
         key = (found.group(1), name[found.end():], tuple(cells)) if found else (name, None, tuple(cells))
@@ -113,11 +113,12 @@ def _count(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
-def _size(count: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1024 or unit == "GB":
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if count < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
+    return f"{count:.1f} GB"
 
 
 _MERGED = "(layers.{0-2}.x: one row for blocks 0 to 2, whose x have one shape and dtype)"
