@@ -92,8 +92,9 @@ def merged(rows) -> list[tuple]:
         groups.setdefault(key, []).append(int(found.group(2)) if found else None)
     out = []
     for (head, rest, cells), blocks in groups.items():
-        name = head if rest is None else f"{head}.{blocks[0]}{rest}" if len(blocks) == 1 \
-            else f"{head}.{{{blocks_text(blocks)}}}{rest}"
+        indices = [block for block in blocks if block is not None]  # all of them where the name has one (rest)
+        name = head if rest is None else f"{head}.{indices[0]}{rest}" if len(indices) == 1 \
+            else f"{head}.{{{blocks_text(indices)}}}{rest}"
         out.append((name, *cells))
     return out
 
