@@ -266,7 +266,8 @@ def run_demo(args) -> int:
     model = load_model(path, args.attn_implementation)
 
     start = time.perf_counter()
-    instrumented = qgraph.instrument(model, values=args.values)
+    # qgraph.instrument is the function at run time (qgraph/__init__.py's _Package); mypy sees the submodule
+    instrumented = qgraph.instrument(model, values=args.values)  # type: ignore[operator]
     seconds = time.perf_counter() - start
     print(f"instrument(): {seconds:.1f} s, {len(instrumented.graph.nodes)} graph nodes, "
           f"{len(instrumented.values)} values\n")
@@ -356,7 +357,9 @@ def run_render(args) -> int:
 
     from .progress import progress
     model = load_model(path, args.attn_implementation)
-    subject = qgraph.instrument(model, values=args.values, logits=True) if args.values else model
+    # qgraph.instrument: the function at run time (qgraph/__init__.py's _Package); mypy sees the submodule
+    subject = (qgraph.instrument(model, values=args.values, logits=True)  # type: ignore[operator]
+               if args.values else model)
     with progress(f"drawing {args.out}"):
         written = render(subject, what=args.what, layer=args.block, path=args.out, detail=args.detail)
     print(f"wrote {written}")

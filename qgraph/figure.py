@@ -33,7 +33,7 @@ def inline_svg(svg: str, scope: str = "") -> str:
     return re.sub(r"(<style[^>]*>)\s*\*\s*\{", lambda m: f"{m.group(1)}{scope} * {{", svg) if scope else svg
 
 
-def _text(source) -> str | None:
+def _text(source: str | Callable[[], str]) -> str:
     return source() if callable(source) else source
 
 
@@ -45,6 +45,8 @@ class Figure:
     making the PNG bytes; ``data`` the numbers drawn (``fig.data``: a dict of what each panel shows,
     for reading or checking a plot without parsing its picture); ``title`` names it.
     """
+
+    matplotlib: object  # set by from_matplotlib only: the matplotlib figure itself
 
     def __init__(self, svg: str | Callable[[], str] | None = None, *, html: str | Callable[[], str] | None = None,
                  png: Callable[[], bytes] | None = None, title: str = "qgraph figure", data: dict | None = None):

@@ -246,7 +246,7 @@ def check_settings(model, prompt_ids: torch.Tensor, *, max_new_tokens=None, max_
         _check_length(name, value)
     _check_keywords(generation_kwargs)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
-                             or not -2**63 <= seed < 2**64):
+                             or not -2**63 <= int(seed) < 2**64):
         raise InvalidArgument(f"seed is {str(seed)[:40]}: give an int from -2**63 to 2**64 - 1 (what a torch "
                               f"generator takes), or leave it out")
     settings = {"do_sample": do_sample, **{name: value for name, value in lengths.items() if value is not None},
@@ -261,12 +261,12 @@ def check_settings(model, prompt_ids: torch.Tensor, *, max_new_tokens=None, max_
         raise
     except ValueError as error:  # HF refuses a value (its processors check theirs as they are made)
         reason = " ".join(str(error).split())[:400] or type(error).__name__
-        name = _refused(model, settings, prompt_ids)
-        if name is None:
+        refused = _refused(model, settings, prompt_ids)
+        if refused is None:
             raise InvalidArgument(f"transformers refuses these generation settings ({reason}): change "
                                   f"{', '.join(sorted(settings))}, or leave them out") from None
-        raise InvalidArgument(f"generate's {name}={settings[name]!r} is refused by transformers ({reason}): change "
-                              f"{name}, or leave it out for the model's default") from None
+        raise InvalidArgument(f"generate's {refused}={settings[refused]!r} is refused by transformers ({reason}): "
+                              f"change {refused}, or leave it out for the model's default") from None
 
 
 def _refused(model, settings: dict, prompt_ids: torch.Tensor) -> str | None:
@@ -341,8 +341,8 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     else:
         names, options = ig.resolve(list(values)), ig.check_options(values)
     call_edits = ig.call_edits(edits)  # {name: edit}; undeclared names get slots in this decoder's programs
-    key = (tuple(names), frozenset(call_edits))
-    decoder = ig.decoder(key, lambda: Decoder(ig, names, options,
+    decoder_key = (tuple(names), frozenset(call_edits))
+    decoder = ig.decoder(decoder_key, lambda: Decoder(ig, names, options,
                                               {name: ig.slot(name) for name in {*ig.slots, *call_edits}}))
 
     batch, prompt_length = ids.shape

@@ -107,7 +107,7 @@ def stages(description: str, names: tuple[str, ...]):
     running (the bar counts it) and names the next one on the bar."""
     layout = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
     with progress(description, total=len(names), unit="stage", bar_format=layout) as bar:
-        running = []
+        running: list[str] = []
 
         def stage(name: str) -> None:
             bar.set_postfix_str(name, refresh=False)  # drawn by the update or the next tick, past the delay

@@ -85,15 +85,16 @@ def blocks_text(blocks: list[int]) -> str:
 def merged(rows) -> list[tuple]:
     """Rows ``(name, *cells)`` whose names differ only in their block index and whose cells are equal,
     as one row named ``layers.{0-2,5}.rest`` at the place of the first."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[int | None]] = {}  # None: a name with no block index (one row of its own)
     for name, *cells in rows:
         found = _BLOCK.match(name)
         key = (found.group(1), name[found.end():], tuple(cells)) if found else (name, None, tuple(cells))
         groups.setdefault(key, []).append(int(found.group(2)) if found else None)
     out = []
     for (head, rest, cells), blocks in groups.items():
-        name = head if rest is None else f"{head}.{blocks[0]}{rest}" if len(blocks) == 1 \
-            else f"{head}.{{{blocks_text(blocks)}}}{rest}"
+        indices = [block for block in blocks if block is not None]  # all of them where the name has one (rest)
+        name = head if rest is None else f"{head}.{indices[0]}{rest}" if len(indices) == 1 \
+            else f"{head}.{{{blocks_text(indices)}}}{rest}"
         out.append((name, *cells))
     return out
 
@@ -113,11 +114,12 @@ def _count(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
-def _size(count: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1024 or unit == "GB":
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if count < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
+    return f"{count:.1f} GB"
 
 
 _MERGED = "(layers.{0-2}.x: one row for blocks 0 to 2, whose x have one shape and dtype)"

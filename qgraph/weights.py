@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,7 +59,8 @@ def write(tensors: dict[str, torch.Tensor], path, max_shard_size=SHARD_SIZE, met
     removed. Returns what to read them from: the file or the index."""
     path = Path(path)
     limit = None if max_shard_size is None else size_in_bytes(max_shard_size)
-    groups, size = [[]], 0
+    groups: list[list[str]] = [[]]
+    size = 0
     for name in tensors:
         size += _size(tensors, [name])
         if limit is not None and groups[-1] and size > limit:
@@ -113,7 +115,7 @@ def weight_map(location) -> tuple[dict[str, Path], Path | None]:
                                   f"read")
         if indexes:
             return _index(indexes[0]), indexes[0]
-        found = {}
+        found: dict[str, Path] = {}
         for file in sorted(location.glob("*.safetensors")):
             for name in _header(file):
                 found.setdefault(name, file)
@@ -183,12 +185,12 @@ def shards(location, wanted, tied=()) -> dict[Path, list[str]]:
 def _plan(location, wanted, tied) -> tuple[dict[Path, list[str]], dict[str, str], Path | None]:
     where, index = weight_map(location)
     aliases = {name: group for group in tied for name in group}
-    stored = {}
+    stored: dict[str, str] = {}
     for name in wanted:
         found = next((alias for alias in (name, *aliases.get(name, ())) if alias in where), None)
         if found is not None:
             stored[name] = found
-    files = {}
+    files: dict[Path, list[str]] = {}
     for name in dict.fromkeys(stored.values()):
         files.setdefault(where[name], []).append(name)
     return files, stored, index
@@ -200,7 +202,7 @@ def read(location, wanted, tied=(), device=None) -> dict[str, torch.Tensor]:
     Only the files that hold them are opened (``shards``); one the index names that is not there,
     or that lacks a tensor the index says it holds, is refused by name."""
     files, stored, index = _plan(location, wanted, tied)
-    found = {}
+    found: dict[str, torch.Tensor] = {}
     for file, keys in files.items():
         if not file.is_file():
             raise MissingFile(f"{index} puts {few(keys)} in {file.name}, which is not in {file.parent}: copy the "
@@ -230,7 +232,7 @@ def few(names: list[str], shown: int = 3) -> str:
 
 
 def check_fit(what: str, expected: dict[str, tuple], tensors: dict[str, torch.Tensor], source: str,
-              extra: list[str] = (), owner: str = "", hint: str = "") -> None:
+              extra: Sequence[str] = (), owner: str = "", hint: str = "") -> None:
     """Every ``expected`` name (``(shape, dtype)``) is in ``tensors`` with that shape and dtype, and
     there are no ``extra`` names (tensors ``owner`` never had); ``WeightsMismatch`` naming a few of
     the missing and extra ones (and how many), or the first of another shape or dtype, then ``hint``

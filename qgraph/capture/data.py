@@ -58,7 +58,8 @@ def open_dataset(dataset, text_column: str = "text"):
     if kind.startswith("datasets.") and "Dict" in type(dataset).__name__:
         raise InvalidArgument(f"the dataset has splits {list(dataset)}: pass one of them (dataset['train'])")
     if kind.startswith("datasets."):
-        description = {"type": type(dataset).__name__, "columns": sorted(dataset.column_names or [])}
+        description: dict[str, object] = {"type": type(dataset).__name__,
+                                          "columns": sorted(dataset.column_names or [])}
         if hasattr(dataset, "__len__"):
             description["documents"] = len(dataset)
         return dataset, description
@@ -147,7 +148,9 @@ def _text_of(example, text_column: str, tokenizer, chat_template: bool) -> str:
 def pack(token_lists, context: int, max_tokens: int | None = None, pad_id: int = 0):
     """Rows of ``context`` tokens from the documents' token lists (see the module doc); at most
     ``max_tokens`` real tokens in all (the document that crosses the limit is cut there)."""
-    ids, docs, positions = [], [], []
+    ids: list[int] = []
+    docs: list[int] = []
+    positions: list[int] = []
     taken = 0
     for doc_id, tokens in enumerate(token_lists):
         if max_tokens is not None:

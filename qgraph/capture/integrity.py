@@ -77,7 +77,7 @@ def check_header(out: Path, shard: dict, names: list[str]) -> None:
     except Exception as error:  # noqa: BLE001 (safetensors' errors do not name the file)
         raise CaptureCorrupt(f"{path} is not a readable safetensors file ({error}): {REPAIR}") from None
     try:
-        says = json.loads(metadata)
+        says = json.loads(metadata) if metadata is not None else None
     except (TypeError, ValueError):
         says = None
     if not isinstance(says, dict):

@@ -18,6 +18,7 @@ import bisect
 import json
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from ..errors import InvalidArgument, MissingFile, OutOfRange, UnknownValue
 from ..values.aliases import tl_names
 from .integrity import REPAIR, CaptureCorrupt, check_bytes, check_header, check_layout
 from .manifest import FORMAT, META
+
+if TYPE_CHECKING:  # a type only: safetensors is imported when a shard is first read
+    from safetensors import safe_open
 
 
 class Capture(torch.utils.data.Dataset):
@@ -55,7 +59,7 @@ class Capture(torch.utils.data.Dataset):
                          for position, shard in enumerate(self.manifest["shards"]) for k in range(shard["rows"]))
         self._rows = [row for row, _, _ in located]
         self._where = [(position, k) for _, position, k in located]
-        self._files = {}
+        self._files: dict[int, safe_open] = {}  # shard position -> its open file
 
     def __len__(self) -> int:
         return len(self._where)

@@ -139,7 +139,7 @@ def _loop(ig, names, mine, out, done, writer, bar, device, dtype, batch_size, sh
             skipped += 1
             bar.update(record["tokens"])
             continue
-        parts = {name: [] for name in names}
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
         for start in range(0, len(chunk), batch_size):
             ids, mask = (meta[key][start:start + batch_size].to(device) for key in ("input_ids", "attention_mask"))
             with torch.inference_mode():

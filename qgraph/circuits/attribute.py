@@ -220,7 +220,7 @@ class _Run:
         """The gradients at the embeddings and at every MLP output ``[targets, seq, width]``: one batched
         vector-Jacobian product, a direction per target."""
         outputs, directions = [], []
-        by_block = {}
+        by_block: dict[int, list[tuple[int, int, int]]] = {}  # block -> (row, position, feature)
         logit_rows = []
         for row, (kind, what) in enumerate(chunk):
             if kind == "logit":

@@ -79,7 +79,7 @@ class Node:
             return f"{self.layer}_{self.feature}_{self.position}"
         if self.kind == "error":
             return f"{self.layer}_-1_{self.position}"
-        if self.kind == "embedding":
+        if self.layer is None:  # an embedding, the one kind without a layer
             return f"E_{self.feature}_{self.position}"
         return f"{self.layer + 1}_{self.feature}_{self.position}"  # circuit-tracer draws logits at n_layers + 1
 
@@ -149,9 +149,10 @@ class AttributionGraph:
         outside = [node for node in self.nodes if not 0 <= node.position < seq]
         if outside:
             raise OutOfRange(f"node {outside[0]} is at a position outside the {seq} input tokens")
-        logit_layers = {node.layer for node in self.nodes if node.kind == "logit"}
+        layered = [(node.kind, node.layer) for node in self.nodes if node.layer is not None]  # all but embeddings
+        logit_layers = {layer for kind, layer in layered if kind == "logit"}
         if n_layers is None:
-            blocks = [node.layer + 1 for node in self.nodes if node.kind in ("feature", "error")]
+            blocks = [layer + 1 for kind, layer in layered if kind in ("feature", "error")]
             n_layers = logit_layers.pop() if logit_layers else max(blocks, default=0)
         if logit_layers - {n_layers}:
             raise InvalidArgument(f"a logit node's layer is the number of blocks ({n_layers}), not "
@@ -282,7 +283,7 @@ class AttributionGraph:
         metadata = dict(slug=slug, scan=scan, transcoder_list=transcoders, prompt_tokens=tokens,
                         prompt=prompt if prompt is not None else graph.prompt if graph.prompt is not None
                         else "".join(tokens) if graph.tokens else "",
-                        node_threshold=graph.pruned[0], schema_version=1)
+                        node_threshold=graph.pruned[0] if graph.pruned is not None else None, schema_version=1)
         qparams = dict(pinnedIds=[], supernodes=[], linkType="both", clickedId="", sg_pos="")
         nodes = [_json_node(graph, i, labels or {}) for i in range(len(graph.nodes))]
         ids = [node["node_id"] for node in nodes]
@@ -367,8 +368,9 @@ def _json_node(graph: AttributionGraph, i: int, labels: Mapping) -> dict:
                  feature_type=FEATURE_TYPES[node.kind], token_prob=0.0, is_target_logit=False, run_idx=0,
                  reverse_ctx_idx=0, jsNodeId="", clerp="", influence=node.influence, activation=None)
     if node.kind == "feature":
+        # a feature node has a layer and a feature (Node.__post_init__), a dependence mypy cannot see
         layer, feature = node.layer, node.feature
-        entry.update(feature=(layer + feature) * (layer + feature + 1) // 2 + feature,  # Cantor pairing
+        entry.update(feature=(layer + feature) * (layer + feature + 1) // 2 + feature,  # type: ignore[operator]
                      jsNodeId=f"{layer}_{feature}-0", clerp=labels.get((layer, feature), ""),
                      activation=node.activation)
     elif node.kind == "error":
@@ -379,7 +381,8 @@ def _json_node(graph: AttributionGraph, i: int, labels: Mapping) -> dict:
         j = i - (len(graph.nodes) - graph.count("logit"))
         probability = float(graph.logit_probabilities[j])
         token = graph.logit_tokens[j] if graph.logit_tokens is not None else str(node.feature)
-        entry.update(feature=node.feature, layer=str(node.layer + 1), token_prob=probability, is_target_logit=j == 0,
+        # a logit node has a layer (Node.__post_init__)
+        entry.update(feature=node.feature, layer=str(node.layer + 1), token_prob=probability, is_target_logit=j == 0,  # type: ignore[operator]
                      jsNodeId=f"L_{node.feature}-{node.position}", clerp=f'Output "{token}" (p={probability:.3f})',
                      influence=None)
     return entry

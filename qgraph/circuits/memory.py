@@ -26,8 +26,9 @@ class SavedBytes:
     resident memory at each, the forward's high-water mark as near as it can be read without a reset)."""
 
     def __init__(self, keep: bool = False):
-        self.bytes, self.seen, self.keep = 0, set(), keep
-        self.built = None  # resident() once the program is built (replacement_run sets it), before the forward
+        self.bytes, self.keep = 0, keep
+        self.seen: set[tuple[int, int]] = set()  # the storages counted, by (address, bytes)
+        self.built = 0  # resident() once the program is built (replacement_run sets it), before the forward
         self.high = 0  # the highest resident() read as the forward saved a tensor (the estimate's forward only)
 
     def hold(self, model, transcoders) -> None:
@@ -48,7 +49,7 @@ class SavedBytes:
         return packed
 
 
-def storage_bytes(tensors, seen: set) -> int:
+def storage_bytes(tensors, seen: set[tuple[int, int]]) -> int:
     """Bytes of the storages of ``tensors`` not in ``seen`` (each added to it: a storage counts once)."""
     total = 0
     for tensor in tensors:

@@ -24,7 +24,7 @@ class TranscoderSet:
         self.spliced, self.blocks = spliced, blocks
         self.cross = not isinstance(spliced, dict)
         self.reads = [spliced.reads] * blocks if self.cross else [spliced[i].reads for i in range(blocks)]
-        self._constants = {}
+        self._constants: dict[int, torch.Tensor] = {}
 
     def encoder(self, block: int) -> torch.Tensor:
         """Block ``block``'s encoder ``[d_model, d_transcoder]`` (a feature's pre-activation is

@@ -116,7 +116,7 @@ def inductor_symbolic_strides_fix() -> None:
                 pass  # no graph being lowered: as before
         return original(seq, shape_env)
 
-    get_fill_order.qgraph_fix = True
+    get_fill_order.qgraph_fix = True  # type: ignore[attr-defined]  # a marker on the function: patched once
     ir.get_fill_order = get_fill_order
 
 

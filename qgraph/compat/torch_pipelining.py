@@ -33,7 +33,8 @@ import torch
 def _schedules_take_fewer_microbatches_than_stages() -> bool:
     from torch.distributed.pipelining import ScheduleGPipe
     try:
-        ScheduleGPipe(types.SimpleNamespace(num_stages=2), 1)
+        stage = types.SimpleNamespace(num_stages=2)  # a stand-in: the check reads only num_stages
+        ScheduleGPipe(stage, 1)  # type: ignore[arg-type]  # (a stand-in, not a _PipelineStageBase)
     except ValueError:
         return False
     except Exception:  # noqa: BLE001 (the stand-in lacks what a newer constructor reads: not that refusal)
@@ -92,7 +93,9 @@ def _declared_gradients_stage():
                 grads = self.bwd_cache.get(bwd_chunk_id)
                 if grads is not None:
                     self.bwd_cache[bwd_chunk_id] = tuple(
-                        torch.zeros_like(info.buffer, requires_grad=False) if grad is None and to is not None else grad
+                        # torch types _RecvInfo.buffer Optional; a received argument's is set
+                        torch.zeros_like(info.buffer, requires_grad=False)  # type: ignore[arg-type]
+                        if grad is None and to is not None else grad
                         for grad, to, info in zip(grads, self.grad_send_info, received))
             return super().get_bwd_send_ops(bwd_chunk_id)
 

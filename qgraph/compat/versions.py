@@ -15,7 +15,8 @@ TESTED = {"torch": ("2.10", "2.14"), "transformers": ("5.9", "5.25")}
 
 def _release(version: str) -> tuple[int, ...]:
     """The leading release numbers of a version string ("2.14.1+cu130" -> (2, 14, 1))."""
-    return tuple(int(part) for part in re.findall(r"\d+", re.match(r"[\d.]*", version).group()))
+    leading = re.match(r"[\d.]*", version).group()  # type: ignore[union-attr]  # [\d.]* matches every string
+    return tuple(int(part) for part in re.findall(r"\d+", leading))
 
 
 def check_versions() -> None:

@@ -18,7 +18,6 @@ pipeline sends and keeps.
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -125,7 +124,7 @@ def _size_in_each_stage(graph: torch.fx.Graph, node: Node, stage: dict[Node, int
 
 def _plan(split_gm: GraphModule, count: int) -> Plan:
     placeholders = {node: i for i, node in enumerate(split_gm.graph.find_nodes(op="placeholder"))}
-    calls = {node: int(re.fullmatch(r"submod_(\d+)", node.target).group(1))
+    calls = {node: int(node.target.removeprefix("submod_"))  # split_module names them submod_{i}
              for node in split_gm.graph.find_nodes(op="call_module")}
     plan = Plan(modules=[None] * count, inputs=[[] for _ in range(count)], readers=[[] for _ in range(count)])
 

@@ -48,7 +48,7 @@ class Blocks:
     @property
     def seed(self) -> tuple[int, ...]:
         """The first block of each kind (and variant), in block order: the blocks the seed export traces."""
-        first = {}
+        first: dict[tuple[str, int], int] = {}
         for index in range(len(self.kinds)):
             first.setdefault(self.group(index), index)
         return tuple(sorted(first.values()))

@@ -46,17 +46,17 @@ def recompute_grads(function: Callable, inputs: Sequence, grad_outputs: Sequence
         outputs = function(*leaves)
         pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
                  if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
-        grads = [None] * len(wrt)
+        grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
         if pairs:
             grads = torch.autograd.grad([out for out, _ in pairs], wrt, [grad for _, grad in pairs],
                                         allow_unused=True)
-    grads = iter(grads)
-    result = []
+    remaining = iter(grads)
+    result: list[torch.Tensor | None] = []
     for leaf in leaves:
         if not _differentiable(leaf):
             result.append(None)
             continue
-        grad = next(grads)
+        grad = next(remaining)
         result.append(torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device) if grad is None
                       else grad.contiguous())
     return result

@@ -94,7 +94,7 @@ def _states(out, name: str, tokens=None, *, batch: int = 0, head: int = 0, posit
         asked, length = asked_option(out, name, "positions"), input_length(out)
         if asked is not None and len(asked) == norms.shape[1]:  # `state` at positions=[...]: each its token
             every = token_labels(out, length, tokens, batch) if length else None
-            labels = [f"{p}: {every[p]}" if every and -length <= p < length else str(p) for p in asked]
+            labels = [f"{p}: {every[p]}" if every and length and -length <= p < length else str(p) for p in asked]
         else:
             labels = token_labels(out, norms.shape[1], tokens, batch)
         for h in range(heads):

@@ -59,14 +59,16 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
         if not depth:
             raise NoVisionEncoder(f"the model has no vision encoder: {type(model).__name__} is text-only, so there "
                                   f"is no vision block to draw (draw what='block' or what='model' instead)")
-        layer = 0 if layer is None else layer
-        if not -depth <= layer < depth:
-            raise OutOfRange(f"vision block {layer}: the vision encoder has blocks 0 to {depth - 1}")
+        index = 0 if layer is None else layer
+        if not -depth <= index < depth:
+            raise OutOfRange(f"vision block {index}: the vision encoder has blocks 0 to {depth - 1}")
     if what == "block":
-        if layer is None:
-            layer = next((i for i, m in enumerate(mixers) if not family.mixer(m).recurrent), 0)
-        if not -len(mixers) <= layer < len(mixers):
-            raise OutOfRange(f"block {layer}: the model has blocks 0 to {len(mixers) - 1}")
+        if layer is None:  # the first attention block
+            index = next((i for i, m in enumerate(mixers) if not family.mixer(m).recurrent), 0)
+        else:
+            index = layer
+        if not -len(mixers) <= index < len(mixers):
+            raise OutOfRange(f"block {index}: the model has blocks 0 to {len(mixers) - 1}")
 
     exported = model_or_ig.exported if isinstance(model_or_ig, InstrumentedModel) else export_model(model)
     view = GraphView(model, exported, requested=list(marks), saes=getattr(model_or_ig, "saes", None),
@@ -80,8 +82,8 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
     if what == "model":
         return model_diagram(view, highlight=marks)
     if what == "vision_block":
-        return block_diagram(view, layer % depth, detail=detail, highlight=marks, vision=True)
-    return block_diagram(view, layer % len(mixers), detail=detail, highlight=marks)
+        return block_diagram(view, index % depth, detail=detail, highlight=marks, vision=True)
+    return block_diagram(view, index % len(mixers), detail=detail, highlight=marks)
 
 
 def render(model_or_ig, what: str = "block", layer: int | None = None, path: str | Path | None = None, *,

@@ -22,7 +22,6 @@ from .diagram import Cluster, Diagram
 from .graph import GraphView, short_class
 from .grouping import BlockGrouping, is_core
 from .labels import BlockLabels
-from .skeleton import Drawing
 from .taps import BlockTaps
 
 __all__ = ["block_diagram", "is_core", "mixer_style"]
@@ -40,7 +39,7 @@ def block_diagram(view: GraphView, layer: int, *, detail: str = "modules",
     return _Block(view, layer, highlight or {}, detail, vision).diagram
 
 
-class _Block(BlockGrouping, BlockLabels, BlockTaps, Drawing):
+class _Block(BlockGrouping, BlockLabels, BlockTaps):
     """Groups one block's nodes into boxes, wires them, splices the values in, and draws the result."""
 
     def __init__(self, view: GraphView, layer: int, highlight: dict[str, str], detail: str, vision: bool = False):
@@ -53,7 +52,7 @@ class _Block(BlockGrouping, BlockLabels, BlockTaps, Drawing):
         model = type(self.view.model).__name__
         if self.vision:
             return f"{self.prefix}  ·  vision encoder block  ·  {model}  ·  detail={self.detail}"
-        kind = self.view.family.title(self.mixer)
+        kind = self.view.family.title(self.view.block_mixers[self.layer])  # a text block's mixer
         layer_type = self.view.family.kinds(self.view.config)[self.layer]
         return f"{self.prefix}  ·  {kind} block ({layer_type})  ·  {model}  ·  detail={self.detail}"
 

@@ -134,10 +134,11 @@ def to_graphviz(diagram) -> graphviz.Digraph:
         rows = []
         for kind, text in diagram.legend:
             style = BOX_STYLES.get(kind, {})
-            fill = style.get("fillcolor", "#FFFFFF") if "filled" in style.get("style", "") else "#FFFFFF"
+            background = style.get("fillcolor", "#FFFFFF") if "filled" in style.get("style", "") else "#FFFFFF"
             border = style.get("color", "#999999")
             dashed = ' STYLE="dashed"' if "dashed" in style.get("style", "") else ""
-            rows.append(f'<TR><TD BGCOLOR="{fill}" COLOR="{border}" BORDER="1"{dashed} WIDTH="26" HEIGHT="12"></TD>'
+            rows.append(f'<TR><TD BGCOLOR="{background}" COLOR="{border}" BORDER="1"{dashed} '
+                        f'WIDTH="26" HEIGHT="12"></TD>'
                         f'<TD ALIGN="LEFT"><FONT POINT-SIZE="9" COLOR="#444444">{_escape(text)}</FONT></TD></TR>')
         g.node("legend", '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="4" CELLPADDING="2">'
                + "".join(rows) + "</TABLE>>", shape="box", style="rounded", color="#DDDDDD", margin="0.05")

@@ -111,10 +111,12 @@ class GraphView:
         self.inputs: set[str] = set()  # the user inputs: input_ids, attention_mask
         for spec in exported.program.graph_signature.input_specs:
             name = getattr(spec.arg, "name", None)
+            if name is None:  # every input export writes has a name; a spec without one is no input to draw
+                continue
             if spec.target is not None:
                 module, _, attribute = spec.target.rpartition(".")
                 self.params[name] = ".".join(p for p in (self.family.module_name(module), attribute) if p)
-            elif name is not None:
+            else:
                 self.inputs.add(name)
         self.types: dict[str, str] = {}  # spec name -> class name
         self._scopes: dict[Node, list[str]] = {}
@@ -169,7 +171,8 @@ class GraphView:
 
     def ancestors_inputs(self, node: Node, limit: int = 400) -> set[str]:
         """The user inputs (``input_ids``, ``attention_mask``) that ``node`` is computed from."""
-        seen, stack, found = set(), [node], set()
+        seen: set[Node] = set()
+        stack, found = [node], set()
         while stack and len(seen) < limit:
             current = stack.pop()
             if current in seen:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 import networkx as nx
 import torch
@@ -17,8 +18,12 @@ from networkx.utils import UnionFind
 from torch.fx import Node
 
 from ..kernels.ops import MARK_OP
-from .graph import SDPA, SHAPE_ONLY, GraphView, is_pass_through, is_tensorish, tensor_inputs
+from .graph import SDPA, SHAPE_ONLY, is_pass_through, is_tensorish, tensor_inputs
+from .host import BlockHost
 from .skeleton import located
+
+if TYPE_CHECKING:  # a type only: the catalogue's entries
+    from ..values.catalogue import Entry
 
 aten = torch.ops.aten
 
@@ -41,18 +46,13 @@ def is_core(node: Node) -> bool:
     return namespace == "qgraph" and node.target is not MARK_OP
 
 
-class BlockGrouping:
+class BlockGrouping(BlockHost):
     """What is in block ``prefix`` of ``view`` and which group (drawn box) each of its nodes is in.
 
     Sets ``nodes``, ``inside``, ``scopes``, ``leaves`` (the leaf modules), ``residual_in``, ``values``
     and ``groups``; with modules detail also ``kinds``, ``const`` (computed from parameters alone),
     ``context`` (computed from a mask or the position embeddings alone), ``rotary`` and ``value_roots``.
     """
-
-    view: GraphView
-    prefix: str
-    detail: str
-    highlight: dict[str, str]
 
     def _block_nodes(self) -> list[Node]:
         view = self.view
@@ -66,7 +66,7 @@ class BlockGrouping:
         self.kinds, self.const, self.rotary, self.context, self.value_roots = {}, {}, set(), {}, set()
         return nodes
 
-    def _values(self) -> dict[str, object]:
+    def _values(self) -> dict[str, Entry]:
         """Every standard value of the block, and the highlighted ports on it, by name."""
         names = {}
         for name, entry in self.view.catalogue.items():
@@ -249,7 +249,7 @@ class _Boxes:
         return self.first[self.sets[node]]
 
     def join(self, *nodes: Node) -> None:
-        first = min((self.head(n) for n in nodes), key=self.index.get)
+        first = min((self.head(n) for n in nodes), key=self.index.__getitem__)
         self.sets.union(*nodes)
         self.first[self.sets[nodes[0]]] = first
 

@@ -12,6 +12,7 @@ from ..compat import op_argument_names
 from .diagram import Box, bold, esc, port_table, small
 from .graph import SDPA, SHAPE_ONLY, is_pass_through, is_tensorish, op_name, short_class, tensor_inputs
 from .grouping import MULTI_OUTPUT, is_core
+from .host import BlockHost
 from .skeleton import located
 
 aten = torch.ops.aten
@@ -26,7 +27,7 @@ _CORE_TITLE = {"scaled_dot_product_attention": "attention", "chunk_gated_delta_r
                "varlen_attention": "attention, per image"}
 
 
-class BlockLabels:
+class BlockLabels(BlockHost):
     """The boxes of a block's groups (mixed into the block diagram, which holds the groups)."""
 
     def _box(self, key, nodes, box_id) -> Box | None:
@@ -100,7 +101,7 @@ class BlockLabels:
 
     def _op_box(self, nodes, box_id) -> Box:
         view = self.view
-        nodes = sorted(nodes, key=view.index.get)
+        nodes = sorted(nodes, key=view.index.__getitem__)
         head = nodes[0]
         cluster = self._cluster_of(view.scope(head))
         tooltip = "\n".join(n.format_node() for n in nodes)
@@ -160,7 +161,8 @@ class BlockLabels:
     def _port(self, flow, side: str) -> str | None:
         """The port of a core or split box a wire meets: the argument it is, or the output it leaves by."""
         key = flow.dst if side == "head" else flow.origin
-        box = self.diagram.boxes.get(self._ids.get(key)) if isinstance(key, tuple) else None
+        box_id = self._ids.get(key) if isinstance(key, tuple) else None
+        box = self.diagram.boxes.get(box_id) if box_id is not None else None
         head = box.attrs.get("ports") if box is not None else None
         if head is None:
             return None

@@ -231,15 +231,16 @@ class _Model(Drawing):
                        "the program's output", {"group": "main"})
         if kind == "glue":
             ops = sorted({op_name(n) for n in nodes})
-            steps = [op_name(n) for n in sorted(nodes, key=view.index.get) if not is_pass_through(n)]
+            steps = [op_name(n) for n in sorted(nodes, key=view.index.__getitem__) if not is_pass_through(n)]
             text = "masks" if "attention_mask" in name else "  →  ".join(dict.fromkeys(steps[:3]))
             return Box(box_id, esc(text) + "<BR/>" + small("from " + ", ".join(name), 8), "glue", None,
                        "the model's own code: " + ", ".join(ops))
         if kind == "op":
-            nodes = sorted(nodes, key=view.index.get)
+            nodes = sorted(nodes, key=view.index.__getitem__)
             names = [op_name(n) for n in nodes if not is_pass_through(n)]
             names = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
-            fed = {self.groups.get(u) for n in nodes for u in n.all_input_nodes} - {key, None}
+            fed = {group for n in nodes for u in n.all_input_nodes
+                   if (group := self.groups.get(u)) is not None and group != key}
             cluster = "vision" if any(str(k[1]).startswith(("vision", "projector")) for k in fed) else None
             return Box(box_id, esc("  →  ".join(names[:4]) + ("  →  …" if len(names) > 4 else "")), "glue", cluster,
                        "\n".join(n.format_node() for n in nodes))

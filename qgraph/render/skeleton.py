@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..values.locate import Found
-from .diagram import Diagram
+from .diagram import Box, Diagram
 from .flow import build_flows, splice_taps
+
 
 def located(entry):
     """The graph node a catalogue entry's value is at, or None (made on request, derived, unavailable)."""
@@ -41,6 +42,7 @@ class Drawing:
     """
 
     highlight: dict[str, str]
+    tap_ids: dict[str | tuple[str, str], list[str]]  # set by _tap_list; a str id is drawn as a tap box
 
     def _build(self, nodes) -> None:
         self.nodes = nodes
@@ -52,6 +54,34 @@ class Drawing:
         self.diagram = Diagram(self._title())
         self._ids: dict = {}
         self._draw(flows)
+
+    # -- what a subclass provides --------------------------------------------------------------
+    def _group(self) -> None:
+        raise NotImplementedError
+
+    def _outside_group(self, node):
+        raise NotImplementedError
+
+    def _sink(self, user):
+        raise NotImplementedError
+
+    def _absorbed(self, node) -> bool:
+        raise NotImplementedError
+
+    def _tap_list(self, flows) -> list[tuple]:
+        raise NotImplementedError
+
+    def _title(self) -> str:
+        raise NotImplementedError
+
+    def _box(self, key, nodes, box_id: str) -> Box | None:
+        raise NotImplementedError
+
+    def _tap_box(self, tap_id: str, names: list[str]) -> Box:
+        raise NotImplementedError
+
+    def _draw(self, flows) -> None:
+        raise NotImplementedError
 
     # -- drawing helpers -------------------------------------------------------------------------
     def _id_letter(self, key) -> str:

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from ..values.locate import OnRequest, attention_core
 from .diagram import Box, esc, small
+from .host import BlockHost
 from .legend import TAPS, legend
 from .skeleton import derived_sources, dims, located
 
@@ -16,11 +17,11 @@ def tap_row(short: str, layout: str, style: str | None, value_color: str = "#5A3
     """One value's line on a tap: a marker for captured (●) or edited (✎), its name, its dims."""
     color = "#FFFFFF" if style == "edit" else "#333333"
     dim_color = "#FFE6EE" if style == "edit" else (value_color if style == "value" else "#7A6A3A")
-    marker = {"value": "● ", "edit": "✎ "}.get(style, "")
+    marker = {"value": "● ", "edit": "✎ "}.get(style, "") if style else ""
     return f'<FONT COLOR="{color}">{esc(marker)}<B>{esc(short)}</B></FONT> {small(dims(layout), 8, dim_color)}'
 
 
-class BlockTaps:
+class BlockTaps(BlockHost):
     """A block's taps and ghosts (mixed into the block diagram, which holds the values and groups)."""
 
     def _tap_list(self, flows=None):

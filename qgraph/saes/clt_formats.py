@@ -97,7 +97,7 @@ def _circuit_tracer(folder: Path, encoders: dict, decoders: dict) -> dict:
     if extra:
         raise InvalidArgument(f"{folder}: W_dec_{extra[0]}.safetensors has no W_enc_{extra[0]}.safetensors: the "
                               f"encoders name {n} blocks (0 to {n - 1}), each with one decoder file")
-    record = {name: [] for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")}
+    record: dict[str, list[torch.Tensor]] = {name: [] for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")}
     sizes: dict[str, int] = {}
     jumprelu = None
     for i in range(n):
@@ -129,7 +129,8 @@ def _circuit_tracer(folder: Path, encoders: dict, decoders: dict) -> dict:
 
 def _gemma_scope_2(folder: Path, files: dict) -> dict:
     n = len(files)
-    record = {name: [] for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")}
+    record: dict[str, list[torch.Tensor]] = {
+        name: [] for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")}
     sizes: dict[str, int] = {"blocks": n}
     skip = None
     for i in range(n):
@@ -186,12 +187,12 @@ def _tensors(file: Path, handle, layout: dict[str, str], sizes: dict[str, int]) 
     each shape checked against the sizes known so far (``sizes``, updated) before it is read."""
     keys = set(handle.keys())
     tensors = {}
-    for name, dims in layout.items():
+    for name, spec in layout.items():
         if name not in keys:
             raise InvalidArgument(f"{file}: no tensor '{name}' (it holds {', '.join(sorted(keys)) or 'none'}); "
                                   f"expected {', '.join(layout)}")
         piece = handle.get_slice(name)
-        shape, dims, known = list(piece.get_shape()), dims.split(), dict(sizes)
+        shape, dims, known = list(piece.get_shape()), spec.split(), dict(sizes)
         if not (len(shape) == len(dims) and all(sizes.setdefault(dim, size) == size for dim, size in zip(dims, shape))):
             expected = [known.get(dim, dim) for dim in dims]
             said = ", ".join(f"{dim}={size}" for dim, size in known.items() if dim in dims)

@@ -234,11 +234,11 @@ def _check_layout(file: Path, tensors: dict, layout: dict[str, str]) -> tuple[in
     """``(d_in, d_sae)`` from the tensors named in ``layout`` (name -> its dims, e.g. ``"d_sae d_in"``),
     after checking each is there and that their sizes agree: a ValueError naming the file otherwise."""
     sizes: dict[str, int] = {}
-    for name, dims in layout.items():
+    for name, spec in layout.items():
         if not isinstance(tensors.get(name), torch.Tensor):
             raise InvalidArgument(f"{file}: no tensor '{name}' (it holds {', '.join(sorted(map(str, tensors)))}); "
                                   f"expected {', '.join(layout)}")
-        shape, dims = list(tensors[name].shape), dims.split()
+        shape, dims = list(tensors[name].shape), spec.split()
         known = ", ".join(f"{dim}={size}" for dim, size in sizes.items())
         fits = len(shape) == len(dims) and all(sizes.setdefault(dim, size) == size for dim, size in zip(dims, shape))
         if not fits:

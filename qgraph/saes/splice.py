@@ -25,7 +25,7 @@ def check_saes(request, resolve, catalogue) -> dict:
     if not isinstance(saes, Mapping):
         raise InvalidType(f"saes= takes a dict {{value name: SAE}}, e.g. {{'layers.5.layer_output': "
                           f"qgraph.SAE.load(path, layer=5)}}, not {type(saes).__name__}")
-    checked = {}
+    checked: dict[str, tuple[object, str]] = {}  # hook value -> (sae, splice)
     for pattern, sae in saes.items():
         names = resolve(pattern)
         if len(names) != 1:

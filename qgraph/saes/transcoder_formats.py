@@ -23,6 +23,7 @@ Hook names (TransformerLens', with or without ``blocks.{i}.``) are read with the
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
@@ -188,14 +189,14 @@ def _split(hook: str | None) -> tuple[int | None, str | None]:
     return tl_split(hook) if isinstance(hook, str) else (None, None)
 
 
-def _set_files(folder: Path, config: dict) -> dict[int, Path | str]:
+def _set_files(folder: Path, config: dict) -> Mapping[int, Path | str]:
     """``{layer: file}`` of a circuit-tracer set: its ``transcoders`` list (index = layer; older sets list
     ``{layer, filepath}``), else the ``layer_{i}.safetensors`` in the folder. An ``hf://`` entry is read
     from the folder under its file name, and stays a string (to be named) where it is not there."""
     listed = config.get("transcoders")
     if listed is None:
         return numbered(folder, r"layer_(\d+)\.safetensors", want_dir=False)
-    files = {}
+    files: dict[int, Path | str] = {}
     for index, entry in enumerate(listed if isinstance(listed, list) else []):
         number, where = (entry.get("layer", index), entry.get("filepath")) if isinstance(entry, dict) else (index, entry)
         if not isinstance(where, str):
@@ -210,10 +211,10 @@ def _set_files(folder: Path, config: dict) -> dict[int, Path | str]:
     return files
 
 
-def _pick(found: dict, layer: int | None, folder: Path, what: str) -> tuple[int, Path]:
+def _pick(found: Mapping[int, Path | str], layer: int | None, folder: Path, what: str) -> tuple[int, Path]:
     if layer is None and len(found) == 1:
         layer = next(iter(found))
-    if layer not in found:
+    if layer is None or layer not in found:
         have = ", ".join(map(str, sorted(found))) or "none"
         said = "no layer= was given" if layer is None else f"layer={layer} is not there"
         raise InvalidArgument(f"{folder} holds {what} for layers {have}; {said}: give layer= one of them")
@@ -241,11 +242,11 @@ def _check_layout(file: Path, tensors: dict, layout: dict[str, str], sizes: dict
     checking that each tensor is there and that the sizes agree: a ValueError naming the file, the
     tensor, the shape found and the shape expected otherwise."""
     sizes = dict(sizes or {})
-    for name, dims in layout.items():
+    for name, spec in layout.items():
         if not isinstance(tensors.get(name), torch.Tensor):
             raise InvalidArgument(f"{file}: no tensor '{name}' (it holds {', '.join(sorted(map(str, tensors)))}); "
                                   f"expected {', '.join(layout)}")
-        shape, dims, known = list(tensors[name].shape), dims.split(), dict(sizes)
+        shape, dims, known = list(tensors[name].shape), spec.split(), dict(sizes)
         if not (len(shape) == len(dims) and all(sizes.setdefault(dim, size) == size for dim, size in zip(dims, shape))):
             expected = [known.get(dim, dim) for dim in dims]
             said = ", ".join(f"{dim}={size}" for dim, size in known.items())
