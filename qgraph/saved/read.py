@@ -47,7 +47,7 @@ from .fxdata import device, graph_parts, unbuilt
 from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
 
 
-def load(path, weights=None, *, max_work: float | None = None) -> "LoadedProgram":
+def load(path, weights=None, *, max_work: float | None = None) -> LoadedProgram:
     """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` file, or the
     shards' ``.safetensors.index.json``, written beside it by ``save(..., weights=True)``), a model
     (its parameters, read at each call; re-read when a submodule is replaced), a safetensors file, a
@@ -62,7 +62,7 @@ def load(path, weights=None, *, max_work: float | None = None) -> "LoadedProgram
         return _load(path, weights, stage, max_work)
 
 
-def _load(path, weights, stage, max_work=None) -> "LoadedProgram":
+def _load(path, weights, stage, max_work=None) -> LoadedProgram:
     path = Path(path)
     meta, data, module, bounds = check(path)
     bounds.max_work = max_work
@@ -274,7 +274,7 @@ class LoadedProgram:
         """The names of its values and slots that ``patterns`` select, as an instrumented model selects them."""
         return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []
 
-    def variant(self, values=(), *, edits=(), logits: bool = True) -> "LoadedProgram":
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> LoadedProgram:
         """This program returning ``values`` (some of those it was saved with), editable at ``edits`` (some
         of its slots): what the recipes run."""
         names, slots = self.resolve(values), self.resolve(list(edits))

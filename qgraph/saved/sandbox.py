@@ -39,7 +39,7 @@ _METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
 def check(module: GraphModule, placeholders: list[dict], symbols: dict, weights: list[bool],
-          where: str) -> "Bounds":
+          where: str) -> Bounds:
     """Check ``module``'s graph, its inputs shaped as ``placeholders`` say (``{"shape": [a size, or the
     name of a symbol of ``symbols``: ``{"min", "max"}``], "dtype", "device"}``), ``weights[i]`` telling
     whether input i is a weight (else the call's own); returns the bounds each call checks."""
@@ -75,7 +75,7 @@ def memory_limit(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: str) -> "Bounds":
+def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: str) -> Bounds:
     mode = compat.fake_mode()
     nodes = module.graph.find_nodes(op="placeholder")
     hints, fakes, dims = {}, [], {}

@@ -36,7 +36,7 @@ class RemoteError(QgraphError):
         self.status = status
 
 
-def remote(url: str, api_key: str | None = None, *, timeout: float = 300.0) -> "Remote":
+def remote(url: str, api_key: str | None = None, *, timeout: float = 300.0) -> Remote:
     """The model served at ``url`` (``qgraph serve``), called with ``api_key``."""
     return Remote(url, api_key, timeout)
 
@@ -61,7 +61,7 @@ class Remote:
             self._info = self._answer(self._http.get("/v1/info")).json()
         return self._info
 
-    def instrument(self, values=(), *, edits=(), logits: bool = True) -> "RemoteInstrument":
+    def instrument(self, values=(), *, edits=(), logits: bool = True) -> RemoteInstrument:
         """A remote instrument reading ``values`` (names, globs, or ``{name: {"grad": True}}``)."""
         return RemoteInstrument(self, values, edits, logits)
 
@@ -113,7 +113,7 @@ class RemoteInstrument:
         """The value names ``patterns`` select, as a local instrument of the served model selects them."""
         return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []
 
-    def variant(self, values=(), *, edits=(), logits: bool = True) -> "RemoteInstrument":
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> RemoteInstrument:
         return RemoteInstrument(self.server, values, edits, logits)
 
     def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads, batch_size):

@@ -60,7 +60,7 @@ class Request:
     lens: dict | None = None
     body: bytes = field(default=b"", repr=False)  # as it came: what rank 0 hands the other stages (serve/stages.py)
 
-    def to(self, device: torch.device) -> "Request":
+    def to(self, device: torch.device) -> Request:
         """The request with its tensors (inputs, edits' tensors, the backward's) on ``device``, where the
         model is (a body's tensors arrive on the CPU); a function edit moves its own graph."""
         moved = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
