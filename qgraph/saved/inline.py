@@ -19,21 +19,22 @@ import operator
 import warnings
 
 import torch
-from torch.export import Dim
+from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from .. import compat
 from ..errors import NotSupported
 
 
-def inline_modules(module: torch.nn.Module, describe) -> None:
+def inline_modules(module: GraphModule, describe) -> None:
     """Replace every ``call_module`` node of ``module.graph`` by the graph of its module's call (the
     module holding what the graph reads: a graph module, or one that is not compiled); ``describe(
     module, target)`` says what the module is, for errors. Last call first: each call's inputs are
     then still the program's own nodes, with their symbolic shapes."""
     held: dict[int, str] = {}  # id of a tensor read -> the attribute holding it
-    traced: dict[tuple, tuple] = {}  # (module, its inputs' shapes): one export per kind of call
+    # (module, its inputs' shapes) -> what _export found: one export per kind of call
+    traced: dict[tuple, tuple[ExportedProgram, bool, list[tuple]]] = {}
     calls = module.graph.find_nodes(op="call_module")
     for node in reversed(calls):
         called = _Call(module.get_submodule(node.target))
@@ -69,7 +70,7 @@ class _Call(torch.nn.Module):
         return self.called(*inputs)
 
 
-def _export(called: torch.nn.Module, node: Node):
+def _export(called: torch.nn.Module, node: Node) -> tuple[ExportedProgram, bool, list[tuple]]:
     """``called`` exported on zeros shaped like ``node``'s inputs (their symbolic dims dynamic)."""
     if node.kwargs or not all(isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor)
                               for arg in node.args):
@@ -142,7 +143,7 @@ def _needs(called, examples: list[torch.Tensor], ours: list[list], symbols: list
     return needs
 
 
-def _splice(module: torch.nn.Module, node: Node, called: torch.nn.Module, exported, returns_tuple: bool,
+def _splice(module: GraphModule, node: Node, called: torch.nn.Module, exported: ExportedProgram, returns_tuple: bool,
             needs: list[tuple], what: str, held: dict[int, str]) -> None:
     """Copy ``exported``'s graph in place of ``node``, its parameters, buffers and constants read as
     tensors ``module`` holds, after an assertion of each of its ``needs`` (``what`` it is, in their messages)."""
