@@ -56,11 +56,12 @@ def held_name(name: object) -> TypeGuard[str]:
     return _name(name) and not name.startswith("_") and not hasattr(GraphModule, name)
 
 
-def graph_data(module: GraphModule, tensors: dict[str, torch.Tensor]) -> dict:
+def graph_data(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict:
     """``module.graph`` as JSON data (``module`` holds what it reads); the tensors its ``get_attr`` nodes
     read go into ``tensors``, by their (flat) names."""
     nodes = []
-    for node in module.graph.nodes:
+    graph: Graph = module.graph  # a graph module's, or the draft's that save writes (never compiled)
+    for node in graph.nodes:
         item = {"name": node.name, "op": node.op}
         if node.op == "call_function":
             item["target"] = target_name(node.target)

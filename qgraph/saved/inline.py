@@ -21,13 +21,13 @@ import warnings
 import torch
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
 from .. import compat
 from ..errors import NotSupported
 
 
-def inline_modules(module: GraphModule, describe) -> None:
+def inline_modules(module: torch.nn.Module, describe) -> None:
     """Replace every ``call_module`` node of ``module.graph`` by the graph of its module's call (the
     module holding what the graph reads: a graph module, or one that is not compiled); ``describe(
     module, target)`` says what the module is, for errors. Last call first: each call's inputs are
@@ -35,7 +35,8 @@ def inline_modules(module: GraphModule, describe) -> None:
     held: dict[int, str] = {}  # id of a tensor read -> the attribute holding it
     # (module, its inputs' shapes) -> what _export found: one export per kind of call
     traced: dict[tuple, tuple[ExportedProgram, bool, list[tuple]]] = {}
-    calls = module.graph.find_nodes(op="call_module")
+    graph: Graph = module.graph  # a graph module's, or the draft's that save writes (never compiled)
+    calls = graph.find_nodes(op="call_module")
     for node in reversed(calls):
         called = _Call(module.get_submodule(node.target))
         key = (node.target, *(_shape_of(arg) for arg in node.args))
@@ -50,7 +51,7 @@ def inline_modules(module: GraphModule, describe) -> None:
         _splice(module, node, called, *traced[key], describe(called.called, node.target), held)
     for target in {node.target for node in calls}:
         drop_submodule(module, target)
-    module.graph.lint()
+    graph.lint()
 
 
 def _shape_of(arg):
@@ -143,11 +144,12 @@ def _needs(called, examples: list[torch.Tensor], ours: list[list], symbols: list
     return needs
 
 
-def _splice(module: GraphModule, node: Node, called: torch.nn.Module, exported: ExportedProgram, returns_tuple: bool,
-            needs: list[tuple], what: str, held: dict[int, str]) -> None:
+def _splice(module: torch.nn.Module, node: Node, called: torch.nn.Module, exported: ExportedProgram,
+            returns_tuple: bool, needs: list[tuple], what: str, held: dict[int, str]) -> None:
     """Copy ``exported``'s graph in place of ``node``, its parameters, buffers and constants read as
     tensors ``module`` holds, after an assertion of each of its ``needs`` (``what`` it is, in their messages)."""
-    graph, stem = module.graph, node.target.replace(".", "_")
+    graph: Graph = module.graph
+    stem = node.target.replace(".", "_")
     env, user = {}, iter(node.args)
     placeholders = exported.graph.find_nodes(op="placeholder")
     with graph.inserting_before(node):
