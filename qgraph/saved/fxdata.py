@@ -117,9 +117,11 @@ def _encode(value, node: Node):
 def _resolve(name: object):
     """The operation a name of the positive list stands for, or None. Ops are looked up in torch's
     registry (attribute lookups on ``torch.ops``); nothing is imported."""
+    if not isinstance(name, str):
+        return None  # a file's JSON (a list is no key of FUNCTIONS: checked first, so it is refused, not a TypeError)
     if name in FUNCTIONS:
         return FUNCTIONS[name]
-    if not isinstance(name, str) or not name.startswith("torch.ops.") or name[len("torch.ops."):] not in OPS:
+    if not name.startswith("torch.ops.") or name[len("torch.ops."):] not in OPS:
         return None
     namespace, op, overload = name[len("torch.ops."):].split(".")
     try:
