@@ -66,7 +66,8 @@ class Request:
         moved = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         edits = {pattern: dataclasses.replace(edit, **{f.name: moved(getattr(edit, f.name))
                                                         for f in dataclasses.fields(edit) if f.name in TENSOR_FIELDS})
-                 if dataclasses.is_dataclass(edit) else edit for pattern, edit in self.edits.items()}
+                 if dataclasses.is_dataclass(edit) and not isinstance(edit, type) else edit  # decode makes instances
+                 for pattern, edit in self.edits.items()}
         return dataclasses.replace(self, edits=edits, input_ids=moved(self.input_ids),
                                    attention_mask=moved(self.attention_mask), backward=moved(self.backward))
 
