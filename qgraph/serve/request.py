@@ -109,6 +109,9 @@ def request_of(call: dict, tensors: dict[str, torch.Tensor], limits: Limits) -> 
     if backward is not None:
         if generate is not None:
             fields.fail("backward", "runs after one forward: a call with backward holds no generate")
+        if not isinstance(values, dict):
+            fields.fail("backward", 'returns the gradients of values asked as {name: {"grad": true}}: a call with '
+                                    'backward gives its values as that object')
         used.add(backward)
         backward = tensors[backward]
     lens = _lens(call.get("lens"))
