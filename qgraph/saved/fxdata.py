@@ -118,7 +118,7 @@ def _resolve(name: object):
     """The operation a name of the positive list stands for, or None. Ops are looked up in torch's
     registry (attribute lookups on ``torch.ops``); nothing is imported."""
     if not isinstance(name, str):
-        return None  # a file's JSON (a list is no key of FUNCTIONS: checked first, so it is refused, not a TypeError)
+        return None  # first: a file's JSON list would fail the lookup below with a TypeError, not be refused
     if name in FUNCTIONS:
         return FUNCTIONS[name]
     if not name.startswith("torch.ops.") or name[len("torch.ops."):] not in OPS:

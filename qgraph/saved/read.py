@@ -163,6 +163,7 @@ def _weights(path: Path, meta: dict, weights) -> dict[str, Callable[[], torch.Te
 
 
 def _giving(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A function giving ``tensor`` (a weight read from a file: fixed once read)."""
     return lambda: tensor
 
 
