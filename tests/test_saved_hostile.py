@@ -143,6 +143,8 @@ def graph_cases(secret):
         ("a subgraph of its own", lambda d: d["graph"].update(modules={"body": {"nodes": []}}),
          "not an object holding only a list of nodes"),
         ("an unknown kind of node", lambda d: nodes_of(d, "call_function")[0].update(op="call_module"), "of kind"),
+        ("a target that is no name", lambda d: nodes_of(d, "call_function")[0].update(target=["operator", "mul"]),
+         "which is not on the positive list"),
     ]
 
 

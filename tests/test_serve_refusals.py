@@ -87,6 +87,7 @@ def test_bodies_over_the_limit_get_413_before_they_are_read(url):
     ({"generate": {"max_new_tokens": 13}}, ["--max-new-tokens"]),
     ({"generate": {"max_new_tokens": 2, "num_beams": 4}}, ["num_beams"]),
     ({"backward": "nothing"}, ["backward"]),
+    ({"backward": "input_ids"}, ["backward", '{"grad": true}']),  # values a list (the default): no gradients to return
     ({"lens": {"positions": [0], "top": 10**6}}, ["lens"]),
 ])
 def test_requests_that_cannot_run_get_422(url, bad, words):

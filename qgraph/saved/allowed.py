@@ -100,7 +100,8 @@ FRESH = frozenset(OPS)
 OPS.update({f"aten.{name}": reason for reason, names in _ALIASING.items() for name in names.split()})
 INPLACE = frozenset(("aten.copy_.default", "aten.detach_.default", "aten.index_put_.default"))
 # argument position -> the one value it may hold (otherwise the op reads the global random generator)
-CONSTANT = {"aten.dropout.default": {2: False}, "aten.scaled_dot_product_attention.default": {4: 0.0}}
+CONSTANT: dict[str, dict[int, object]] = {"aten.dropout.default": {2: False},
+                                          "aten.scaled_dot_product_attention.default": {4: 0.0}}
 
 # the size arithmetic export writes between ops (on symbolic sizes, never on tensors)
 FUNCTIONS = {

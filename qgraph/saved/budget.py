@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 
 import sympy
 import torch
@@ -59,8 +60,9 @@ WHY = ("a saved program is bounded so that loading it takes seconds (docs/securi
        "or edit slots")
 
 
-# the ops whose number of results is one of their arguments' (the rest return a fixed number)
-_PIECES = {
+# the ops whose number of results is one of their arguments' (the rest return a fixed number): op -> that
+# number from the dim's size and the op's other arguments (not an int where the op refuses those)
+_PIECES: dict[str, Callable[..., object]] = {
     "aten.unbind.int": lambda size, dim=0: size,
     "aten.split.Tensor": lambda size, split_size, dim=0: -(-size // split_size) if split_size > 0 else 1,
     "aten.split_with_sizes.default": lambda size, split_sizes, dim=0: len(split_sizes),

@@ -17,6 +17,7 @@ file by name (``SavedProgramError``): ``graph_from_data`` builds nodes and nothi
 from __future__ import annotations
 
 import keyword
+from typing import TypeGuard
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -37,6 +38,7 @@ LIMITS = {"nodes": budget.NODES, "items": budget.ITEMS, "list": 65_536, "string"
 
 def target_name(target) -> str:
     """The positive list's name of a ``call_function`` target (``NotSupported`` for any other)."""
+    name: str | None
     if isinstance(target, OP_OVERLOAD):
         name = f"torch.ops.{target}"  # str(op) is "aten.linear.default"
     else:
@@ -49,7 +51,7 @@ def target_name(target) -> str:
     return name
 
 
-def held_name(name) -> bool:
+def held_name(name: object) -> TypeGuard[str]:
     """A name a held tensor may have: a flat identifier, no leading ``_``, not an attribute of a graph module."""
     return _name(name) and not name.startswith("_") and not hasattr(GraphModule, name)
 
@@ -58,7 +60,8 @@ def graph_data(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dic
     """``module.graph`` as JSON data (``module`` holds what it reads); the tensors its ``get_attr`` nodes
     read go into ``tensors``, by their (flat) names."""
     nodes = []
-    for node in module.graph.nodes:
+    graph: Graph = module.graph  # a graph module's, or the draft's that save writes (never compiled)
+    for node in graph.nodes:
         item = {"name": node.name, "op": node.op}
         if node.op == "call_function":
             item["target"] = target_name(node.target)
@@ -111,12 +114,14 @@ def _encode(value, node: Node):
 # -- reading ---------------------------------------------------------------------------------------
 
 
-def _resolve(name: str):
+def _resolve(name: object):
     """The operation a name of the positive list stands for, or None. Ops are looked up in torch's
     registry (attribute lookups on ``torch.ops``); nothing is imported."""
+    if not isinstance(name, str):
+        return None  # first: a file's JSON list would fail the lookup below with a TypeError, not be refused
     if name in FUNCTIONS:
         return FUNCTIONS[name]
-    if not isinstance(name, str) or not name.startswith("torch.ops.") or name[len("torch.ops."):] not in OPS:
+    if not name.startswith("torch.ops.") or name[len("torch.ops."):] not in OPS:
         return None
     namespace, op, overload = name[len("torch.ops."):].split(".")
     try:
@@ -153,7 +158,9 @@ def graph_parts(data: dict, tensors: dict[str, torch.Tensor], where: str) -> tup
     if len(data["nodes"]) > LIMITS["nodes"]:
         raise SavedProgramError(f"{where}: its graph has {len(data['nodes']):,} nodes, more than a saved program may "
                                 f"have ({LIMITS['nodes']:,}): {budget.WHY}")
-    graph, nodes, attributes, items = Graph(), {}, {}, [0]
+    nodes: dict[str, Node] = {}
+    attributes: dict[str, torch.Tensor] = {}
+    graph, items = Graph(), [0]
     for item in data["nodes"]:
         if not isinstance(item, dict) or not set(item) <= {"name", "op", "target", "args", "kwargs"}:
             raise SavedProgramError(f"{where}: a node of its graph is not an object of name, op, target, args and "
@@ -195,7 +202,7 @@ def graph_parts(data: dict, tensors: dict[str, torch.Tensor], where: str) -> tup
     return graph, attributes
 
 
-def _name(name) -> bool:
+def _name(name: object) -> TypeGuard[str]:
     """An identifier fx may write into the code it generates (not a keyword, not ``self``)."""
     return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name) and name != "self" \
         and len(name) <= 256 and name.isascii()
@@ -250,6 +257,7 @@ def device(text: str, where: str) -> torch.device:
         return found
     if found.type == "cuda" and torch.cuda.is_available() and (found.index or 0) < torch.cuda.device_count():
         return found
+    cudas = f" and {torch.cuda.device_count()} cuda devices" if torch.cuda.is_available() else ""
     raise SavedProgramError(f"{where} names the device {text[:40]!r}, which this machine does not have (it has the "
-                            f"cpu{f' and {torch.cuda.device_count()} cuda devices' if torch.cuda.is_available() else ''})"
-                            f": load it on a machine that has it, or save the program from a model on the cpu")
+                            f"cpu{cudas}): load it on a machine that has it, or save the program from a model on the "
+                            f"cpu")

@@ -19,9 +19,9 @@ import operator
 import warnings
 
 import torch
-from torch.export import Dim
+from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.fx import Node
+from torch.fx import Graph, Node
 
 from .. import compat
 from ..errors import NotSupported
@@ -33,8 +33,10 @@ def inline_modules(module: torch.nn.Module, describe) -> None:
     module, target)`` says what the module is, for errors. Last call first: each call's inputs are
     then still the program's own nodes, with their symbolic shapes."""
     held: dict[int, str] = {}  # id of a tensor read -> the attribute holding it
-    traced: dict[tuple, tuple] = {}  # (module, its inputs' shapes): one export per kind of call
-    calls = module.graph.find_nodes(op="call_module")
+    # (module, its inputs' shapes) -> what _export found: one export per kind of call
+    traced: dict[tuple, tuple[ExportedProgram, bool, list[tuple]]] = {}
+    graph: Graph = module.graph  # a graph module's, or the draft's that save writes (never compiled)
+    calls = graph.find_nodes(op="call_module")
     for node in reversed(calls):
         called = _Call(module.get_submodule(node.target))
         key = (node.target, *(_shape_of(arg) for arg in node.args))
@@ -49,7 +51,7 @@ def inline_modules(module: torch.nn.Module, describe) -> None:
         _splice(module, node, called, *traced[key], describe(called.called, node.target), held)
     for target in {node.target for node in calls}:
         drop_submodule(module, target)
-    module.graph.lint()
+    graph.lint()
 
 
 def _shape_of(arg):
@@ -69,7 +71,7 @@ class _Call(torch.nn.Module):
         return self.called(*inputs)
 
 
-def _export(called: torch.nn.Module, node: Node):
+def _export(called: torch.nn.Module, node: Node) -> tuple[ExportedProgram, bool, list[tuple]]:
     """``called`` exported on zeros shaped like ``node``'s inputs (their symbolic dims dynamic)."""
     if node.kwargs or not all(isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor)
                               for arg in node.args):
@@ -142,11 +144,12 @@ def _needs(called, examples: list[torch.Tensor], ours: list[list], symbols: list
     return needs
 
 
-def _splice(module: torch.nn.Module, node: Node, called: torch.nn.Module, exported, returns_tuple: bool,
-            needs: list[tuple], what: str, held: dict[int, str]) -> None:
+def _splice(module: torch.nn.Module, node: Node, called: torch.nn.Module, exported: ExportedProgram,
+            returns_tuple: bool, needs: list[tuple], what: str, held: dict[int, str]) -> None:
     """Copy ``exported``'s graph in place of ``node``, its parameters, buffers and constants read as
     tensors ``module`` holds, after an assertion of each of its ``needs`` (``what`` it is, in their messages)."""
-    graph, stem = module.graph, node.target.replace(".", "_")
+    graph: Graph = module.graph
+    stem = node.target.replace(".", "_")
     env, user = {}, iter(node.args)
     placeholders = exported.graph.find_nodes(op="placeholder")
     with graph.inserting_before(node):

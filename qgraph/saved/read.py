@@ -27,7 +27,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from ..errors import InvalidType, MissingFile, NotSupported, QgraphError, SavedProgramError
+from ..errors import InvalidState, InvalidType, MissingFile, NotSupported, QgraphError, SavedProgramError
 from ..edits import EditError, Target
 from ..families import FAMILIES
 from ..families.configs import config_of
@@ -47,7 +47,7 @@ from .fxdata import device, graph_parts, unbuilt
 from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
 
 
-def load(path, weights=None, *, max_work: float | None = None) -> "LoadedProgram":
+def load(path, weights=None, *, max_work: float | None = None) -> LoadedProgram:
     """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` file, or the
     shards' ``.safetensors.index.json``, written beside it by ``save(..., weights=True)``), a model
     (its parameters, read at each call; re-read when a submodule is replaced), a safetensors file, a
@@ -62,7 +62,7 @@ def load(path, weights=None, *, max_work: float | None = None) -> "LoadedProgram
         return _load(path, weights, stage, max_work)
 
 
-def _load(path, weights, stage, max_work=None) -> "LoadedProgram":
+def _load(path, weights, stage, max_work=None) -> LoadedProgram:
     path = Path(path)
     meta, data, module, bounds = check(path)
     bounds.max_work = max_work
@@ -113,7 +113,8 @@ def _held(path: Path, data: bytes, expected: dict) -> dict[str, torch.Tensor]:
         raise SavedProgramError(f"{path}: its {TENSORS} is not a safetensors file ({str(error)[:200]})") from None
     if set(held) != set(expected):
         odd = sorted(set(held) ^ set(expected))
-        raise SavedProgramError(f"{path}: its {TENSORS} holds other tensors than graph.json says ({', '.join(odd[:5])})")
+        raise SavedProgramError(f"{path}: its {TENSORS} holds other tensors than graph.json says "
+                                f"({', '.join(odd[:5])})")
     for name, tensor in held.items():
         want = expected[name]
         if list(tensor.shape) != want["shape"] or str(tensor.dtype).removeprefix("torch.") != want["dtype"]:
@@ -136,7 +137,8 @@ def _check_versions(path: Path, meta: dict) -> None:
         if written[package] != here[package]:
             raise SavedProgramError(f"{path} was saved by {package} {written[package][:40]}; this is {package} "
                                     f"{here[package]}: load it with {package}=={written[package][:40]}, or save it "
-                                    f"again with this one (a saved program names the ops of the versions that wrote it)")
+                                    f"again with this one (a saved program names the ops of the versions that wrote "
+                                    f"it)")
 
 
 def _weights(path: Path, meta: dict, weights) -> dict[str, Callable[[], torch.Tensor]]:
@@ -157,24 +159,34 @@ def _weights(path: Path, meta: dict, weights) -> dict[str, Callable[[], torch.Te
         _fit(path, meta, tensors, names(weights), str(weights))
     except WeightsMismatch as error:
         raise SavedProgramError(str(error)) from None
-    return {target: (lambda t=tensor: t) for target, tensor in tensors.items()}
+    return {target: _giving(tensor) for target, tensor in tensors.items()}
+
+
+def _giving(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A function giving ``tensor`` (a weight read from a file: fixed once read)."""
+    return lambda: tensor
 
 
 def _from_model(path: Path, meta: dict, model: torch.nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
     """Functions reading each parameter the program reads from its module of ``model``, at call time."""
-    getters = {}
+    getters: dict[str, Callable[[], torch.Tensor]] = {}
     for target in meta["parameters"]:
         try:
             model.get_parameter(target)
         except AttributeError:
             continue  # missing: named by _fit with the others
         module_path, _, attribute = target.rpartition(".")
-        getters[target] = lambda m=model.get_submodule(module_path), a=attribute: getattr(m, a)
+        getters[target] = _reading(model.get_submodule(module_path), attribute)
     _fit(path, meta, {target: get() for target, get in getters.items()}, tensor_names(model), "the model")
     if not hasattr(model, "config"):
         raise SavedProgramError(f"weights= takes the model {path.name} was saved from (a transformers model, with a "
                                 f"config), not a bare {type(model).__name__}: give its weights as a safetensors file")
     return getters
+
+
+def _reading(module: torch.nn.Module, attribute: str) -> Callable[[], torch.Tensor]:
+    """A function reading ``module``'s ``attribute`` at each call (a parameter replaced since is read)."""
+    return lambda: getattr(module, attribute)
 
 
 def _fit(path: Path, meta: dict, tensors: dict, given: list[str], source: str) -> None:
@@ -234,6 +246,9 @@ class LoadedProgram:
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         user = [ids, inputs["attention_mask"], *(source(inputs) for source in self._extra)]
         shapes = [user[source].shape if isinstance(source, int) else () for source in self._sources]
+        if self._bounds is None:
+            raise InvalidState("this program was made without the bounds qgraph.load checks, so its work is unknown: "
+                               "load it with qgraph.load(path)")
         return self._bounds.work_at(shapes)
 
     @property
@@ -267,24 +282,27 @@ class LoadedProgram:
         captured = dict(zip(self.meta["outputs"], results))
         derive.fill(captured, {name: (rule["how"], rule["sources"]) for name, rule in self.meta["derived"].items()},
                     inputs, self.config)
-        return Output(logits if self._logits else None, {name: captured[name] for name in self.values if name in captured},
-                      self.blocks, aliases=aliases(self.family, self.config), source=self, input_ids=input_ids)
+        values = {name: captured[name] for name in self.values if name in captured}
+        return Output(logits if self._logits else None, values, self.blocks, aliases=aliases(self.family, self.config),
+                      source=self, input_ids=input_ids)
 
     def resolve(self, patterns) -> list[str]:
         """The names of its values and slots that ``patterns`` select, as an instrumented model selects them."""
         return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []
 
-    def variant(self, values=(), *, edits=(), logits: bool = True) -> "LoadedProgram":
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> LoadedProgram:
         """This program returning ``values`` (some of those it was saved with), editable at ``edits`` (some
         of its slots): what the recipes run."""
         names, slots = self.resolve(values), self.resolve(list(edits))
         if isinstance(values, Mapping) and any((options or {}).get("grad") for options in values.values()):
             raise NotSupported(f"{self.path.name} runs on weights read as plain tensors, so no gradient reaches its "
-                               f"values: read gradients (attribution_patch) with qgraph.instrument(model) or on a server")
-        lacking = [name for name in names if name not in self.values] + [name for name in slots if name not in self.slots]
+                               f"values: read gradients (attribution_patch) with qgraph.instrument(model) or on a "
+                               f"server")
+        lacking = [name for name in names if name not in self.values] + \
+            [name for name in slots if name not in self.slots]
         if lacking:
-            raise NotSupported(f"{self.path.name} was saved without {', '.join(lacking[:4])} among its values and slots "
-                               f"(values {self.values}, slots {list(self.slots)}): save a program that has them "
+            raise NotSupported(f"{self.path.name} was saved without {', '.join(lacking[:4])} among its values and "
+                               f"slots (values {self.values}, slots {list(self.slots)}): save a program that has them "
                                f"(instrument(model, values=..., edits=[...]).save(path))")
         if logits and not self.meta["logits"]:
             raise NotSupported(f"{self.path.name} was saved with logits=False: save it with logits")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Hashable
 
 import sympy
 import torch
@@ -39,7 +40,7 @@ _METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
 def check(module: GraphModule, placeholders: list[dict], symbols: dict, weights: list[bool],
-          where: str) -> "Bounds":
+          where: str) -> Bounds:
     """Check ``module``'s graph, its inputs shaped as ``placeholders`` say (``{"shape": [a size, or the
     name of a symbol of ``symbols``: ``{"min", "max"}``], "dtype", "device"}``), ``weights[i]`` telling
     whether input i is a weight (else the call's own); returns the bounds each call checks."""
@@ -59,7 +60,8 @@ def _constant_arguments(node: Node, where: str) -> None:
     schema = compat.op_schema(node.target)
     for index, value in pinned.items():
         name = schema.arguments[index].name
-        given = node.args[index] if index < len(node.args) else node.kwargs.get(name, schema.arguments[index].default_value)
+        given = node.args[index] if index < len(node.args) else \
+            node.kwargs.get(name, schema.arguments[index].default_value)
         if given != value or isinstance(given, Node):
             raise SavedProgramError(f"{where}: node {node.name} calls {node.target} with {name}={given!r}; a saved "
                                     f"program holds it only with {name}={value!r} (otherwise it draws random numbers)")
@@ -75,10 +77,12 @@ def memory_limit(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: str) -> "Bounds":
+def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: str) -> Bounds:
     mode = compat.fake_mode()
     nodes = module.graph.find_nodes(op="placeholder")
-    hints, fakes, dims = {}, [], {}
+    hints: dict[str, int] = {}  # a symbol -> the sandbox's size for it
+    dims: dict[str, tuple[int, int]] = {}  # a symbol -> (input, dim) of its first use
+    fakes: list[torch.Tensor] = []
     for index, (node, spec) in enumerate(zip(nodes, placeholders)):
         shape = []
         for dim, size in enumerate(spec["shape"]):
@@ -89,7 +93,8 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
                 shape.append(hints[size])
             else:
                 shape.append(size)
-        dtype, on = getattr(torch, spec["dtype"].removeprefix("torch.")), device(spec["device"], f"{where}: input {node.name}")
+        dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
+        on = device(spec["device"], f"{where}: input {node.name}")
         if not any(isinstance(s, str) for s in spec["shape"]):
             with mode:  # a fake of its own: nothing allocated, however large
                 fakes.append(torch.empty(shape, dtype=dtype, device=on))
@@ -101,7 +106,9 @@ def _sizes(module: GraphModule, placeholders: list[dict], limits: dict, where: s
         fakes.append(compat.fake(mode, torch.empty(shape, dtype=dtype, device=on),
                                  dynamic=[isinstance(size, str) for size in spec["shape"]]))
     made = _propagate(module, mode, fakes, where)
-    symbols = {}  # read after the run: what it found equal (the mask's sizes and the ids') is one symbol
+    # symbol -> (input, dim, {"min", "max"}), read after the run: what it found equal (the mask's sizes and the
+    # ids') is one symbol
+    symbols: dict[sympy.Expr, tuple[int, int, dict]] = {}
     for size, (index, dim) in dims.items():
         value = fakes[index].shape[dim]
         if isinstance(value, torch.SymInt):
@@ -135,7 +142,9 @@ def _hint(low: int, high: int | None, taken: int) -> int:
 def _propagate(module: GraphModule, mode, fakes: list, where: str) -> list:
     """``[(node, fake value)]`` of every node of ``module`` run on ``fakes`` (held tensors faked too), each
     node held to the load's budget as it runs (``budget.Meter``)."""
-    made, seen, kinds, meter = [], {}, {}, budget.Meter(where, mode)
+    made, meter = [], budget.Meter(where, mode)
+    seen: dict[Hashable, object] = {}  # a kind of op call (_kind) -> its fake result
+    kinds: dict[int, tuple[torch.Tensor, tuple]] = {}  # id of a tensor -> (it, its kind): _kind's
 
     class Fake(torch.fx.Interpreter):
         def get_attr(self, target, args, kwargs):

@@ -20,8 +20,8 @@ from torch.fx import Node
 from .. import compat
 from .fxdata import OP_OVERLOAD
 
-CHUNK = 64
-_UNWRITTEN = ("aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default")  # no element touched  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
+CHUNK = 64  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
+_UNWRITTEN = ("aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default")  # no element touched
 
 
 def _shape(tensor: torch.Tensor) -> list:
@@ -42,10 +42,10 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _einsum(equation: str, operands: list, out: torch.Tensor) -> sympy.Expr:
+def _einsum(equation: str, operands: list, out: torch.Tensor | None) -> sympy.Expr:
     """2 x the output's elements x every contracted index's size."""
     left, _, right = equation.replace(" ", "").partition("->")
-    sizes = {}
+    sizes: dict[str, sympy.Expr] = {}  # an index's letter -> its size
     for term, operand in zip(left.split(","), operands):
         head, dots, tail = term.partition("...")
         shape = _shape(operand)

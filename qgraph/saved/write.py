@@ -55,7 +55,7 @@ META, GRAPH, TENSORS = "qgraph.json", "graph.json", "tensors.safetensors"
 
 def versions() -> dict[str, str]:
     """The versions a saved program records (qgraph and torch must match to load it)."""
-    found = {"torch": torch.__version__}
+    found: dict[str, str] = {"torch": torch.__version__}
     for package in ("qgraph", "transformers"):
         try:
             found[package] = metadata.version(package)
@@ -95,8 +95,8 @@ def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
         raise InvalidArgument("this program takes inputs that cannot be rebuilt after loading (a decode step's cache); "
                               "save a program made by qgraph.instrument")
     if any(tensor.is_meta for tensor in ig.model.parameters()):
-        raise InvalidArgument("the model was built on the meta device: a program saved from it would hold its buffers and "
-                              "devices as meta and could not run; save from the model loaded with its weights "
+        raise InvalidArgument("the model was built on the meta device: a program saved from it would hold its buffers "
+                              "and devices as meta and could not run; save from the model loaded with its weights "
                               "(from_pretrained)")
     stage("trace")
     module, slots = _slots_as_ops(program)
@@ -105,7 +105,7 @@ def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
     try:
         inline_modules(module, _describe)
         inputs, reads = _signature(module, program)
-        tensors = {}
+        tensors: dict[str, torch.Tensor] = {}
         data = {"graph": graph_data(module, tensors), "inputs": inputs}
     except NotSupported as error:
         raise NotSupported(f"{path.name} cannot be saved: {error}") from error
@@ -131,9 +131,9 @@ def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
     }
     if weights:
         stage("write the weights")
-        kept = {target: tensor.detach().contiguous() for target, tensor in reads.items()
-                if not any(target in group[1:] for group in meta["tied"])}
-        meta["weights"] = write_weights(kept, weights_path(path), max_shard_size,
+        untied = {target: tensor.detach().contiguous() for target, tensor in reads.items()
+                  if not any(target in group[1:] for group in meta["tied"])}
+        meta["weights"] = write_weights(untied, weights_path(path), max_shard_size,
                                         metadata={"qgraph": meta["versions"]["qgraph"]}).name
     stage("write")
     _write(path, meta, data, tensors)
@@ -164,7 +164,7 @@ def read_meta(path: Path) -> dict | None:
     return parse(read_members(path, (META,))[META], META, path)
 
 
-def _placeholders(module: torch.nn.Module, inputs: list[dict], recipes: list[dict]) -> tuple[list[dict], dict]:
+def _placeholders(module: _Draft, inputs: list[dict], recipes: list[dict]) -> tuple[list[dict], dict]:
     """Each graph input's shape and dtype, and the range of each symbolic size, which the loader's sandbox
     runs the graph on (``saved.sandbox``). The shapes are qgraph's contract, not read off the graph's
     symbolic sizes (which later passes may have equated with an example's): the call's ``input_ids`` and
@@ -258,6 +258,8 @@ class _Draft(torch.nn.Module):
     """A copy of a program's graph with the modules and tensors it reads, made ready to write; never
     compiled to Python (nothing runs it), so each rewrite costs only itself."""
 
+    graph: torch.fx.Graph
+
     def __init__(self, graph: torch.fx.Graph, source: torch.nn.Module):
         super().__init__()
         self.graph = graph
@@ -295,14 +297,15 @@ def _slots_as_ops(program) -> tuple[_Draft, dict]:
             raise NotSupported(f"'{name}' is edited inside the delta rule's recurrence, which a saved program's edit "
                                f"slot cannot check: save the program without an edit slot there (reading it is fine)")
         slots[name] = {"layout": slot.target.layout, "dims": list(slot.target.dims),
-                       "view": [list(step) for step in slot.view], "fixed": None if slot.fixed is None else repr(slot.fixed)}
+                       "view": [list(step) for step in slot.view],
+                       "fixed": None if slot.fixed is None else repr(slot.fixed)}
         source = node.args[0]
         with graph.inserting_after(node):
             if slot.fixed is not None:
                 module.set_submodule(node.target, _Fixed(slot))
                 edited = graph.call_function(EDIT_SLOT_OP, (node, name))
                 edited.meta["val"] = node.meta.get("val")  # its shape, for the modules that read it (inline)
-                node.replace_all_uses_with(edited, delete_user_cb=lambda user: user is not edited)
+                node.replace_all_uses_with(edited, delete_user_cb=lambda user, edited=edited: user is not edited)
                 continue
             edited = graph.call_function(EDIT_SLOT_OP, (source, name))
             edited.meta["val"] = node.meta.get("val")

@@ -97,7 +97,8 @@ class Batcher:
 
     def _gather(self, taken: list) -> list[tuple[Request, Future]]:
         """The waiting requests that join ``taken`` (the oldest one, if it is empty), out of the queue."""
-        now, joined = time.monotonic(), []
+        now = time.monotonic()
+        joined: list[tuple[Request, Future]] = []
         first = taken[0][0] if taken else None
         for entry in list(self._waiting):
             request, future, deadline = entry

@@ -36,7 +36,7 @@ class RemoteError(QgraphError):
         self.status = status
 
 
-def remote(url: str, api_key: str | None = None, *, timeout: float = 300.0) -> "Remote":
+def remote(url: str, api_key: str | None = None, *, timeout: float = 300.0) -> Remote:
     """The model served at ``url`` (``qgraph serve``), called with ``api_key``."""
     return Remote(url, api_key, timeout)
 
@@ -49,7 +49,7 @@ class Remote:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
-        self._info = None
+        self._info: dict | None = None  # GET /v1/info's answer, once asked
 
     def __repr__(self) -> str:
         model = (self._info or {}).get("model", {})
@@ -61,7 +61,7 @@ class Remote:
             self._info = self._answer(self._http.get("/v1/info")).json()
         return self._info
 
-    def instrument(self, values=(), *, edits=(), logits: bool = True) -> "RemoteInstrument":
+    def instrument(self, values=(), *, edits=(), logits: bool = True) -> RemoteInstrument:
         """A remote instrument reading ``values`` (names, globs, or ``{name: {"grad": True}}``)."""
         return RemoteInstrument(self, values, edits, logits)
 
@@ -113,7 +113,7 @@ class RemoteInstrument:
         """The value names ``patterns`` select, as a local instrument of the served model selects them."""
         return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []
 
-    def variant(self, values=(), *, edits=(), logits: bool = True) -> "RemoteInstrument":
+    def variant(self, values=(), *, edits=(), logits: bool = True) -> RemoteInstrument:
         return RemoteInstrument(self.server, values, edits, logits)
 
     def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads, batch_size):
@@ -128,7 +128,8 @@ class RemoteInstrument:
         tensors = {"input_ids": ids.long()}
         if attention_mask is not None:
             tensors["attention_mask"] = torch.as_tensor(attention_mask).long()
-        call = {"values": self._values if isinstance(self._values, dict) else list(self._values), "logits": self._logits}
+        call = {"values": self._values if isinstance(self._values, dict) else list(self._values),
+                "logits": self._logits}
         if edits:
             specs = {}
             for index, (pattern, edit) in enumerate(self._edit_items(edits)):
@@ -188,7 +189,8 @@ class RemoteInstrument:
         positions = [positions] if isinstance(positions, int) else list(positions)
         _, tensors = self._call(input_ids, attention_mask, None)
         reply, got = self.server.run({"lens": {"positions": positions, "top": top}}, tensors)
-        tops = {block: (got[f"lens.{block}.ids"], got[f"lens.{block}.probabilities"]) for block in range(reply["blocks"])}
+        tops = {block: (got[f"lens.{block}.ids"], got[f"lens.{block}.probabilities"])
+                for block in range(reply["blocks"])}
         return LogitLens(tops, reply["positions"], tensors["input_ids"], self)
 
 
@@ -201,15 +203,23 @@ class RemoteOutput(Output):
 
     def gradients(self, loss: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
         keys = [self._watched(name) for name in (names if names is not None else self.watched)]
-        (grad,) = torch.autograd.grad(loss, [self.logits], materialize_grads=True)
+        (grad,) = torch.autograd.grad(loss, [self._logits()], materialize_grads=True)
         return self._server_grads(grad, keys)
 
     def grad(self, name: str) -> torch.Tensor:
         key = self._watched(name)
-        if self.logits.grad is None:
+        logits = self._logits()
+        if logits.grad is None:
             raise InvalidArgument(f"no gradient has reached the logits yet: call backward() on a loss computed from "
                                   f"out.logits first, then out.grad('{name}')")
-        return self._server_grads(self.logits.grad, [key])[key]
+        return self._server_grads(logits.grad, [key])[key]
+
+    def _logits(self) -> torch.Tensor:
+        """The logits, where the server's backward starts (a value is watched only in a call that returned them)."""
+        if self.logits is None:
+            raise InvalidArgument("this call returned no logits (logits=False), where the server's gradients start: "
+                                  "instrument with logits=True to read gradients")
+        return self.logits
 
     def _server_grads(self, grad: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
         server, call, tensors = self._request

@@ -31,7 +31,8 @@ def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, t
         if kind not in KINDS:
             raise EditError(f"the edit at '{name}' is a {kind}; a remote call takes Replace, Add, Scale, Zero or a "
                             f"function edit")
-        spec, tensors = {"kind": kind}, {}
+        spec: dict[str, object] = {"kind": kind}
+        tensors: dict[str, torch.Tensor] = {}
         for selector in AXES:
             if getattr(edit, selector) is not None:
                 spec[selector] = list(getattr(edit, selector))

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.fx import Graph, GraphModule
+from torch.fx import Graph, GraphModule, Node
 
 from .. import compat
 from ..errors import EditError, NotSupported, QgraphError, SavedProgramError
@@ -79,7 +79,8 @@ def export_function(fn, value: torch.Tensor, dims: tuple[str, ...], name: str) -
         try:
             out = fn(example)
         except Exception as error:  # noqa: BLE001 (the user's function failing is the reason)
-            raise refuse(f"it raised {type(error).__name__} on a {tuple(shape)} example ({_first_line(error)})") from error
+            raise refuse(f"it raised {type(error).__name__} on a {tuple(shape)} example "
+                         f"({_first_line(error)})") from error
     if not isinstance(out, torch.Tensor) or out.shape != example.shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise refuse(f"it returned {got} for a value of shape {tuple(shape)}; it must return a tensor of its shape")
@@ -140,7 +141,9 @@ def _as_data(exported) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def _module(exported) -> GraphModule:
     """The exported graph as one placeholder (the value), ``get_attr`` of its held tensors and one output."""
-    signature, graph, env, held = exported.graph_signature, Graph(), {}, {}
+    signature, graph = exported.graph_signature, Graph()
+    env: dict[Node, Node] = {}  # the export's node -> its copy in graph
+    held: dict[str, torch.Tensor] = {}  # the name of a tensor graph reads -> it
     kinds = [spec.kind for spec in signature.output_specs]
     if kinds != [OutputKind.USER_OUTPUT]:
         written = ", ".join(sorted({k.name.lower() for k in kinds if k != OutputKind.USER_OUTPUT}))
@@ -155,7 +158,8 @@ def _module(exported) -> GraphModule:
             held[f"held{len(held)}"] = tensor
             env[node] = graph.get_attr(f"held{len(held) - 1}")
         else:
-            raise NotSupported(f"it reads a {spec.kind.name.lower()} ({spec.target}), which a function edit cannot hold")
+            raise NotSupported(f"it reads a {spec.kind.name.lower()} ({spec.target}), which a function edit cannot "
+                               f"hold")
     for node in exported.graph.nodes:
         if node.op == "output":
             graph.output(env[node.args[0][0]])
@@ -238,7 +242,8 @@ class _Loaded:
     """A loaded function edit: its graph and bounds per device, built from the checked data on first use."""
 
     def __init__(self, data: dict, tensors: dict, where: str):
-        self.data, self.tensors, self.where, self._built = data, tensors, where, {}
+        self.data, self.tensors, self.where = data, tensors, where
+        self._built: dict[torch.device, tuple[GraphModule, sandbox.Bounds]] = {}  # device -> its graph, bounds
         self.dims = tuple(data["dims"])
         self.shape = data["placeholders"][0]["shape"]
         self.dtype = getattr(torch, data["placeholders"][0]["dtype"])

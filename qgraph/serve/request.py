@@ -60,13 +60,14 @@ class Request:
     lens: dict | None = None
     body: bytes = field(default=b"", repr=False)  # as it came: what rank 0 hands the other stages (serve/stages.py)
 
-    def to(self, device: torch.device) -> "Request":
+    def to(self, device: torch.device) -> Request:
         """The request with its tensors (inputs, edits' tensors, the backward's) on ``device``, where the
         model is (a body's tensors arrive on the CPU); a function edit moves its own graph."""
         moved = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         edits = {pattern: dataclasses.replace(edit, **{f.name: moved(getattr(edit, f.name))
                                                         for f in dataclasses.fields(edit) if f.name in TENSOR_FIELDS})
-                 if dataclasses.is_dataclass(edit) else edit for pattern, edit in self.edits.items()}
+                 if dataclasses.is_dataclass(edit) and not isinstance(edit, type) else edit  # decode makes instances
+                 for pattern, edit in self.edits.items()}
         return dataclasses.replace(self, edits=edits, input_ids=moved(self.input_ids),
                                    attention_mask=moved(self.attention_mask), backward=moved(self.backward))
 
@@ -108,6 +109,9 @@ def request_of(call: dict, tensors: dict[str, torch.Tensor], limits: Limits) -> 
     if backward is not None:
         if generate is not None:
             fields.fail("backward", "runs after one forward: a call with backward holds no generate")
+        if not isinstance(values, dict):
+            fields.fail("backward", 'returns the gradients of values asked as {name: {"grad": true}}: a call with '
+                                    'backward gives its values as that object')
         used.add(backward)
         backward = tensors[backward]
     lens = _lens(call.get("lens"))

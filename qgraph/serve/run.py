@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -31,6 +32,9 @@ from ..values.catalogue import entry_data
 from .limits import Limits
 from .request import Request, TooLarge, Unprocessable
 from .work import check_edit_work
+
+if TYPE_CHECKING:  # transformers loads with the model, not with qgraph.serve
+    from transformers import PreTrainedModel
 
 SEQUENCE_DIMS = ("seq", "query", "key")  # the axes of a value that run along the tokens
 PROGRAMS = 16  # instruments kept (one per program asked), least recently used dropped
@@ -46,7 +50,7 @@ def public_name(path: str) -> str:
 class Runner:
     """Runs requests on ``model`` (in the batcher's one thread)."""
 
-    def __init__(self, model: torch.nn.Module, name: str = "", stages=None, limits: Limits = Limits()):
+    def __init__(self, model: PreTrainedModel, name: str = "", stages=None, limits: Limits = Limits()):
         import qgraph
         self.model, self.name, self.stages = model, public_name(name), stages  # stages: a Stages under torchrun
         self.limits = limits
@@ -64,7 +68,7 @@ class Runner:
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         return {"model": {"name": self.name, "model_type": config.model_type, "class": type(self.model).__name__,
                           "family": ig.family.name, "blocks": ig.blocks, "dtype": dtype,
-                          "vocab_size": self.model.get_input_embeddings().num_embeddings,
+                          "vocab_size": self._embeddings().num_embeddings,
                           "config": config_data(config, paths=False)},
                 "values": {name: {**entry_data(entry), "dtype": dtype} for name, entry in ig.catalogue.items()}}
 
@@ -97,11 +101,15 @@ class Runner:
             settings = {key: value for key, value in request.generate.items() if key != "steps"}
             check_settings(self.model, request.input_ids, **settings)
 
+    def _embeddings(self) -> torch.nn.Embedding:
+        """The model's token embeddings (transformers types ``get_input_embeddings`` as any module)."""
+        return cast(torch.nn.Embedding, self.model.get_input_embeddings())
+
     # -- running -----------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> list:
         """Each request's reply ``(call, tensors)``, or the exception that request alone raises: together in
         one forward where they can share one, else (or where that fails) one by one."""
-        device = self.model.get_input_embeddings().weight.device
+        device = self._embeddings().weight.device
         requests = [request.to(device) for request in requests]
         replies: list = [None] * len(requests)
         for group in self._forwards(requests):
@@ -143,37 +151,37 @@ class Runner:
         self._check_reply(ig, request)
         self.forwards += 1
         if request.generate is not None:
-            return self._generate(ig, request)
+            return self._generate(ig, request, request.generate)
         if request.backward is not None:
-            return self._backward(ig, request)
+            return self._backward(ig, request, request.backward)
         if request.lens is not None:
-            return self._lens(ig, request)
+            return self._lens(ig, request, request.lens)
         with torch.no_grad():
             out = ig(request.input_ids, request.attention_mask, edits=request.edits or None)
         return _reply(ig, out.logits if request.logits else None, out.values)
 
-    def _backward(self, ig, request: Request):
+    def _backward(self, ig, request: Request, backward: torch.Tensor):
+        assert isinstance(request.values, dict), "request_of refuses a backward without values as an object"
         grads = [name for name, options in request.values.items() if options.get("grad")]
         with torch.enable_grad():
             out = ig(request.input_ids, request.attention_mask, edits=request.edits or None)
-            if out.logits is None or request.backward.shape != out.logits.shape:
-                raise Unprocessable(f"backward's tensor is {list(request.backward.shape)}; it is d loss / d logits, "
+            if out.logits is None or backward.shape != out.logits.shape:
+                raise Unprocessable(f"backward's tensor is {list(backward.shape)}; it is d loss / d logits, "
                                     f"of the logits' shape {list(out.logits.shape) if out.logits is not None else '?'}")
-            loss = (out.logits * request.backward.to(out.logits.dtype)).sum()
+            loss = (out.logits * backward.to(out.logits.dtype)).sum()
             gradients = out.gradients(loss, ig.resolve(grads))
         reply = _reply(ig, out.logits.detach(), out.values)
         reply[1].update({f"grad.{name}": tensor for name, tensor in gradients.items()})
         reply[0]["grads"] = list(gradients)
         return reply
 
-    def _lens(self, ig, request: Request):
-        lens = ig.logit_lens(request.input_ids, request.attention_mask, **request.lens)
+    def _lens(self, ig, request: Request, options: dict):
+        lens = ig.logit_lens(request.input_ids, request.attention_mask, **options)
         tensors = {f"lens.{block}.{part}": tensor for block, pair in lens.items()
                    for part, tensor in zip(("ids", "probabilities"), pair)}
         return {"blocks": len(lens), "positions": lens.positions}, tensors
 
-    def _generate(self, ig, request: Request):
-        settings = dict(request.generate)
+    def _generate(self, ig, request: Request, settings: dict):
         out = ig.generate(request.input_ids, request.attention_mask, edits=request.edits or None, **settings)
         tensors = {"sequences": out.sequences}
         for step, values in enumerate(out.steps):
@@ -216,7 +224,7 @@ class Runner:
         (estimated from the values' layouts: an attention pattern grows as the length squared)."""
         rows, length = request.input_ids.shape
         new = (request.generate or {}).get("max_new_tokens", 0)
-        vocab = self.model.get_input_embeddings().num_embeddings
+        vocab = self._embeddings().num_embeddings
         names = list(ig.values) * (2 if request.backward is not None else 1)  # and their gradients
 
         def reply(query: int, key: int) -> int:

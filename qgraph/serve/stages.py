@@ -36,7 +36,7 @@ def _receive(group) -> list[bytes] | None:
     dist.broadcast(count, 0, group=group)
     if count.item() == STOP:
         return None
-    lengths = torch.zeros(count.item(), dtype=torch.long)
+    lengths = torch.zeros(int(count.item()), dtype=torch.long)
     dist.broadcast(lengths, 0, group=group)
     data = torch.zeros(int(lengths.sum()), dtype=torch.uint8)
     dist.broadcast(data, 0, group=group)
