@@ -5,12 +5,12 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from ..errors import InvalidType, UnavailableValue, UnknownValue
-from .catalogue import Entry
+from .catalogue import Entry, ServedEntry
 
 
 def _dotted(name: str) -> str:
@@ -161,7 +161,7 @@ def patterns_of(patterns) -> list[str]:
     return patterns
 
 
-def resolve(patterns, catalogue: dict[str, Entry], family, config) -> list[str]:
+def resolve(patterns, catalogue: Mapping[str, Entry | ServedEntry], family, config) -> list[str]:
     """The concrete, available value names that ``patterns`` select, in catalogue order.
 
     An exact name must exist and be available; a glob must select at least one available value
@@ -197,7 +197,8 @@ def resolve(patterns, catalogue: dict[str, Entry], family, config) -> list[str]:
     return list(selected)
 
 
-def _unknown_message(raw: str, pattern: str, catalogue: dict[str, Entry], family, config) -> str:
+def _unknown_message(raw: str, pattern: str, catalogue: Mapping[str, Entry | ServedEntry], family,
+                     config) -> str:
     block_mixers = family.block_mixers(config)
     if not family.vision_blocks(config) and pattern.split(".")[0] in ("vision", "projector"):
         return (f"'{raw}': this model has no vision encoder (it is text-only); vision values need the image-text "
