@@ -40,8 +40,8 @@ _PUBLIC = {
     "check_versions": "compat",
 }
 
-__all__ = ["Instrument", "Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture", "Edit",
-           "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace",
+__all__ = ["Instrument", "Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture",
+           "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace",
            "SAE", "Scale", "SupportTable", "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue",
            "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render", "skip_layers", "steer",
            "support", "Transcoder", "CrossLayerTranscoder", "AttributionGraph", "attribution_graph", "QgraphError",
