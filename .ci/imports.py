@@ -1,6 +1,8 @@
 """The import rules ruff cannot check, over qgraph/: no import cycle between packages, no underscore name
-imported from another qgraph module. Exits 1 listing each breach; also prints (not failing) the function-level
-imports and the files over 350 lines.
+imported from another qgraph module, and a function-level import of a qgraph module only with its reason in a
+comment beside it (on its line or the line above: the cycle it breaks, or what it keeps out of a first import).
+Exits 1 listing each breach; also prints (not failing) the count of function-level imports and the files over
+350 lines.
 
 A node of the package graph is a subpackage (``qgraph.kernels``, its ``__init__.py`` included), a top-level
 module (``qgraph.cli``), or ``qgraph`` itself (its ``__init__.py``). An edge is a module-level import: those
@@ -86,6 +88,12 @@ def imports_of(module: str, path: Path, modules: set[str]) -> list[Import]:
     return found
 
 
+def _explained(path: Path, line: int) -> bool:
+    """Whether the import at ``line`` has a comment on its line or a comment line just above it."""
+    lines = path.read_text().splitlines()
+    return "#" in lines[line - 1] or (line > 1 and lines[line - 2].strip().startswith("#"))
+
+
 def main(argv: list[str]) -> int:
     paths = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
     imports = [i for module, path in paths.items() for i in imports_of(module, path, set(paths))]
@@ -100,6 +108,8 @@ def main(argv: list[str]) -> int:
     private = [i for i in imports if i.name and i.name.startswith("_") and not i.name.startswith("__")
                and i.target != i.source]
     function_level = [i for i in imports if i.in_function]
+    unexplained = sorted({(str(paths[i.source].relative_to(ROOT.parent)), i.line) for i in function_level
+                          if not _explained(paths[i.source], i.line)})
     lengths = {path: len(path.read_text().splitlines()) for path in paths.values()}
     long = sorted(((n, p) for p, n in lengths.items() if n > LONG), reverse=True)
 
@@ -118,11 +128,15 @@ def main(argv: list[str]) -> int:
     for i in private:
         print(f"private name imported across modules: {paths[i.source].relative_to(ROOT.parent)}:{i.line} "
               f"imports {i.name} from {i.target}")
-    if cycles or private:
+    for path, line in unexplained:
+        print(f"function-level import without its reason: {path}:{line} (import it at the top of the module, or say "
+              f"in a comment beside it which cycle it breaks or what it keeps out of a first import)")
+    if cycles or private or unexplained:
         print(f"{len(cycles)} import cycle(s), {len(private)} private-name import(s) (a shared helper drops its "
-              f"underscore where it is defined)")
+              f"underscore where it is defined), {len(unexplained)} function-level import(s) without a reason")
         return 1
-    print("no import cycle between packages, no private name imported across modules")
+    print("no import cycle between packages, no private name imported across modules, every function-level "
+          "import with its reason")
     return 0
 
 
