@@ -19,6 +19,7 @@ import copy
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.export import ExportedProgram
@@ -27,6 +28,9 @@ from torch.fx import Node
 
 from .. import compat
 from ..kernels import ops
+
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ class Blocks:
         return len(self.seed) < len(self.kinds)
 
 
-def repeated_blocks(model: torch.nn.Module, family, images: bool) -> list[Blocks]:
+def repeated_blocks(model: PreTrainedModel, family, images: bool) -> list[Blocks]:
     """The block lists of ``model`` that the export of its (image-text if ``images``) program can
     trace once per kind, per the family's ``repeated_blocks``."""
     modules = dict(model.named_modules())
@@ -98,7 +102,7 @@ class _Unrepeatable(Exception):
     """The seed graph is not a chain of self-contained blocks."""
 
 
-def repeat_blocks(seed: ExportedProgram, model: torch.nn.Module, family, blocks: Blocks) -> ExportedProgram | None:
+def repeat_blocks(seed: ExportedProgram, model: PreTrainedModel, family, blocks: Blocks) -> ExportedProgram | None:
     """The full program of ``model`` built from the export of its seeded twin (None if it cannot be)."""
     try:
         return _Repeater(seed, model, family, blocks).program()

@@ -26,6 +26,7 @@ import time
 import types
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -39,6 +40,9 @@ from ..progress import progress, stages
 from .fingerprint import structure
 from .repeat import Blocks, repeat_blocks, repeated_blocks, seeded
 from .variants import split
+
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
 
 # Example sizes for the trace: distinct and > 1, so no dim is specialised or unified with another.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 9
@@ -59,7 +63,7 @@ class ExportedModel:
     constants: tuple = ()  # the reads' values on the model when it was exported (set by ``export_model``)
     apart: tuple[str, ...] = ()  # the blocks traced apart from their kind's first block, and why (``export.variants``)
 
-    def fits(self, model: torch.nn.Module) -> bool:
+    def fits(self, model: PreTrainedModel) -> bool:
         """Whether this program still is ``model``'s: the same structure and the same baked-in values."""
         return self.key == _cache_key(model) and self.constants == constants.current(model, self.reads)
 
@@ -75,16 +79,16 @@ class ExportedModel:
 _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def _cache_key(model: torch.nn.Module) -> tuple:
+def _cache_key(model: PreTrainedModel) -> tuple:
     return structure(model)
 
 
-def has_vision(model: torch.nn.Module) -> bool:
+def has_vision(model: PreTrainedModel) -> bool:
     """Whether the model is the image-text wrapper (it has a vision tower)."""
     return family_for(model).vision_blocks(model.config) > 0
 
 
-def export_model(model: torch.nn.Module, images: bool | None = None) -> ExportedModel:
+def export_model(model: PreTrainedModel, images: bool | None = None) -> ExportedModel:
     """Export ``model`` once per model object, load and kind of program; later calls reuse it.
 
     ``images`` picks the image-text program (the default for the image-text model) or the
@@ -158,7 +162,7 @@ def _export_seeds(model, family: Family, images: bool, names: tuple[str, ...], b
     return None, reads
 
 
-def _keep(programs: dict, images: bool, model: torch.nn.Module, exported: ExportedModel) -> ExportedModel:
+def _keep(programs: dict, images: bool, model: PreTrainedModel, exported: ExportedModel) -> ExportedModel:
     exported.constants = constants.current(model, exported.reads)
     programs[images] = exported
     return exported
@@ -181,7 +185,7 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
     return program, frozenset(read for read in reads if read[1] not in family.cache_indices)
 
 
-def _with_signature(model: torch.nn.Module, names: tuple[str, ...], forward_kwargs: dict) -> torch.nn.Module:
+def _with_signature(model: PreTrainedModel, names: tuple[str, ...], forward_kwargs: dict) -> torch.nn.Module:
     """A shallow twin of ``model`` (same submodules, parameters and hooks) whose forward takes
     exactly ``names`` as tensors (and ``forward_kwargs``); the model itself is not touched."""
     twin = copy.copy(model)
@@ -207,7 +211,7 @@ def text_example(model):
 
 
 @contextlib.contextmanager
-def _delta_rule_ops(model: torch.nn.Module, family: Family):
+def _delta_rule_ops(model: PreTrainedModel, family: Family):
     """Route the family's delta-rule kernels (module-level functions) through the custom ops, each
     op naming the kernels it runs (``ops.register_kernels``), so the program carries them."""
     module = importlib.import_module(family.kernels.module)
@@ -249,7 +253,7 @@ def _as_op(kind: str, kernels: str):
 
 
 @contextlib.contextmanager
-def _port_markers(model: torch.nn.Module, family: Family):
+def _port_markers(model: PreTrainedModel, family: Family):
     """Wrap every submodule's first input and its output in a named ``qgraph::mark``."""
     handles = []
     for path, name in family.ported_modules(model):
