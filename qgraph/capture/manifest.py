@@ -61,7 +61,8 @@ def _weights_sha256(module: torch.nn.Module) -> str:
         weights.update(f"{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
         flat = tensor.detach().reshape(-1)
         for start in range(0, flat.numel(), _CHUNK):
-            weights.update(flat[start:start + _CHUNK].contiguous().cpu().view(torch.uint8).numpy())
+            chunk = flat[start:start + _CHUNK].contiguous().cpu().view(torch.uint8).numpy()
+            weights.update(chunk)  # type: ignore[arg-type]  # an ndarray is a buffer: numpy's stubs say so from 3.12
     return weights.hexdigest()
 
 
@@ -74,7 +75,7 @@ def tokenizer_identity(tokenizer) -> dict | None:
 
 
 def versions() -> dict:
-    found = {}
+    found: dict[str, str | None] = {}
     for package in ("qgraph", "torch", "transformers", "safetensors", "datasets"):
         try:
             found[package] = metadata.version(package)
