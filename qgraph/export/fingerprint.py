@@ -12,7 +12,6 @@ traced apart: ``qgraph.export.variants``).
 """
 from __future__ import annotations
 
-import torch
 from typing import TYPE_CHECKING
 
 from .. import compat

@@ -103,7 +103,8 @@ def export_model(model: PreTrainedModel, images: bool | None = None) -> Exported
     if cached is not None and cached.fits(model):
         return cached
     start = time.perf_counter()
-    names = TEXT_INPUTS + family.images.inputs if images else TEXT_INPUTS
+    part = family.images if images else None  # not None where images: has_vision asks the family's image part
+    names = TEXT_INPUTS + part.inputs if part is not None else TEXT_INPUTS
     blocks = repeated_blocks(model, family, images)
     apart: list[str] = []  # the blocks traced apart from their kind's first, and why (qgraph.export.variants)
 
@@ -113,9 +114,10 @@ def export_model(model: PreTrainedModel, images: bool | None = None) -> Exported
         for listed in blocks:
             listed = split(model, listed, reads)  # the seeds that trace held
             apart.extend(listed.apart)
-            program = repeat_blocks(program, model, family, listed)
-            if program is None:
+            repeated = repeat_blocks(program, model, family, listed)
+            if repeated is None:
                 return None
+            program = repeated
         return program
 
     # an export of the same model in an earlier process (its seed: see qgraph.export.repeat)
@@ -171,12 +173,13 @@ def _keep(programs: dict, images: bool, model: PreTrainedModel, exported: Export
 def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks]):
     """``torch.export`` of the model's twin, whose block lists in ``blocks`` hold their seed blocks only,
     and the plain values its forward read (``qgraph.export.constants``)."""
-    example, dynamic = family.images.example(model) if images else text_example(model)
-    twin = _with_signature(model, names, {**family.forward_kwargs, **(family.images.forward_kwargs if images else {})})
+    part = family.images if images else None  # the image part, for the image-text program
+    example, dynamic = part.example(model) if part is not None else text_example(model)
+    twin = _with_signature(model, names, {**family.forward_kwargs, **(part.forward_kwargs if part is not None else {})})
     for listed in blocks:
         twin = seeded(twin, listed)
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)
-    patches = family.images.patches(model) if images else contextlib.nullcontext()
+    patches = part.patches(model) if part is not None else contextlib.nullcontext()
     family_patches = family.export_patches(model) if family.export_patches else contextlib.nullcontext()
     with hooks_set_aside(model), export_patches(model, family.export_methods), _delta_rule_ops(model, family), \
             _port_markers(model, family), family_patches, patches, \
@@ -196,8 +199,9 @@ def _with_signature(model: PreTrainedModel, names: tuple[str, ...], forward_kwar
         return model_forward(self, **dict(zip(names, args)), **kwargs, **extra)
 
     parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
-    forward.__signature__ = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-                                               *parameters])
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    # inspect.signature (and so torch.export) reads a function's __signature__, which typeshed does not declare
+    forward.__signature__ = inspect.Signature([self_parameter, *parameters])  # type: ignore[attr-defined]
     twin.forward = types.MethodType(forward, twin)
     return twin
 
