@@ -62,7 +62,7 @@ class SAE(torch.nn.Module):
         self.b_enc = frozen(b_enc, dtype)
         self.W_dec = frozen(W_dec, dtype)
         self.b_dec = frozen(b_dec, dtype)
-        if activation == "jumprelu":
+        if threshold is not None:  # a JumpReLU SAE's, and only its (_check_shapes)
             self.threshold = frozen(threshold, dtype)
         else:
             self.register_parameter("threshold", None)
@@ -94,7 +94,7 @@ class SAE(torch.nn.Module):
         """A TopK SAE's own sparse form of ``x``'s features: ``(activations, indices)``, each ``[..., k]``,
         the encoder's selection (the k largest pre-activations per token, largest first) and their
         values after the activation (relu'd when ``topk_relu``, raw, possibly negative, when not)."""
-        if self.activation != "topk":
+        if self.activation != "topk" or self.k is None:  # a TopK SAE has its k (checked when made)
             raise InvalidArgument(f"{self.source}: the sparse form is a TopK SAE's (k features per token); this one "
                                   f"is {self.activation}: read encode(x)")
         values, indices = self.pre(x).topk(self.k, dim=-1)
