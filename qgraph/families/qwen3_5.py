@@ -67,7 +67,8 @@ DIMS: dict[str, DimSource] = {
 
 
 def _conv_dim(text) -> int:
-    return 2 * text.linear_num_key_heads * text.linear_key_head_dim + text.linear_num_value_heads * text.linear_value_head_dim
+    return (2 * text.linear_num_key_heads * text.linear_key_head_dim
+            + text.linear_num_value_heads * text.linear_value_head_dim)
 
 
 RESIDUAL = "Residual [batch seq hidden_size]"

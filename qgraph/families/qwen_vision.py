@@ -245,7 +245,8 @@ VALUES = (
               "Each image's scaled scores entering the softmax: a list, one tensor per image, then one per "
               "temporal patch of each video; read-only",
               Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_scores")),
-    ValueSpec("attention_probabilities", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
+    ValueSpec("attention_probabilities", "vision_self_attn",
+              "Pattern [images] x [vision_num_heads patches_j patches_j]",
               "Each image's attention pattern: a list, one tensor per image, then one per temporal patch of each "
               "video; read-only",
               Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_probabilities")),

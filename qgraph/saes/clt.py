@@ -67,7 +67,8 @@ class CrossLayerTranscoder(torch.nn.Module):
         n = len(W_enc)
         first = W_enc[0]
         if not isinstance(first, Tensor) or first.dim() != 2:
-            raise InvalidArgument(f"{source}: W_enc[0] should be a [d_model, d_transcoder] tensor, not {shape_of(first)}")
+            raise InvalidArgument(f"{source}: W_enc[0] should be a [d_model, d_transcoder] tensor, not "
+                                  f"{shape_of(first)}")
         d_model, d_transcoder = first.shape
         dims = {"W_enc": lambda i: (d_model, d_transcoder), "b_enc": lambda i: (d_transcoder,),
                 "W_dec": lambda i: (d_transcoder, n - i, d_model), "b_dec": lambda i: (d_model,),

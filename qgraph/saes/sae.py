@@ -68,7 +68,7 @@ class SAE(torch.nn.Module):
             self.register_parameter("threshold", None)
 
     @classmethod
-    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None) -> "SAE":
+    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None) -> SAE:
         """The SAE stored at ``path`` (a local file or folder) in any of the formats ``formats.py``
         reads: Qwen-Scope, SAELens or sparsify. ``layer`` picks one of a folder of layers; ``k``
         overrides (or, for Qwen-Scope without ``L0_<k>`` in the path, supplies) a TopK SAE's k;
@@ -165,8 +165,8 @@ def _check_shapes(source: str, W_enc, b_enc, W_dec, b_dec, threshold, activation
     for name, (tensor, shape) in expected.items():
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape:
             makes = "makes" if decodes_input else f"and b_dec [d_out={d_out}] make"
-            raise InvalidArgument(f"{source}: {name} has shape {shape_of(tensor)}, but W_enc [d_in={d_in}, d_sae={d_sae}] "
-                                  f"{makes} it {list(shape)}")
+            raise InvalidArgument(f"{source}: {name} has shape {shape_of(tensor)}, but W_enc [d_in={d_in}, "
+                                  f"d_sae={d_sae}] {makes} it {list(shape)}")
 
 
 def shape_of(tensor) -> str:

@@ -43,15 +43,16 @@ class Transcoder(SAE):
         if reads not in READS:
             raise InvalidArgument(f"{source}: reads={reads!r}: a transcoder reads one of {READS} of its block")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
-            raise InvalidArgument(f"{source}: layer={layer!r}: give the block index it belongs to (an int >= 0) or None")
+            raise InvalidArgument(f"{source}: layer={layer!r}: give the block index it belongs to (an int >= 0) "
+                                  f"or None")
         super().__init__(W_enc, b_enc, W_dec, b_dec, activation, k=k, threshold=threshold, subtract_b_dec=False,
                          topk_relu=topk_relu, hook=None if layer is None else f"layers.{layer}.{reads}", source=source)
         self.layer, self.reads, self.d_out = layer, reads, self.b_dec.shape[0]
         if W_skip is None:
             self.register_parameter("W_skip", None)
         elif not isinstance(W_skip, Tensor) or tuple(W_skip.shape) != (self.d_in, self.d_out):
-            raise InvalidArgument(f"{source}: W_skip has shape {shape_of(W_skip)}, but W_enc [d_in={self.d_in}, ...] and "
-                                  f"b_dec [d_out={self.d_out}] make it {[self.d_in, self.d_out]} (x @ W_skip)")
+            raise InvalidArgument(f"{source}: W_skip has shape {shape_of(W_skip)}, but W_enc [d_in={self.d_in}, ...] "
+                                  f"and b_dec [d_out={self.d_out}] make it {[self.d_in, self.d_out]} (x @ W_skip)")
         else:
             self.W_skip = frozen(W_skip, self.W_enc.dtype)
 
