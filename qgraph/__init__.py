@@ -41,8 +41,8 @@ _PUBLIC = {
 }
 
 __all__ = ["Instrument", "Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture",
-           "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output", "Replace",
-           "SAE", "Scale", "SupportTable", "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue",
+           "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output",
+           "Replace", "SAE", "Scale", "SupportTable", "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue",
            "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render", "skip_layers", "steer",
            "support", "Transcoder", "CrossLayerTranscoder", "AttributionGraph", "attribution_graph", "QgraphError",
            "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",

@@ -58,8 +58,14 @@ def image_keys(family) -> tuple[str, ...]:
     return family.images.keys if family.images is not None else ()
 
 
+def input_embedding(model) -> torch.nn.Embedding:
+    """The model's input embedding: an ``nn.Embedding`` in every family qgraph knows (transformers'
+    ``get_input_embeddings`` promises only an ``nn.Module``)."""
+    return model.get_input_embeddings()
+
+
 def _text(model, input_ids, attention_mask):
-    embedding = model.get_input_embeddings()
+    embedding = input_embedding(model)
     return check_text(input_ids, attention_mask, embedding.num_embeddings, embedding.weight.device)
 
 

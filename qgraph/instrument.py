@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,7 +29,11 @@ from .saes.splice import check_saes, check_transcoders
 from .distributed import Stages, stage_program
 from .distributed.weights import load_weights
 
-def instrument(model: torch.nn.Module, values=(), *, edits=(), logits: bool = True, compile=False,
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
+
+
+def instrument(model: PreTrainedModel, values=(), *, edits=(), logits: bool = True, compile=False,
                saes=None, splice: str = "error", transcoders=None, stages=None) -> InstrumentedModel:
     """Export ``model`` (once; later calls reuse it) and tap ``values`` as extra program outputs.
 
@@ -81,7 +86,7 @@ class InstrumentedModel:
     others), ``use_weights`` (weights loaded for a model on meta) and ``variant`` (what the recipes run).
     """
 
-    def __init__(self, model: torch.nn.Module, values=(), *, edits=(), logits=True, saes=None, splice="error",
+    def __init__(self, model: PreTrainedModel, values=(), *, edits=(), logits=True, saes=None, splice="error",
                  transcoders=None, stages=None):
         family_for(model)  # an unsupported model (or not a model at all) is named before anything else
         if not isinstance(logits, bool):

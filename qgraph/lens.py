@@ -26,8 +26,10 @@ class LogitLens(dict):
         return lens_figure(self, tokenizer, batch, tokens)
 
     def __repr__(self) -> str:
-        return (f"LogitLens({len(self)} blocks, positions {self.positions}, top {next(iter(self.values()))[0].shape[-1]}"
-                f"; .plot() draws it)" if self else "LogitLens({})")
+        if not self:
+            return "LogitLens({})"
+        top = next(iter(self.values()))[0].shape[-1]
+        return f"LogitLens({len(self)} blocks, positions {self.positions}, top {top}; .plot() draws it)"
 
 
 def project_on_vocab(ig, hidden: torch.Tensor) -> torch.Tensor:

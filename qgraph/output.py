@@ -81,8 +81,8 @@ class Output:
         key = canonical(name, self.blocks, self.aliases)
         if key not in self.watched:
             asked = ", ".join(self.watched) or "none"
-            raise NotCaptured(f"'{name}' was not asked with gradients: instrument with values={{'{name}': {{'grad': True}}}} "
-                              f"(values with gradients: {asked})")
+            raise NotCaptured(f"'{name}' was not asked with gradients: instrument with "
+                              f"values={{'{name}': {{'grad': True}}}} (values with gradients: {asked})")
         return key
 
     def __contains__(self, name: str) -> bool:
@@ -118,8 +118,10 @@ class Output:
         names = self.select(pattern)
         shapes = {(tuple(self.values[name].shape), self.values[name].dtype) for name in names}
         if len(shapes) > 1:
-            found = "; ".join(f"{name} {reprs.shape(self.values[name])} {reprs.dtype(self.values[name])}" for name in names)
-            raise InvalidArgument(f"'{pattern}' selects values of different shapes or dtypes, which do not stack: {found}")
+            found = "; ".join(f"{name} {reprs.shape(self.values[name])} {reprs.dtype(self.values[name])}"
+                              for name in names)
+            raise InvalidArgument(f"'{pattern}' selects values of different shapes or dtypes, which do not stack: "
+                                  f"{found}")
         return torch.stack([self.values[name] for name in names])
 
     __repr__, _repr_html_ = reprs.shown(reprs.output)

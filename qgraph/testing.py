@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,7 +108,9 @@ def tiny_qwen3_5_vl(path: str | os.PathLike, seed: int = 0) -> Path:
 
 
 # The tiny MoE block: 8 experts, top-2, each expert and the shared expert narrower than the dense MLP
-TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+# (config keyword arguments)
+TINY_MOE: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48)
 
 
 def tiny_qwen3_5_moe(path: str | os.PathLike, seed: int = 0, images: bool = False) -> Path:

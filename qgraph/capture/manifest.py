@@ -18,18 +18,22 @@ import os
 import warnings
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CaptureMismatch
 from .integrity import damage
 
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
+
 FORMAT = "qgraph-capture/2"  # 2: every weight hashed, shards carry their place in their metadata
 META = ("input_ids", "attention_mask", "doc_id", "position")  # int64 [rows, context] in every shard
 _CHUNK = 1 << 24  # elements hashed per step (a GPU tensor is copied to the CPU a chunk at a time)
 
 
-def model_identity(model: torch.nn.Module) -> dict:
+def model_identity(model: PreTrainedModel) -> dict:
     """The model's class, name, a hash of its config and ``_weights_sha256``: any change to any
     weight (one neuron's column), a reload of other weights or a dtype change gives another hash."""
     config = model.config.to_dict()
@@ -57,7 +61,8 @@ def _weights_sha256(module: torch.nn.Module) -> str:
         weights.update(f"{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
         flat = tensor.detach().reshape(-1)
         for start in range(0, flat.numel(), _CHUNK):
-            weights.update(flat[start:start + _CHUNK].contiguous().cpu().view(torch.uint8).numpy())
+            chunk = flat[start:start + _CHUNK].contiguous().cpu().view(torch.uint8).numpy()
+            weights.update(chunk)  # type: ignore[arg-type]  # an ndarray is a buffer: numpy's stubs say so from 3.12
     return weights.hexdigest()
 
 
@@ -70,7 +75,7 @@ def tokenizer_identity(tokenizer) -> dict | None:
 
 
 def versions() -> dict:
-    found = {}
+    found: dict[str, str | None] = {}
     for package in ("qgraph", "torch", "transformers", "safetensors", "datasets"):
         try:
             found[package] = metadata.version(package)

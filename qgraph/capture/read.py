@@ -24,7 +24,7 @@ import torch
 
 from ..errors import InvalidArgument, MissingFile, OutOfRange, UnknownValue
 from ..values.aliases import tl_names
-from .integrity import REPAIR, CaptureCorrupt, check_bytes, check_header, check_layout
+from .integrity import CaptureCorrupt, check_bytes, check_header, check_layout
 from .manifest import FORMAT, META
 
 if TYPE_CHECKING:  # a type only: safetensors is imported when a shard is first read

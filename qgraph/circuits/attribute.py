@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from ..errors import InvalidArgument, InvalidType
+from ..inputs import check_text, input_embedding
 from ..progress import progress
 from .graph import AttributionGraph, Node
 from .rows import OFFLOADS, Rows, feature_influence
@@ -93,7 +94,7 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     from ..kernels.grad import keep_recomputation
     seq, device = ids.shape[0], next(model.parameters()).device
     ids = ids.to(device)
-    width = model.get_input_embeddings().embedding_dim
+    width = input_embedding(model).embedding_dim
     dtype = next(model.parameters()).dtype
     injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
                for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
@@ -137,8 +138,6 @@ def _most_influential(run, active, rows: Rows, probabilities, limit: int, update
 def checked_prompt(input_ids, model) -> torch.Tensor:
     """The prompt's ids ``[seq]``, checked as an instrumented call checks them (every id a row of the
     model's embedding: ``inputs.check_text``), before any work."""
-    from ..inputs import check_text
-
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int):
         raise InvalidType(f"input_ids takes a LongTensor of token ids, not {type(input_ids).__name__}")
     if input_ids.dim() == 2 and input_ids.shape[0] == 1:
@@ -147,7 +146,7 @@ def checked_prompt(input_ids, model) -> torch.Tensor:
         raise InvalidArgument(f"an attribution graph is of one prompt: input_ids [seq] or [1, seq], not "
                               f"{list(input_ids.shape)}")
     # the ids' own device: the run moves them to the model's
-    check_text(input_ids[None], None, model.get_input_embeddings().num_embeddings, input_ids.device)
+    check_text(input_ids[None], None, input_embedding(model).num_embeddings, input_ids.device)
     return input_ids.long()
 
 

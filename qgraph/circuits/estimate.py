@@ -38,6 +38,8 @@ import gc
 import math
 from dataclasses import dataclass, field
 
+from ..inputs import input_embedding
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -84,7 +86,7 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     active = len(run.active())
     kept = active if max_feature_nodes is None else min(max_feature_nodes, active)
     seq, blocks = ids.shape[0], run.blocks
-    width = model.get_input_embeddings().embedding_dim
+    width = input_embedding(model).embedding_dim
     outputs = storage_bytes([run.logits, *run.features, *run.errors, run.embeddings, *run.inputs], counter.seen)
     forward = counter.bytes + outputs
     chunk = run.chunk

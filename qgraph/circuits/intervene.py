@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgument, InvalidType, NotSupported
+from ..inputs import input_embedding
 
 
 @dataclass(repr=False)
@@ -131,7 +132,7 @@ def _setup(model_or_ig, input_ids, transcoders, interventions, constrained_layer
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
     # on the embedding's device, as attribution_graph moves them
-    ids = checked_prompt(input_ids, model).to(model.get_input_embeddings().weight.device)
+    ids = checked_prompt(input_ids, model).to(input_embedding(model).weight.device)
     blocks = len(family_for(model).block_mixers(model.config))
     flags = {"freeze_attention": freeze_attention, "apply_activation_function": apply_activation_function}
     for name, flag in flags.items():
@@ -345,7 +346,7 @@ def _direct(model, ids, spliced, wanted, features: bool) -> Intervened:
     program.build([spliced.reads(b) for b in blocks], {}, True, replacement=spliced.request)
     parameter = next(model.parameters())
     ids = ids.to(parameter.device)
-    zeros = torch.zeros(1, seq, model.get_input_embeddings().embedding_dim, dtype=parameter.dtype, device=ids.device)
+    zeros = torch.zeros(1, seq, input_embedding(model).embedding_dim, dtype=parameter.dtype, device=ids.device)
     inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=ids.device),
               **{name: zeros for name in (EMBEDDINGS, *(inject_name(b) for b in blocks))}}
     recorded: dict = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgument
+from ..inputs import input_embedding
 
 
 class TranscoderSet:
@@ -76,7 +77,7 @@ def transcoder_set(transcoders, blocks: int, model) -> TranscoderSet:
     """Per-layer transcoders for every block, a cross-layer transcoder, or a folder of either (a
     cross-layer one holds ``W_enc_{i}.safetensors`` or ``params_layer_{i}.safetensors``), checked against the model."""
     from ..saes.clt import CrossLayerTranscoder
-    width = model.get_input_embeddings().embedding_dim
+    width = input_embedding(model).embedding_dim
     transcoders = loaded(transcoders, blocks)
     if isinstance(transcoders, CrossLayerTranscoder):
         if transcoders.n_layers != blocks or transcoders.d_model != width:

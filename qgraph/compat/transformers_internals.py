@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from typing import Any
 
 import torch
 
@@ -163,9 +164,11 @@ def computed_buffers(module: torch.nn.Module, device) -> dict[str, torch.Tensor]
 # ``bilinear_weights`` ``[4, patches]`` (told by ``vision_utils`` lacking the ``interp`` function): the
 # program keeps 5.15's ``interp_*`` ``[patches, 4]`` (the patches first, as every image input) and the
 # ViT is handed their transposes, the same numbers (5.2 to 5.8 took nothing precomputed).
-def vision_inputs(visual: torch.nn.Module, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+def vision_inputs(visual: Any, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
     """The ViT ``visual``'s grid-dependent inputs for ``grid_thw``, as its forward computes them:
-    ``cu_seqlens``, ``position_ids``, ``interp_indices`` and ``interp_weights`` (``[patches, taps]``)."""
+    ``cu_seqlens``, ``position_ids``, ``interp_indices`` and ``interp_weights`` (``[patches, taps]``).
+    ``visual`` is typed ``Any``: the plain attributes it is read for (its grid side, interpolation mode)
+    are set in its ``__init__``, which torch's stubs type as tensors or modules."""
     from transformers import vision_utils
 
     merge = visual.config.spatial_merge_size

@@ -87,8 +87,8 @@ def stage_program(program, stages: Stages) -> Pipeline:
                               "model with microbatches=1 (or without images)")
     plan = split(program.module, blocks_of(family), cuts)
     device = next(iter(program.model.parameters()), torch.empty(0)).device
-    world = join(device if device.type != "meta" else torch.device("cpu"))
-    world = world if world.size > 1 else None
+    joined = join(device if device.type != "meta" else torch.device("cpu"))
+    world = joined if joined.size > 1 else None
     if stages.devices is not None and world is not None:
         raise InvalidArgument("devices= places the stages in one process; under torchrun each rank's stage runs where "
                               "its weights are (load_weights(checkpoint, device=f'cuda:{rank}'))")

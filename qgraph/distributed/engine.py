@@ -127,7 +127,8 @@ class Engine:
         self.shared = {i: sorted(ranks) for i, ranks in sorted(readers.items()) if len(ranks) > 1}
         self.scalars = {item for item, value in self.values.items() if not isinstance(value, torch.Tensor)}
 
-    def __call__(self, args: list, microbatches: int, loss=None, watched=frozenset()) -> tuple[list, object]:
+    def __call__(self, args: list, microbatches: int, loss=None,
+                 watched=frozenset()) -> tuple[list, torch.Tensor | None]:
         """Run this rank's stages on ``args`` (program arguments), the batch cut as ``tensor_split`` cuts
         it into ``microbatches``: (the program outputs its stages own, None for others'; the summed loss on
         the rank of the last stage, else None). Torch's schedules run micro-batches of one size, so an
@@ -204,10 +205,13 @@ class Engine:
             return empty.requires_grad_(backward and self.grads[item] and empty.is_floating_point())
 
         last = len(self.plan) - 1
+        logits = None if self.logits is None else self.plan.outputs[self.logits]
+        if backward and logits is None and last in self.local:
+            return None  # the loss has no logits to read: the last stage's run raises InvalidState naming it
         try:
             return {s: (tuple(meta(item) for item in self.chain.into(s)),
                         tuple(meta(item) for item in self.chain.carried[s]) if s < last else
-                        ((meta(self.plan.outputs[self.logits]),) if backward else ())) for s in self.local}
+                        ((meta(logits),) if backward else ())) for s in self.local}
         except TypeError:  # a size the call's inputs do not determine
             return None
 
@@ -298,12 +302,13 @@ class _Run:
             rows = sorted(row for row in kept if row in self.rows)
             for position, _ in self.owned[stage]:
                 pieces = [kept[row][position] for row in rows]
-                outputs[position] = _cat([p.detach() if isinstance(p, torch.Tensor) else p for p in pieces])
+                output = _cat([p.detach() if isinstance(p, torch.Tensor) else p for p in pieces])
                 if position in self.watched:
                     grads = self.gradients.get(position, {})
-                    outputs[position] = outputs[position].requires_grad_(True)
+                    output = output.requires_grad_(True)
                     if len(grads) == len(rows):
-                        outputs[position].grad = _cat([grads[row] for row in rows])
+                        output.grad = _cat([grads[row] for row in rows])
+                outputs[position] = output
         return outputs
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import pipelining_refusal
-from ..errors import InvalidArgument, InvalidType, NotSupported
+from ..errors import InvalidArgument, InvalidState, InvalidType, NotSupported
 from ..runners import loss_value
 from .engine import Engine, stage_device
 from .place import Placement
@@ -50,14 +50,12 @@ class Pipeline:
     device the graph names)."""
 
     def __init__(self, plan: Plan, world: World | None, batched: set[int], microbatches: int = 1,
-                 gather: bool = False, schedule: str = "gpipe", *, kinds: list | None = None,
-                 values: list | None = None, logits: int | None = None, devices=None,
-                 recorded: torch.device | None = None, timeout: float = 60.0):
+                 gather: bool = False, schedule: str = "gpipe", *, kinds: list, values: list,
+                 logits: int | None = None, devices=None, recorded: torch.device, timeout: float = 60.0):
         self.plan, self.world, self.batched, self.microbatches = plan, world, batched, microbatches
         self.gathering, self.logits, self.schedule = gather, logits, schedule
-        kinds = kinds or []
         self.placement = Placement(plan, devices, kinds, recorded) if devices is not None else None
-        self.engine = None
+        self.engine: Engine | None = None  # the stages across processes (torchrun), with a world
         if world is not None:
             refusal = pipelining_refusal()
             if refusal is not None:
@@ -87,7 +85,7 @@ class Pipeline:
 
     def local_inputs(self, count: int) -> list[int]:
         """The program inputs (of ``count``) this process's stages read (all of them in one process)."""
-        if self.world is None:
+        if self.engine is None:
             return list(range(count))
         return sorted({where[0] for stage in self.engine.local for kind, *where in self.plan.inputs[stage]
                        if kind == "input"})
@@ -100,7 +98,7 @@ class Pipeline:
         gradients after the loss's backward or the caller's own."""
         if self.placement is not None:
             self.placement.check(args)
-        if self.world is not None:  # the caller's own backward cannot cross processes: loss= does
+        if self.engine is not None:  # the caller's own backward cannot cross processes: loss= does
             joined, value = self.engine(args, self.microbatches, loss, watched if loss is not None else frozenset())
             if not self.gathering:
                 return joined, value
@@ -114,14 +112,19 @@ class Pipeline:
         count = min(self.microbatches, *(args[i].shape[0] for i in self.batched)) if self.batched else 1
         parts = [[arg.tensor_split(count)[m] if i in self.batched else arg for i, arg in enumerate(args)]
                  for m in range(count)]
-        results = [[] for _ in self.plan.outputs]
+        at = None  # the logits' position among the outputs, for the loss
+        if loss is not None:
+            if self.logits is None:
+                raise InvalidState("loss= reads the logits, which this program does not compute")
+            at = self.logits
+        results: list[list] = [[] for _ in self.plan.outputs]
         value = None
         for margs in parts:
             outputs = self._local(margs)
             for position, output in enumerate(outputs):
                 results[position].append(output)
-            if loss is not None:
-                part = loss_value(loss, outputs[self.logits])
+            if at is not None:
+                part = loss_value(loss, outputs[at])
                 value = part if value is None else value + part
         if value is not None:
             for position in watched:
@@ -139,7 +142,8 @@ class Pipeline:
 
     def _local(self, args: list) -> list:
         """Every stage in this process, in order (each on its device, with ``devices``)."""
-        produced, place = [], self.placement
+        produced: list = []
+        place = self.placement
         for index, module in enumerate(self.plan.modules):
             if place is None:
                 inputs = [args[where[0]] if kind == "input" else pick(produced[where[0]], where[1])
@@ -156,7 +160,7 @@ class Pipeline:
             -> tuple[list, torch.Tensor | None]:
         """Every program output on rank 0 (sent by the rank that owns it), the gradients of the ``watched``
         ones and the loss's ``value`` with them; other ranks keep their own."""
-        if self.world is None:
+        if self.world is None or self.engine is None:
             return outputs, value
         rank, sends, group = self.world.rank, [], pipe(self.engine.timeout)
         gathered = list(outputs)

@@ -20,10 +20,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InvalidState
+
+if TYPE_CHECKING:  # a type only: torch.distributed is imported where a rank needs it
+    from torch.distributed import ProcessGroup
 
 
 @dataclass
@@ -61,9 +65,10 @@ def join(device: torch.device) -> World:
 # -- one failure ends every rank -------------------------------------------------------------------
 @dataclass
 class _Groups:
-    world: object  # the default group these were made in (a new one makes new ones)
-    control: object  # gloo, torch's default timeout: the votes at the start and the end of a call
-    pipe: object = None  # the stages' messages: the default group's backend, every wait bounded by the timeout
+    world: ProcessGroup | None  # the default group these were made in (a new one makes new ones)
+    control: ProcessGroup  # gloo, torch's default timeout: the votes at the start and the end of a call
+    # the stages' messages: the default group's backend, every wait bounded by the timeout
+    pipe: ProcessGroup | None = None
 
 
 _GROUPS: dict[float, _Groups] = {}  # timeout -> the groups qgraph made for stages with that timeout
@@ -112,7 +117,7 @@ def vote(failure: BaseException | None, timeout: float, *, start: bool = False) 
         dist.destroy_process_group(held.pipe)
         held.pipe = None
     own = [rank for rank, report in enumerate(reports) if report is not None and report[0]]
-    if dist.get_rank() in own:
+    if failure is not None and dist.get_rank() in own:  # a rank that reports its own failure holds it
         raise failure
     origin = own[0] if own else next(rank for rank, report in enumerate(reports) if report is not None)
     kind, text = reports[origin][1:]

@@ -31,6 +31,7 @@ import os
 import warnings
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.export import ExportedProgram
@@ -39,6 +40,9 @@ from torch.export.graph_signature import InputKind
 from .. import compat
 from . import constants
 from .fingerprint import structure
+
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
 
 _READS = "qgraph-reads.json"  # the extra file holding the export's reads and their values
 
@@ -83,7 +87,7 @@ def _one_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
-def key(model: torch.nn.Module, images: bool) -> str:
+def key(model: PreTrainedModel, images: bool) -> str:
     """The hash naming ``model``'s program (``images``: the image-text one) in the cache."""
     parameter = next(model.parameters())
     config = _without_paths(model.config.to_dict())
@@ -107,11 +111,11 @@ def key(model: torch.nn.Module, images: bool) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def path_for(model: torch.nn.Module, images: bool) -> Path:
+def path_for(model: PreTrainedModel, images: bool) -> Path:
     return directory() / f"{key(model, images)}.pt2"
 
 
-def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=None):
+def load(model: PreTrainedModel, images: bool, inputs: tuple[str, ...], finish=None):
     """The cached program of ``model`` and the reads it baked in (None when there is none, or it
     cannot be used); ``finish(program, reads)`` turns the file's program into the model's (the export's
     seed into the full program: see ``qgraph.export.repeat``), None when it cannot."""
@@ -141,7 +145,7 @@ def load(model: torch.nn.Module, images: bool, inputs: tuple[str, ...], finish=N
     return program, reads
 
 
-def save(model: torch.nn.Module, images: bool, program: ExportedProgram, reads=frozenset()) -> Path | None:
+def save(model: PreTrainedModel, images: bool, program: ExportedProgram, reads=frozenset()) -> Path | None:
     """Write ``program`` to the cache without its weights, with the plain values it read (``reads``)
     and their values on ``model``; returns the path (None if it could not)."""
     if not usable():
@@ -184,7 +188,7 @@ def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
     return placeholder
 
 
-def _mismatch(program: ExportedProgram, model: torch.nn.Module, inputs: tuple[str, ...]) -> str | None:
+def _mismatch(program: ExportedProgram, model: PreTrainedModel, inputs: tuple[str, ...]) -> str | None:
     """Why ``program`` cannot serve ``model`` (None when it can): its inputs, parameters and buffers
     must be the ones the model has, with the same shapes."""
     signature = program.graph_signature

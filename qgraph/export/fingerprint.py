@@ -12,13 +12,16 @@ traced apart: ``qgraph.export.variants``).
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .. import compat
 from . import constants
 
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
 
-def structure(model: torch.nn.Module) -> tuple:
+
+def structure(model: PreTrainedModel) -> tuple:
     """Module classes, parameter and buffer shapes / dtypes / devices, tied parameters (each
     parameter names the first path it appears under), attention and experts implementations (the
     model's config's and its text config's: mixture-of-experts ops run the one their experts read)."""
@@ -34,7 +37,7 @@ def structure(model: torch.nn.Module) -> tuple:
     return attention, experts, modules, parameters, buffers
 
 
-def fingerprint(model: torch.nn.Module, reads=()) -> tuple:
+def fingerprint(model: PreTrainedModel, reads=()) -> tuple:
     """``structure``, the identity of every module object (a submodule replaced by one of the same
     shape is a new object the program does not read yet) and the values of ``reads``, the plain
     values an export read (``ExportedModel.reads``)."""

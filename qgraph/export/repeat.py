@@ -19,6 +19,7 @@ import copy
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.export import ExportedProgram
@@ -27,6 +28,9 @@ from torch.fx import Node
 
 from .. import compat
 from ..kernels import ops
+
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ class Blocks:
         return len(self.seed) < len(self.kinds)
 
 
-def repeated_blocks(model: torch.nn.Module, family, images: bool) -> list[Blocks]:
+def repeated_blocks(model: PreTrainedModel, family, images: bool) -> list[Blocks]:
     """The block lists of ``model`` that the export of its (image-text if ``images``) program can
     trace once per kind, per the family's ``repeated_blocks``."""
     modules = dict(model.named_modules())
@@ -87,10 +91,11 @@ def seeded(twin: torch.nn.Module, blocks: Blocks) -> torch.nn.Module:
     compat.replace_child(parent, attribute,
                          lambda layers: torch.nn.ModuleList([layers[index] for index in blocks.seed]))
     if blocks.kinds_attribute:  # the text model loops over config.num_hidden_layers / layer_types
-        config = copy.copy(parent.config)
+        owner = cast("PreTrainedModel", parent)  # the text model: its list's owner, a transformers model
+        config = copy.copy(owner.config)
         config.num_hidden_layers = len(blocks.seed)
         setattr(config, blocks.kinds_attribute, [blocks.kinds[index] for index in blocks.seed])
-        parent.config = config
+        owner.config = config
     return twin
 
 
@@ -98,7 +103,7 @@ class _Unrepeatable(Exception):
     """The seed graph is not a chain of self-contained blocks."""
 
 
-def repeat_blocks(seed: ExportedProgram, model: torch.nn.Module, family, blocks: Blocks) -> ExportedProgram | None:
+def repeat_blocks(seed: ExportedProgram, model: PreTrainedModel, family, blocks: Blocks) -> ExportedProgram | None:
     """The full program of ``model`` built from the export of its seeded twin (None if it cannot be)."""
     try:
         return _Repeater(seed, model, family, blocks).program()
@@ -234,7 +239,7 @@ class _Repeater:
                 return env[arg]
 
             ports = self._port_renames(seed_index, index)
-            scope = re.compile(re.escape(f"{self.blocks.path}.{position}") + r"(?=\.|$)")
+            seed_path = re.compile(re.escape(f"{self.blocks.path}.{position}") + r"(?=\.|$)")
             for node in self.runs[position]:
                 new = graph.node_copy(node, read)
                 if node.target == ops.MARK_OP:
@@ -243,7 +248,7 @@ class _Repeater:
                 stack = node.meta.get("nn_module_stack")
                 if stack:
                     here = f"{self.blocks.path}.{index}"
-                    new.meta["nn_module_stack"] = {scope.sub(here, key): (scope.sub(here, path), kind)
+                    new.meta["nn_module_stack"] = {seed_path.sub(here, key): (seed_path.sub(here, path), kind)
                                                    for key, (path, kind) in stack.items()}
                 local[node] = new
             hidden = local[self.hidden_out[position]]

@@ -26,6 +26,7 @@ import time
 import types
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -39,6 +40,9 @@ from ..progress import progress, stages
 from .fingerprint import structure
 from .repeat import Blocks, repeat_blocks, repeated_blocks, seeded
 from .variants import split
+
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
 
 # Example sizes for the trace: distinct and > 1, so no dim is specialised or unified with another.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 9
@@ -59,7 +63,7 @@ class ExportedModel:
     constants: tuple = ()  # the reads' values on the model when it was exported (set by ``export_model``)
     apart: tuple[str, ...] = ()  # the blocks traced apart from their kind's first block, and why (``export.variants``)
 
-    def fits(self, model: torch.nn.Module) -> bool:
+    def fits(self, model: PreTrainedModel) -> bool:
         """Whether this program still is ``model``'s: the same structure and the same baked-in values."""
         return self.key == _cache_key(model) and self.constants == constants.current(model, self.reads)
 
@@ -75,16 +79,16 @@ class ExportedModel:
 _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def _cache_key(model: torch.nn.Module) -> tuple:
+def _cache_key(model: PreTrainedModel) -> tuple:
     return structure(model)
 
 
-def has_vision(model: torch.nn.Module) -> bool:
+def has_vision(model: PreTrainedModel) -> bool:
     """Whether the model is the image-text wrapper (it has a vision tower)."""
     return family_for(model).vision_blocks(model.config) > 0
 
 
-def export_model(model: torch.nn.Module, images: bool | None = None) -> ExportedModel:
+def export_model(model: PreTrainedModel, images: bool | None = None) -> ExportedModel:
     """Export ``model`` once per model object, load and kind of program; later calls reuse it.
 
     ``images`` picks the image-text program (the default for the image-text model) or the
@@ -99,7 +103,8 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
     if cached is not None and cached.fits(model):
         return cached
     start = time.perf_counter()
-    names = TEXT_INPUTS + family.images.inputs if images else TEXT_INPUTS
+    part = family.images if images else None  # not None where images: has_vision asks the family's image part
+    names = TEXT_INPUTS + part.inputs if part is not None else TEXT_INPUTS
     blocks = repeated_blocks(model, family, images)
     apart: list[str] = []  # the blocks traced apart from their kind's first, and why (qgraph.export.variants)
 
@@ -109,9 +114,10 @@ def export_model(model: torch.nn.Module, images: bool | None = None) -> Exported
         for listed in blocks:
             listed = split(model, listed, reads)  # the seeds that trace held
             apart.extend(listed.apart)
-            program = repeat_blocks(program, model, family, listed)
-            if program is None:
+            repeated = repeat_blocks(program, model, family, listed)
+            if repeated is None:
                 return None
+            program = repeated
         return program
 
     # an export of the same model in an earlier process (its seed: see qgraph.export.repeat)
@@ -158,7 +164,7 @@ def _export_seeds(model, family: Family, images: bool, names: tuple[str, ...], b
     return None, reads
 
 
-def _keep(programs: dict, images: bool, model: torch.nn.Module, exported: ExportedModel) -> ExportedModel:
+def _keep(programs: dict, images: bool, model: PreTrainedModel, exported: ExportedModel) -> ExportedModel:
     exported.constants = constants.current(model, exported.reads)
     programs[images] = exported
     return exported
@@ -167,12 +173,13 @@ def _keep(programs: dict, images: bool, model: torch.nn.Module, exported: Export
 def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks: list[Blocks]):
     """``torch.export`` of the model's twin, whose block lists in ``blocks`` hold their seed blocks only,
     and the plain values its forward read (``qgraph.export.constants``)."""
-    example, dynamic = family.images.example(model) if images else text_example(model)
-    twin = _with_signature(model, names, {**family.forward_kwargs, **(family.images.forward_kwargs if images else {})})
+    part = family.images if images else None  # the image part, for the image-text program
+    example, dynamic = part.example(model) if part is not None else text_example(model)
+    twin = _with_signature(model, names, {**family.forward_kwargs, **(part.forward_kwargs if part is not None else {})})
     for listed in blocks:
         twin = seeded(twin, listed)
     # the user's hooks are never traced: the program would run them forever (and on every repeated block)
-    patches = family.images.patches(model) if images else contextlib.nullcontext()
+    patches = part.patches(model) if part is not None else contextlib.nullcontext()
     family_patches = family.export_patches(model) if family.export_patches else contextlib.nullcontext()
     with hooks_set_aside(model), export_patches(model, family.export_methods), _delta_rule_ops(model, family), \
             _port_markers(model, family), family_patches, patches, \
@@ -181,7 +188,7 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
     return program, frozenset(read for read in reads if read[1] not in family.cache_indices)
 
 
-def _with_signature(model: torch.nn.Module, names: tuple[str, ...], forward_kwargs: dict) -> torch.nn.Module:
+def _with_signature(model: PreTrainedModel, names: tuple[str, ...], forward_kwargs: dict) -> torch.nn.Module:
     """A shallow twin of ``model`` (same submodules, parameters and hooks) whose forward takes
     exactly ``names`` as tensors (and ``forward_kwargs``); the model itself is not touched."""
     twin = copy.copy(model)
@@ -192,8 +199,9 @@ def _with_signature(model: torch.nn.Module, names: tuple[str, ...], forward_kwar
         return model_forward(self, **dict(zip(names, args)), **kwargs, **extra)
 
     parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
-    forward.__signature__ = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-                                               *parameters])
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    # inspect.signature (and so torch.export) reads a function's __signature__, which typeshed does not declare
+    forward.__signature__ = inspect.Signature([self_parameter, *parameters])  # type: ignore[attr-defined]
     twin.forward = types.MethodType(forward, twin)
     return twin
 
@@ -207,7 +215,7 @@ def text_example(model):
 
 
 @contextlib.contextmanager
-def _delta_rule_ops(model: torch.nn.Module, family: Family):
+def _delta_rule_ops(model: PreTrainedModel, family: Family):
     """Route the family's delta-rule kernels (module-level functions) through the custom ops, each
     op naming the kernels it runs (``ops.register_kernels``), so the program carries them."""
     module = importlib.import_module(family.kernels.module)
@@ -249,7 +257,7 @@ def _as_op(kind: str, kernels: str):
 
 
 @contextlib.contextmanager
-def _port_markers(model: torch.nn.Module, family: Family):
+def _port_markers(model: PreTrainedModel, family: Family):
     """Wrap every submodule's first input and its output in a named ``qgraph::mark``."""
     handles = []
     for path, name in family.ported_modules(model):

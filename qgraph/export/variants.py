@@ -36,11 +36,10 @@ def split(model: torch.nn.Module, blocks: Blocks, reads) -> Blocks:
     by_class: dict[str, list[str]] = {}
     for owner, attribute in sorted(reads):
         by_class.setdefault(owner, []).append(attribute)
-    layers = model.get_submodule(blocks.path)
     found: dict[str, list[tuple[tuple, int, Signature]]] = {}  # kind -> (signature, first block, its values)
     variants, apart = [], []
     for index, kind in enumerate(blocks.kinds):
-        values = signature(layers[index], by_class)
+        values = signature(model.get_submodule(f"{blocks.path}.{index}"), by_class)
         key = tuple(sorted(values.items()))
         known = found.setdefault(kind, [])
         variant = next((number for number, (seen, _, _) in enumerate(known) if seen == key), None)

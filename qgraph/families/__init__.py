@@ -14,5 +14,6 @@ from .qwen3_5 import QWEN3_5
 from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen3_next import QWEN3_NEXT
 
-__all__ = ["FAMILIES", "Family", "Images", "Kernels", "Memory", "Mixer", "RepeatedBlocks", "UnsupportedModel",
-           "family_for", "register_family"]
+# the shipped families are public too (``from qgraph.families import QWEN3_5``)
+__all__ = ["FAMILIES", "Family", "Images", "Kernels", "Memory", "Mixer", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_NEXT",
+           "RepeatedBlocks", "UnsupportedModel", "family_for", "register_family"]

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument
 from .rules import ValueSpec
@@ -82,9 +83,9 @@ class Images:
     keys: tuple[str, ...]  # what a call takes beyond the text (the processor's outputs)
     inputs: tuple[str, ...]  # what the image-text program takes beyond the text inputs
     # (model, input_ids, attention_mask, **keys) -> {program input: tensor}, checked
-    prepare: Callable[..., dict[str, "torch.Tensor"]]
+    prepare: Callable[..., dict[str, torch.Tensor]]
     # (model) -> (example program inputs, their dynamic dims) for the export
-    example: Callable[["torch.nn.Module"], tuple[dict[str, "torch.Tensor"], dict[str, dict[int, Any]]]]
+    example: Callable[[torch.nn.Module], tuple[dict[str, torch.Tensor], dict[str, dict[int, Any]]]]
     patches: ExportPatches  # active while the image-text program is exported
     values: tuple[ValueSpec, ...]  # the vision tower's values (after every text value in the family's)
     hosts: dict[str, str]  # vision host kind -> module path template ({j}: vision block)
@@ -158,8 +159,8 @@ class Family:
             return
         if not (all(spec in self.values for spec in part.values) and part.hosts.items() <= self.hosts.items()
                 and part.dims.keys() <= self.dims.keys() and all(b in self.repeated_blocks for b in part.blocks)):
-            raise InvalidArgument(f"family {self.name!r}: its image part's values, hosts, dims and blocks are not all its "
-                                  f"own; build an image-text family with Family.with_images")
+            raise InvalidArgument(f"family {self.name!r}: its image part's values, hosts, dims and blocks are not "
+                                  f"all its own; build an image-text family with Family.with_images")
 
     @property
     def vision_mixer(self) -> str | None:
@@ -204,7 +205,9 @@ class Family:
         """What diagrams and messages call a mixer module (``gated DeltaNet``)."""
         return next((mixer.title for mixer in self.mixers.values() if mixer.module == module), module)
 
-    @functools.lru_cache(maxsize=None)  # asked for every node's module scopes when locating values
+    # asked for every node's module scopes when locating values; the cache holds the family, harmless
+    # here: a family is registered once and lives as long as the process
+    @functools.cache  # noqa: B019
     def module_name(self, path: str) -> str:
         """The spec's name of a module path (``model.layers.3.mlp`` -> ``layers.3.mlp``); "" for the
         model itself and its wrappers (``model``, ``model.language_model``)."""

@@ -5,7 +5,7 @@ Llama's pre-norm block with a hybrid mixer: three blocks in four carry a gated D
 Every RMSNorm but the DeltaNet's own multiplies by ``1 + weight``. The image-text model adds the
 Qwen ViT (``qwen_vision``) and M-RoPE position ids (three rows: time, height, width).
 """
-from .base import Family, Kernels, Memory, Mixer, RepeatedBlocks
+from .base import DimSource, Family, Kernels, Memory, Mixer, RepeatedBlocks
 from .qwen_vision import IMAGES
 from .registry import register_family
 from .rules import (HEADS, Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites, Derived,
@@ -49,7 +49,7 @@ HOSTS = {
 
 # Layout dim -> config attribute of the text config, or a function of the model's config
 # (batch, seq, query and key are the call's own sizes; the vision tower's dims are qwen_vision's)
-DIMS = {
+DIMS: dict[str, DimSource] = {
     "hidden_size": "hidden_size",
     "vocab_size": "vocab_size",
     "intermediate_size": "intermediate_size",
@@ -67,7 +67,8 @@ DIMS = {
 
 
 def _conv_dim(text) -> int:
-    return 2 * text.linear_num_key_heads * text.linear_key_head_dim + text.linear_num_value_heads * text.linear_value_head_dim
+    return (2 * text.linear_num_key_heads * text.linear_key_head_dim
+            + text.linear_num_value_heads * text.linear_value_head_dim)
 
 
 RESIDUAL = "Residual [batch seq hidden_size]"

@@ -24,6 +24,7 @@ import torch
 
 from .. import compat
 from ..errors import UnsupportedModel
+from .base import DimSource
 from .rules import Port, Routing, ValueSpec
 
 RESIDUAL = "Residual [batch seq hidden_size]"
@@ -33,7 +34,7 @@ HOSTS = {"shared_expert": "layers.{i}.mlp.shared_expert"}
 # The program computes logits, not the router's load-balancing loss (a config may ask for it)
 FORWARD_KWARGS = {"output_router_logits": False}
 
-DIMS = {
+DIMS: dict[str, DimSource] = {
     "num_experts": "num_experts",
     "top_k": "num_experts_per_tok",
     "expert_intermediate_size": "moe_intermediate_size",

@@ -54,9 +54,10 @@ def type_ids(input_ids: torch.Tensor, config, mm_token_type_ids) -> torch.Tensor
         given, token = mm_token_type_ids[row, position].item(), int(input_ids[row, position])
         raise InvalidArgument(f"mm_token_type_ids mark {int(wrong.sum())} positions unlike input_ids' tokens, the "
                               f"first row {row}, position {position}: {given} at token {token}, where "
-                              f"{int(types[row, position])} is its type (0 text, 1 image token {config.image_token_id}, "
-                              f"2 video token {config.video_token_id}); pass the processor's mm_token_type_ids with "
-                              f"its input_ids, or leave it out: it is computed from the image and video tokens")
+                              f"{int(types[row, position])} is its type (0 text, 1 image token "
+                              f"{config.image_token_id}, 2 video token {config.video_token_id}); pass the processor's "
+                              f"mm_token_type_ids with its input_ids, or leave it out: it is computed from the image "
+                              f"and video tokens")
     return types
 
 
@@ -110,7 +111,8 @@ def packed_features(image_model: type, vision_forward):
 
     def get_video_features(self, pixel_values_videos, video_grid_thw=None, **kwargs):
         from transformers.modeling_outputs import BaseModelOutputWithPooling
-        return BaseModelOutputWithPooling(pooler_output=(torch.ops.qgraph.mark(held.pop("videos"), VIDEO_FEATURES_PORT),))
+        marked = torch.ops.qgraph.mark(held.pop("videos"), VIDEO_FEATURES_PORT)
+        return BaseModelOutputWithPooling(pooler_output=(marked,))
 
     def get_placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
         # The masks alone: the counts are checked before the call (check_tokens). Releases before 5.23

@@ -17,12 +17,12 @@ import contextlib
 import torch
 from torch.export import Dim
 
-from ..errors import InvalidArgument, InvalidType
+from ..errors import InternalError, InvalidArgument, InvalidType
 from ..compat import attn_implementation_set, vision_forward_kwargs, vision_inputs
 from ..inputs import as_tensor
 from ..inputs import prepare as prepare_inputs
 from . import qwen_layout, qwen_video
-from .base import Images, RepeatedBlocks
+from .base import DimSource, Images, RepeatedBlocks
 from .rules import BATCH1, Derived, Port, ScatterSource, ValueSpec, VarlenAttention
 
 KEYS = ("pixel_values", "image_grid_thw", *qwen_video.VIDEO_KEYS, "mm_token_type_ids")
@@ -44,6 +44,8 @@ def prepare(model, input_ids, attention_mask, pixel_values=None, image_grid_thw=
                                                  image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                                  attention_mask=attention_mask)
     grid = qwen_video.packed(image_grid_thw, None if video_grid_thw is None else qwen_video.frames(video_grid_thw))
+    if grid is None:  # inputs.prepare asks for the image inputs only of a call that has images or videos
+        raise InternalError("the image inputs of a call with neither images nor videos")
     vision = vision_inputs(model.model.visual, grid)  # cu_seqlens, position_ids, interp_*
     image_tokens = 0 if image_grid_thw is None else int(image_grid_thw.prod(-1).sum()) // merge**2
     return {"position_ids": position_ids, "pixel_values": qwen_video.packed(pixel_values, pixel_values_videos),
@@ -199,7 +201,7 @@ HOSTS = {
 
 # The vision tower's layout dims, functions of the model's config (patches and image_tokens are the
 # call's own sizes)
-DIMS = {
+DIMS: dict[str, DimSource] = {
     "vision_hidden_size": lambda config: config.vision_config.hidden_size,
     "vision_num_heads": lambda config: config.vision_config.num_heads,
     "vision_head_dim": lambda config: config.vision_config.hidden_size // config.vision_config.num_heads,
@@ -243,7 +245,8 @@ VALUES = (
               "Each image's scaled scores entering the softmax: a list, one tensor per image, then one per "
               "temporal patch of each video; read-only",
               Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_scores")),
-    ValueSpec("attention_probabilities", "vision_self_attn", "Pattern [images] x [vision_num_heads patches_j patches_j]",
+    ValueSpec("attention_probabilities", "vision_self_attn",
+              "Pattern [images] x [vision_num_heads patches_j patches_j]",
               "Each image's attention pattern: a list, one tensor per image, then one per temporal patch of each "
               "video; read-only",
               Derived(("{host}.attention_queries", "{host}.attention_keys"), "per_image_probabilities")),

@@ -19,10 +19,14 @@ class Rule:
     refused. ``values.locate`` registers one locator per rule type
     (``@locates``)."""
 
-    read_only: ClassVar[bool] = False
     by_name_only: ClassVar[bool] = False
     derived: ClassVar[bool] = False
     region_edits_only: ClassVar[bool] = False  # edited as an affine map inside a kernel: no function edits
+
+    @property
+    def read_only(self) -> bool:
+        """False here; a rule class sets it (a class-level True) or computes it from a field (a property)."""
+        return False
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,15 @@ sum is HF's eager experts' bit for bit, and can differ from the model's grouped_
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from .. import compat
 from .grad import recompute_grads
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 def _routed(indices):
@@ -145,7 +147,8 @@ def _(kind, tensors, activation, implementation, grad_output):
     return [x.new_empty(x.shape) for x in tensors]
 
 
-_FUNCTIONS = {"moe_experts": experts_sum, "moe_expert_neurons": expert_neurons, "moe_experts_down": experts_down}
+_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "moe_experts": experts_sum, "moe_expert_neurons": expert_neurons, "moe_experts_down": experts_down}
 
 
 def _autograd(op, kind: str, tensors: int):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -22,7 +23,8 @@ from . import views
 from .grad import recompute_grads
 
 # The edits of the call running in this context: {value name: (edit, target, view)}
-_EDITS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("qgraph_saved_edits", default={})
+_EDITS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("qgraph_saved_edits",
+                                                             default=MappingProxyType({}))
 
 
 @contextlib.contextmanager

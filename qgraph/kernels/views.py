@@ -13,7 +13,7 @@ from ..errors import InternalError
 
 def resolve(view: tuple, size_of) -> tuple:
     """A rule's view steps (``("heads", dim, dim)``, ``("batch1",)``) with dims made sizes by ``size_of``."""
-    steps = []
+    steps: list[tuple] = []
     for step in view:
         if step[0] == "heads":
             steps.append(("unflatten", size_of(step[1]), size_of(step[2])))

@@ -7,8 +7,8 @@ import torch
 
 from ..errors import InvalidArgument, NotSupported
 from ..figure import Figure
-from .common import (kind_of, layout_of, as_list, asked_option, checked_index, common_tail, decode, describe, head_labels,
-                     input_length, new_figure, on_cpu, panel_side, short_names, ticks, title, token_labels,
+from .common import (kind_of, layout_of, as_list, asked_option, checked_index, common_tail, decode, describe,
+                     head_labels, input_length, new_figure, on_cpu, panel_side, short_names, ticks, title, token_labels,
                      tokenizer_of, value_of)
 
 

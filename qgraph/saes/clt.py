@@ -40,6 +40,13 @@ class CrossLayerTranscoder(torch.nn.Module):
 
     decodes_input = False  # it reads MLP inputs and writes MLP outputs (qgraph.instrument(saes=) refuses it)
     k = None  # no TopK CLTs (the per-layer splice's sparse form is a TopK transcoder's)
+    # one frozen parameter per block, set in __init__; threshold and W_skip None where the CLT has none
+    W_enc: torch.nn.ParameterList
+    b_enc: torch.nn.ParameterList
+    W_dec: torch.nn.ParameterList
+    b_dec: torch.nn.ParameterList
+    threshold: torch.nn.ParameterList | None
+    W_skip: torch.nn.ParameterList | None
 
     def __init__(self, W_enc: Sequence[Tensor], b_enc: Sequence[Tensor], W_dec: Sequence[Tensor],
                  b_dec: Sequence[Tensor], threshold: Sequence[Tensor] | None = None,
@@ -60,7 +67,8 @@ class CrossLayerTranscoder(torch.nn.Module):
         n = len(W_enc)
         first = W_enc[0]
         if not isinstance(first, Tensor) or first.dim() != 2:
-            raise InvalidArgument(f"{source}: W_enc[0] should be a [d_model, d_transcoder] tensor, not {shape_of(first)}")
+            raise InvalidArgument(f"{source}: W_enc[0] should be a [d_model, d_transcoder] tensor, not "
+                                  f"{shape_of(first)}")
         d_model, d_transcoder = first.shape
         dims = {"W_enc": lambda i: (d_model, d_transcoder), "b_enc": lambda i: (d_transcoder,),
                 "W_dec": lambda i: (d_transcoder, n - i, d_model), "b_dec": lambda i: (d_model,),
@@ -88,7 +96,7 @@ class CrossLayerTranscoder(torch.nn.Module):
                 setattr(self, name, None)
 
     @classmethod
-    def load(cls, path, dtype: torch.dtype | None = None, reads: str | None = None) -> "CrossLayerTranscoder":
+    def load(cls, path, dtype: torch.dtype | None = None, reads: str | None = None) -> CrossLayerTranscoder:
         """The CLT stored in the folder ``path``: circuit-tracer's (``W_enc_{i}.safetensors`` and
         ``W_dec_{i}.safetensors``, an optional ``config.yaml`` beside) or Gemma Scope 2's
         (``params_layer_{i}.safetensors``); see ``clt_formats.py``. ``dtype`` casts the weights (the
@@ -149,13 +157,15 @@ class CrossLayerTranscoder(torch.nn.Module):
             given = "a tensor" if isinstance(features_by_block, Tensor) else f"{len(features_by_block)}"
             raise InvalidArgument(f"{self.source}: decode_to({j}, ...) reads the features of blocks 0 to {j}, one "
                                   f"tensor each in a list; {given} given")
-        out = None
-        for i in range(j + 1):
-            features = features_by_block[i]
-            self._check_input(features, self.d_transcoder, f"block {i}'s features")
-            part = features.to(self.W_dec[i].dtype) @ self.W_dec[i][:, j - i]
-            out = part if out is None else out + part
+        out = self._written(0, j, features_by_block[0])
+        for i in range(1, j + 1):
+            out = out + self._written(i, j, features_by_block[i])
         return (out + self.b_dec[j]).to(features_by_block[0].dtype)
+
+    def _written(self, i: int, j: int, features: Tensor) -> Tensor:
+        """What block ``i``'s ``features`` write to block ``j``: ``features @ W_dec[i][:, j - i]``."""
+        self._check_input(features, self.d_transcoder, f"block {i}'s features")
+        return features.to(self.W_dec[i].dtype) @ self.W_dec[i][:, j - i]
 
     def skip(self, i: int, x: Tensor) -> Tensor:
         """Block ``i``'s skip path ``x @ W_skip[i]`` ``[..., d_model]`` in ``x``'s dtype; zeros without one."""
@@ -173,7 +183,7 @@ class CrossLayerTranscoder(torch.nn.Module):
         features = [self.encode(i, x) for i, x in enumerate(inputs)]
         return [self.decode_to(j, features) + self.skip(j, inputs[j]) for j in range(self.n_layers)]
 
-    def block(self, i: int) -> "CLTBlock":
+    def block(self, i: int) -> CLTBlock:
         """Block ``i`` of it, as the splice checks a block's transcoder (its widths, what it reads)."""
         return CLTBlock(self, self._block(i))
 

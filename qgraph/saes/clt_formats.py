@@ -138,7 +138,7 @@ def _gemma_scope_2(folder: Path, files: dict) -> dict:
             has = "affine_skip_connection" in file.keys()
             if skip is not None and has != skip:
                 raise InvalidArgument(f"{files[i]}: " + ("an" if has else "no") + " affine_skip_connection, unlike "
-                                      f"params_layer_0.safetensors: every block has one or none does")
+                                      "params_layer_0.safetensors: every block has one or none does")
             skip = has
             layout = {"w_enc": "d_model d_transcoder", "b_enc": "d_transcoder", "b_dec": "d_model",
                       "threshold": "d_transcoder", "w_dec": "d_transcoder blocks d_model"}

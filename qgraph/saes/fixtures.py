@@ -109,9 +109,11 @@ def write_transcoders(dir, d_model: int, layers, d_transcoder: int, *, format: s
     for i in (range(layers) if isinstance(layers, int) else layers):
         w = weights(d_model, d_transcoder, seed + 1000 * i)
         generator = torch.Generator().manual_seed(seed + 1000 * i + 1)
-        w_skip = torch.randn(d_model, d_model, generator=generator) * (0.1 * d_model ** -0.5)  # the record's [d_in, d_out]
+        # the record's [d_in, d_out]
+        w_skip = torch.randn(d_model, d_model, generator=generator) * (0.1 * d_model ** -0.5)
         if format == "circuit-tracer":
-            tensors = {"W_enc": w["W_enc"].T.contiguous(), "W_dec": w["W_dec"], "b_enc": w["b_enc"], "b_dec": w["b_dec"]}
+            tensors = {"W_enc": w["W_enc"].T.contiguous(), "W_dec": w["W_dec"], "b_enc": w["b_enc"],
+                       "b_dec": w["b_dec"]}
             if activation == "jumprelu":
                 tensors["activation_function.threshold"] = w["threshold"]
             if activation == "topk":
@@ -128,15 +130,17 @@ def write_transcoders(dir, d_model: int, layers, d_transcoder: int, *, format: s
             tensors["W_skip"] = w_skip.T.contiguous()
         (folder / f"layer_{i}").mkdir(exist_ok=True)
         save_file(tensors, str(folder / f"layer_{i}" / "sae_weights.safetensors"))
-        cfg = {"d_in": d_model, "d_sae": d_transcoder, "dtype": "float32", "device": "cpu", "apply_b_dec_to_input": False,
-               "normalize_activations": "none", "reshape_activations": "none",
-               "metadata": {"sae_lens_version": "6.0.0", "sae_lens_training_version": "6.0.0", "model_name": model_name,
-                            "hook_name": f"blocks.{i}.ln2.hook_normalized", "hook_name_out": f"blocks.{i}.hook_mlp_out"},
+        cfg = {"d_in": d_model, "d_sae": d_transcoder, "dtype": "float32", "device": "cpu",
+               "apply_b_dec_to_input": False, "normalize_activations": "none", "reshape_activations": "none",
+               "metadata": {"sae_lens_version": "6.0.0", "sae_lens_training_version": "6.0.0",
+                            "model_name": model_name, "hook_name": f"blocks.{i}.ln2.hook_normalized",
+                            "hook_name_out": f"blocks.{i}.hook_mlp_out"},
                "d_out": d_model, "architecture": architecture}
         (folder / f"layer_{i}" / "cfg.json").write_text(json.dumps(cfg))
     if format == "circuit-tracer":
-        config = {"model_kind": "transcoder_set", "model_name": model_name, "feature_input_hook": "mlp.hook_in",
-                  "feature_output_hook": "mlp.hook_out", "scan": f"{model_name}-transcoders"}
+        config: dict[str, object] = {"model_kind": "transcoder_set", "model_name": model_name,
+                                     "feature_input_hook": "mlp.hook_in", "feature_output_hook": "mlp.hook_out",
+                                     "scan": f"{model_name}-transcoders"}
         if activation == "topk":
             config.update(activation="topk", k=k)
         import yaml

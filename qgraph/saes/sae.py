@@ -62,13 +62,13 @@ class SAE(torch.nn.Module):
         self.b_enc = frozen(b_enc, dtype)
         self.W_dec = frozen(W_dec, dtype)
         self.b_dec = frozen(b_dec, dtype)
-        if activation == "jumprelu":
+        if threshold is not None:  # a JumpReLU SAE's, and only its (_check_shapes)
             self.threshold = frozen(threshold, dtype)
         else:
             self.register_parameter("threshold", None)
 
     @classmethod
-    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None) -> "SAE":
+    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None) -> SAE:
         """The SAE stored at ``path`` (a local file or folder) in any of the formats ``formats.py``
         reads: Qwen-Scope, SAELens or sparsify. ``layer`` picks one of a folder of layers; ``k``
         overrides (or, for Qwen-Scope without ``L0_<k>`` in the path, supplies) a TopK SAE's k;
@@ -94,7 +94,7 @@ class SAE(torch.nn.Module):
         """A TopK SAE's own sparse form of ``x``'s features: ``(activations, indices)``, each ``[..., k]``,
         the encoder's selection (the k largest pre-activations per token, largest first) and their
         values after the activation (relu'd when ``topk_relu``, raw, possibly negative, when not)."""
-        if self.activation != "topk":
+        if self.activation != "topk" or self.k is None:  # a TopK SAE has its k (checked when made)
             raise InvalidArgument(f"{self.source}: the sparse form is a TopK SAE's (k features per token); this one "
                                   f"is {self.activation}: read encode(x)")
         values, indices = self.pre(x).topk(self.k, dim=-1)
@@ -165,8 +165,8 @@ def _check_shapes(source: str, W_enc, b_enc, W_dec, b_dec, threshold, activation
     for name, (tensor, shape) in expected.items():
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape:
             makes = "makes" if decodes_input else f"and b_dec [d_out={d_out}] make"
-            raise InvalidArgument(f"{source}: {name} has shape {shape_of(tensor)}, but W_enc [d_in={d_in}, d_sae={d_sae}] "
-                                  f"{makes} it {list(shape)}")
+            raise InvalidArgument(f"{source}: {name} has shape {shape_of(tensor)}, but W_enc [d_in={d_in}, "
+                                  f"d_sae={d_sae}] {makes} it {list(shape)}")
 
 
 def shape_of(tensor) -> str:

@@ -29,8 +29,8 @@ def check_saes(request, resolve, catalogue) -> dict:
     for pattern, sae in saes.items():
         names = resolve(pattern)
         if len(names) != 1:
-            raise InvalidArgument(f"saes: '{pattern}' selects {len(names)} values ({names[:4]}...); give each SAE the one "
-                                  f"value it reads, e.g. 'layers.5.layer_output'")
+            raise InvalidArgument(f"saes: '{pattern}' selects {len(names)} values ({names[:4]}...); give each SAE "
+                                  f"the one value it reads, e.g. 'layers.5.layer_output'")
         hook = names[0]
         if getattr(sae, "decodes_input", True) is False:  # a Transcoder: it reads one value and writes another
             raise InvalidType(f"saes['{hook}'] is a transcoder ({sae.source}): splice it across a block's MLP with "
@@ -39,9 +39,9 @@ def check_saes(request, resolve, catalogue) -> dict:
             raise InvalidType(f"saes['{hook}'] is a {type(sae).__name__}, not an SAE: load one with "
                               f"qgraph.SAE.load(path, layer=...)")
         if getattr(sae, "hook", None) and sae.hook != hook:
-            raise InvalidArgument(f"saes['{hook}']: {getattr(sae, 'source', 'the SAE')} was trained on '{sae.hook}', not "
-                                  f"'{hook}': splice it at '{sae.hook}', or load it with SAE.load(path, hook='{hook}') "
-                                  f"if you mean to")
+            raise InvalidArgument(f"saes['{hook}']: {getattr(sae, 'source', 'the SAE')} was trained on "
+                                  f"'{sae.hook}', not '{hook}': splice it at '{sae.hook}', or load it with "
+                                  f"SAE.load(path, hook='{hook}') if you mean to")
         width = catalogue[hook].shape[-1]
         if sae.d_in != width:
             raise InvalidArgument(f"saes['{hook}']: the SAE reads vectors of {sae.d_in} but '{hook}' has "

@@ -43,26 +43,31 @@ class Transcoder(SAE):
         if reads not in READS:
             raise InvalidArgument(f"{source}: reads={reads!r}: a transcoder reads one of {READS} of its block")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
-            raise InvalidArgument(f"{source}: layer={layer!r}: give the block index it belongs to (an int >= 0) or None")
+            raise InvalidArgument(f"{source}: layer={layer!r}: give the block index it belongs to (an int >= 0) "
+                                  f"or None")
         super().__init__(W_enc, b_enc, W_dec, b_dec, activation, k=k, threshold=threshold, subtract_b_dec=False,
                          topk_relu=topk_relu, hook=None if layer is None else f"layers.{layer}.{reads}", source=source)
         self.layer, self.reads, self.d_out = layer, reads, self.b_dec.shape[0]
         if W_skip is None:
             self.register_parameter("W_skip", None)
         elif not isinstance(W_skip, Tensor) or tuple(W_skip.shape) != (self.d_in, self.d_out):
-            raise InvalidArgument(f"{source}: W_skip has shape {shape_of(W_skip)}, but W_enc [d_in={self.d_in}, ...] and "
-                                  f"b_dec [d_out={self.d_out}] make it {[self.d_in, self.d_out]} (x @ W_skip)")
+            raise InvalidArgument(f"{source}: W_skip has shape {shape_of(W_skip)}, but W_enc [d_in={self.d_in}, ...] "
+                                  f"and b_dec [d_out={self.d_out}] make it {[self.d_in, self.d_out]} (x @ W_skip)")
         else:
             self.W_skip = frozen(W_skip, self.W_enc.dtype)
 
     @classmethod
-    def load(cls, path, layer: int | None = None, k: int | None = None) -> "Transcoder":
+    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None) -> Transcoder:
         """The transcoder stored at ``path`` (a local file or folder): circuit-tracer's per-layer
         transcoders (a set's folder with ``config.yaml`` and ``layer_{i}.safetensors``, or one such file)
         or a SAELens 6 transcoder (``cfg.json`` + ``sae_weights.safetensors``; a folder of ``layer_{i}``
         folders of them). ``layer`` picks one of a set (and must agree with the transcoder's own where
-        the format says it); ``k`` overrides (or supplies) a TopK transcoder's k."""
+        the format says it); ``k`` overrides (or supplies) a TopK transcoder's k. ``hook`` is ``SAE.load``'s:
+        a transcoder reads its block's ``reads``, so it takes none."""
         from .transcoder_formats import read
+        if hook is not None:
+            raise InvalidArgument(f"Transcoder.load(hook={hook!r}): a transcoder reads the value its record names at "
+                                  f"its layer; pick the layer with layer=, or load an SAE with SAE.load(hook=)")
         return cls(**read(path, layer=layer, k=k))
 
     @property

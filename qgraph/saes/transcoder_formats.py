@@ -104,7 +104,8 @@ def _circuit_tracer(file: Path, config: dict, k: int | None, layer: int | None) 
                                f"JumpReLU is relu(pre) * (pre > threshold), circuit-tracer's pre * (pre > threshold)")
     if activation != "topk" and k is not None:
         raise InvalidArgument(f"{file}: k={k!r} is for TopK transcoders; this one is {activation}")
-    reads, own = _hooks(file.parent / "config.yaml", config.get("feature_input_hook"), config.get("feature_output_hook"))
+    reads, own = _hooks(file.parent / "config.yaml", config.get("feature_input_hook"),
+                        config.get("feature_output_hook"))
     return dict(W_enc=tensors["W_enc"].T.contiguous(), b_enc=tensors["b_enc"], W_dec=tensors["W_dec"],
                 b_dec=tensors["b_dec"], activation=activation, k=_int(k), threshold=threshold,
                 W_skip=tensors["W_skip"].T.contiguous() if "W_skip" in tensors else None, topk_relu=False,
@@ -198,7 +199,8 @@ def _set_files(folder: Path, config: dict) -> Mapping[int, Path | str]:
         return numbered(folder, r"layer_(\d+)\.safetensors", want_dir=False)
     files: dict[int, Path | str] = {}
     for index, entry in enumerate(listed if isinstance(listed, list) else []):
-        number, where = (entry.get("layer", index), entry.get("filepath")) if isinstance(entry, dict) else (index, entry)
+        number, where = ((entry.get("layer", index), entry.get("filepath")) if isinstance(entry, dict)
+                         else (index, entry))
         if not isinstance(where, str):
             raise InvalidArgument(f"{folder / 'config.yaml'}: transcoders[{index}] is {entry!r}, not a file path")
         if where.startswith("hf://"):  # hf://org/repo/path/in/repo?revision=...: that path, or its name, here

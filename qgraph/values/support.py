@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .catalogue import Entry
+
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ def _ranges(blocks: list[int]) -> str:
     return ",".join(str(b) for b in blocks)
 
 
-def support(model: torch.nn.Module) -> SupportTable:
+def support(model: PreTrainedModel) -> SupportTable:
     """The support table of ``model``: every standard value, its layout and shape, and per block
     whether it is available here, with the reason where it is not."""
     from ..export import export_model
