@@ -22,6 +22,7 @@ import math
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import safetensors.torch
 import torch
@@ -46,6 +47,9 @@ from . import sandbox, schema
 from .fxdata import device, graph_parts, unbuilt
 from .write import FORMAT, GRAPH, META, TENSORS, read_meta, versions
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def load(path, weights=None, *, max_work: float | None = None) -> LoadedProgram:
     """The program saved at ``path``, run with ``weights``: None (the ``.safetensors`` file, or the
@@ -69,8 +73,9 @@ def _load(path, weights, stage, max_work=None) -> LoadedProgram:
     stage("read the weights")
     tensors = _weights(path, meta, weights)
     stage("load the program")
-    return LoadedProgram(path, module, data["inputs"], meta, tensors,
-                         weights if isinstance(weights, torch.nn.Module) else None, bounds)
+    # a model given as the weights is followed (its fingerprint reads a transformers model's config)
+    model = cast("PreTrainedModel", weights) if isinstance(weights, torch.nn.Module) else None
+    return LoadedProgram(path, module, data["inputs"], meta, tensors, model, bounds)
 
 
 def check(path) -> tuple[dict, dict, torch.fx.GraphModule, sandbox.Bounds]:
@@ -205,7 +210,7 @@ class LoadedProgram:
     for a value at a slot), so the recipes and pictures run on it."""
 
     def __init__(self, path: Path, module: torch.fx.GraphModule, inputs: list, meta: dict, weights: dict,
-                 model: torch.nn.Module | None = None, bounds: sandbox.Bounds | None = None):
+                 model: PreTrainedModel | None = None, bounds: sandbox.Bounds | None = None):
         self.path, self.module, self.meta, self._bounds = path, module, meta, bounds
         self.values: list[str] = meta["values"]
         self.slots: dict[str, Target] = {name: Target(name, slot["layout"], tuple(slot["dims"]))
