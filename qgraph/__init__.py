@@ -57,7 +57,7 @@ def _check_versions() -> None:
     (qgraph/compat/) were written for a range of torch and transformers releases."""
     global _checked
     if not _checked:
-        from .compat import check_versions
+        from .compat import check_versions  # lazy: qgraph.compat imports this module's package at import time (a cycle)
         check_versions()
         _checked = True
 

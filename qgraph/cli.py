@@ -21,6 +21,11 @@ from pathlib import Path
 
 from .errors import InternalError, QgraphError, UsageError
 from .render import DETAIL, WHAT  # the render package imports graphviz and torch only when it draws
+from .capture.cli import add_arguments, main as run_capture
+from .serve.cli import add_arguments as add_serve_arguments
+from . import __version__
+import qgraph
+from qgraph.render import render
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -78,7 +83,6 @@ def build_parser() -> Parser:
         description="Capture values over a dataset into --out (manifest.json and shards/); rerun the same command "
                     "to resume. Under 'torchrun --nproc_per_node N -m qgraph capture ...' each rank takes its share.",
         formatter_class=HelpFormatter)
-    from .capture.cli import add_arguments, main as run_capture
     add_arguments(capture)
     capture.set_defaults(handler=run_capture)
     serve = commands.add_parser(
@@ -86,7 +90,6 @@ def build_parser() -> Parser:
         description="Serve MODEL over HTTP (GET /v1/health, GET /v1/info, POST /v1/run; docs/serving.md): clients "
                     "call it with qgraph.remote(url, api_key). Prints 'qgraph serve: listening on http://HOST:PORT' "
                     "when ready; SIGTERM ends it cleanly.", formatter_class=HelpFormatter)
-    from .serve.cli import add_arguments as add_serve_arguments
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
     return parser
@@ -94,7 +97,7 @@ def build_parser() -> Parser:
 
 def run_serve(args) -> int:
     """``qgraph serve``: the model is loaded (after the command's own checks) here, as the other commands load it."""
-    from .serve.cli import main
+    from .serve.cli import main  # lazy: at module level main would shadow this module's own
 
     def load():
         path = checkpoint_path(args.model)
@@ -103,7 +106,7 @@ def run_serve(args) -> int:
 
 
 def run_check(args) -> int:
-    from .saved.read import check
+    from .saved.read import check  # lazy: keeps safetensors, sympy, torch, tqdm, transformers out until this is used
     meta, _, module, bounds = check(args.path)
     calls = sum(node.op == "call_function" for node in module.graph.nodes)
     print(f"{args.path}: a {meta['model_class']} program of {calls} op calls, {len(meta['values'])} values, "
@@ -145,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def version() -> str:
     """The installed qgraph's version."""
-    from . import __version__
     return __version__
 
 
@@ -187,7 +189,7 @@ def checkpoint_path(model: str | None) -> Path:
     embedded tiny checkpoint."""
     if model is None:
         quiet_transformers()
-        from .testing import cached_tiny_model
+        from .testing import cached_tiny_model  # lazy: keeps torch out until this is used
         return cached_tiny_model()
     path = Path(model).expanduser()
     if not path.exists():
@@ -205,7 +207,7 @@ def quiet_transformers() -> None:
     (stderr not a terminal, or QGRAPH_PROGRESS=0)."""
     import transformers
 
-    from .progress import enabled
+    from .progress import enabled  # lazy: keeps tqdm out until this is used
     transformers.logging.set_verbosity_error()  # its kernel fallback notice is not news here
     if not enabled():
         transformers.utils.logging.disable_progress_bar()
@@ -229,7 +231,7 @@ def load_model(path: Path, attn_implementation: str):
 
 def print_table(table) -> None:
     """Print a rich table: fitted to the terminal (styled) on a tty, plain at its natural width otherwise."""
-    from .values.support import plain_text
+    from .values.support import plain_text  # lazy: keeps sympy, torch, transformers out until this is used
     if sys.stdout.isatty() and os.environ.get("TERM") != "dumb":
         from rich.console import Console
         Console().print(table)
@@ -241,7 +243,6 @@ def print_table(table) -> None:
 def run_support(args) -> int:
     """``qgraph support``: the value table of a checkpoint."""
     path = checkpoint_path(args.model)
-    import qgraph
     model = load_model(path, args.attn_implementation)
     table = qgraph.support(model)
     print(f"checkpoint: {path} ({type(model).__name__}, attn_implementation={args.attn_implementation})")
@@ -258,9 +259,8 @@ def run_demo(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    import qgraph
 
-    from .progress import progress
+    from .progress import progress  # lazy: keeps tqdm out until this is used
     print(f"checkpoint: {path}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = load_model(path, args.attn_implementation)
@@ -297,6 +297,7 @@ def value_table(values: dict):
     that is not a tensor (``input_size``, a ``torch.Size``) shows as it is, ``value (1, 9)``."""
     import torch
 
+    # lazy: keeps sympy, torch, transformers out until this is used
     from .values.support import add_text_row, plain_table
     table = plain_table("value", "shape", "masked", "mean", "std", "max |x|")
     for column in table.columns[2:]:
@@ -352,10 +353,8 @@ def run_render(args) -> int:
     """Draw what ``args`` asks for; qgraph's errors (a bad block, no Graphviz) reach ``qgraph.cli.main``,
     which prints them as one line."""
     path = checkpoint_path(args.model)
-    import qgraph
-    from qgraph.render import render
 
-    from .progress import progress
+    from .progress import progress  # lazy: keeps tqdm out until this is used
     model = load_model(path, args.attn_implementation)
     # qgraph.instrument: the function at run time (qgraph/__init__.py's _Package); mypy sees the submodule
     subject = (qgraph.instrument(model, values=args.values, logits=True)  # type: ignore[operator]

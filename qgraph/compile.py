@@ -28,6 +28,7 @@ import torch
 
 from .compat import inductor_symbolic_strides_fix, mark_dynamic
 from .errors import InvalidType
+from .runners import Compiled
 
 
 class CompiledProgram:
@@ -52,7 +53,7 @@ class CompiledProgram:
                 mark_dynamic(args[index], dim)
         if getattr(self, "_called", False):
             return self.compiled(*args)
-        from .progress import progress
+        from .progress import progress  # lazy: keeps tqdm out until this is used
         with progress("qgraph: compiling (first call)"):  # a line on stderr past 2 s
             result = self.compiled(*args)
         self._called = True
@@ -62,7 +63,6 @@ class CompiledProgram:
 def compile_program(program, **options) -> CompiledProgram:
     """Compile a built ``qgraph.program.Program``: it runs by the ``Compiled`` runner from now on (the
     compiled module, but for calls with per-call edits)."""
-    from .runners import Compiled  # noqa: PLC0415 — torch.compile's module is loaded with the runner only when compiling
     compiled = CompiledProgram(program.module, **options)
     program.runs_on(Compiled(compiled))
     return compiled

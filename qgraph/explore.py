@@ -23,6 +23,9 @@ import torch
 
 from .errors import InvalidArgument, InvalidType, OutOfRange, QgraphError
 from .figure import Figure, inline_svg
+from .interface import Instrument
+from .render import render
+from .plots import KINDS, kind_of, layout_of
 
 __all__ = ["explore"]
 
@@ -115,7 +118,6 @@ def explore(ig_or_model, out=None, *, blocks=None, plots: int = 32) -> Figure:
     kind, ``"all"`` every block, or a list of block numbers. ``plots``: the most values plotted into
     the page (each plot is a few tens of KB; 0 for none). Returns a ``qgraph.Figure`` (shown in a
     notebook; ``.save("model.html")``)."""
-    from .interface import Instrument  # noqa: PLC0415 — kept out of import qgraph's path
     from .output import Output  # noqa: PLC0415 — likewise
 
     if isinstance(ig_or_model, Instrument):  # local, remote or loaded: its catalogue, family and config
@@ -241,7 +243,6 @@ def _diagram(ig_or_model, what: str, layer, catalogue, shown: set) -> str:
                 'not drawn here: qgraph.explore(model) where the model is draws it; the values are listed below.</div>')
     import graphviz
 
-    from .render import render
     try:
         svg = render(ig_or_model, what=what, layer=layer).pipe(format="svg", encoding="utf-8", quiet=True)
     except graphviz.ExecutableNotFound:
@@ -309,7 +310,6 @@ def _facts(name: str, catalogue, marks: dict) -> dict:
 def _add_captured(data: dict, out, plots: int) -> None:
     """Shape, dtype, statistics and (for the first ``plots`` values with a plot) the plot of every value
     ``out`` holds."""
-    from .plots import KINDS, kind_of, layout_of
     budget = plots
     for name, value in out.values.items():
         if name not in data:

@@ -31,6 +31,7 @@ from .passes.decode import carried
 from .passes.edit import applying
 from .program import Program
 from .progress import progress
+from .reprs import generated
 
 
 class Step(dict):
@@ -71,11 +72,9 @@ class GenerateOutput:
         return torch.stack([step[name][:, position] for step in self.steps], dim=1)
 
     def __repr__(self) -> str:  # short: the sequences' shape, the steps, the values per step (qgraph/reprs.py)
-        from .reprs import generated
         return generated(self).text()
 
     def _repr_html_(self) -> str:
-        from .reprs import generated
         return generated(self).html()
 
 

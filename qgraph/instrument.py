@@ -28,6 +28,11 @@ from .values.support import annotated_tree
 from .saes.splice import check_saes, check_transcoders
 from .distributed import Stages, stage_program
 from .distributed.weights import load_weights
+from .sweep import sweep
+from .saved import save
+from .generate import generate
+from .saes.read import top_features
+from .lens import project_on_vocab, logit_lens
 
 if TYPE_CHECKING:  # a type only: transformers is imported with the model
     from transformers import PreTrainedModel
@@ -250,7 +255,6 @@ class InstrumentedModel:
 
     def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads, batch_size) -> dict:
         """``qgraph.patch``'s locations, as a sweep that runs the corrupt prefix once (``qgraph.sweep``)."""
-        from .sweep import sweep  # noqa: PLC0415 — the sweep (and the stages' cutting it uses) loads with the first patch
         return sweep(self, clean, corrupt, names, metric, positions, heads, batch_size)
 
     def compile(self, **options) -> InstrumentedModel:
@@ -345,7 +349,6 @@ class InstrumentedModel:
         archive, without weights; ``weights=True`` writes them beside it: ``<name>.safetensors``, or
         shards of at most ``max_shard_size`` and ``<name>.safetensors.index.json``).
         ``qgraph.load(path, weights=...)`` runs it with no model class."""
-        from .saved import save
         return save(self, path, weights, max_shard_size)
 
     # -- generating --------------------------------------------------------------------------------
@@ -359,7 +362,6 @@ class InstrumentedModel:
         if self._stages is not None:
             raise NotSupported("generate does not run stages yet: generate with an instrument without stages= "
                                "(stages serve prompt passes: calls and capture)")
-        from .generate import generate
         return generate(self, input_ids, attention_mask, **kwargs)
 
     # -- reading the stream -------------------------------------------------------------------
@@ -369,13 +371,11 @@ class InstrumentedModel:
         the SAE spliced at block ``layer`` (see ``instrument(..., saes=...)``), largest first, as this
         instrument runs (its fixed edits and other SAEs in place). Where the block has several SAEs,
         ``value`` names the one by the value it reads (``"layers.1.layer_input"``)."""
-        from .saes.read import top_features
         return top_features(self, input_ids, layer, k, attention_mask, value)
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a residual-stream tensor: the model's final norm (its ``1 + weight`` gain), then
         its lm_head, so ``project_on_vocab(layers[-1].layer_output) == logits``."""
-        from .lens import project_on_vocab  # noqa: PLC0415 — the lens loads with its first use
         return project_on_vocab(self, hidden)
 
     def logit_lens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -384,7 +384,6 @@ class InstrumentedModel:
         probabilities)}``, each ``[batch, len(positions), top]``, from ``project_on_vocab`` of the block's
         ``layer_output`` (as this instrument computes it: its fixed edits and SAEs in place); its
         ``.plot()`` draws blocks × positions with each cell's top token (``qgraph/lens.py``)."""
-        from .lens import logit_lens
         return logit_lens(self, input_ids, attention_mask, positions, top)
 
     # -- looking: repr(ig) (and ig in a notebook) is a short summary; tree() the module tree annotated with

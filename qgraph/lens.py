@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InvalidArgument
+from .plots import lens_figure
 
 __all__ = ["LogitLens", "logit_lens", "project_on_vocab"]
 
@@ -22,7 +23,6 @@ class LogitLens(dict):
         coloured by its probability. Tokens are decoded with ``tokenizer`` (default: the model's own
         when its folder holds one, else the ids are shown); ``tokens`` labels the positions instead of
         the input's tokens; ``batch`` picks the prompt."""
-        from .plots import lens_figure
         return lens_figure(self, tokenizer, batch, tokens)
 
     def __repr__(self) -> str:

@@ -10,6 +10,8 @@ from . import reprs
 from .errors import InvalidArgument, InvalidState, NotCaptured
 from .kernels import views
 from .values.names import canonical
+from .plots import plot
+from .values.names import matching
 
 
 @dataclass
@@ -40,7 +42,6 @@ class Output:
         norms and one head's matrix, the residual stream its norm per token (blocks × tokens for a
         glob), SAE features the top ones per token. ``tokens`` (strings) label the token axes (default:
         the call's tokens, decoded when the model's folder has a tokenizer); ``batch=0`` picks the row."""
-        from .plots import plot
         return plot(self, name, tokens, **options)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -100,7 +101,6 @@ class Output:
     def select(self, pattern: str) -> list[str]:
         """The captured names ``pattern`` (a name, an alias or a glob, ``"layers.*.layer_output"``) selects,
         in block order (block 10 after block 2); ``NotCaptured`` when it selects none."""
-        from .values.names import matching
         patterns = [pattern]
         if self.aliases is not None and isinstance(pattern, str):
             try:

@@ -95,7 +95,7 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
 def _by_location(effect: torch.Tensor, dims: list[str], name: str, positions, heads) -> torch.Tensor:
     """``effect`` summed over each location: over every axis but those of the positions and heads
     asked for, then those indexed as asked, positions first (``patch``'s shapes)."""
-    from .sweep import axis_of, locations
+    from .sweep import axis_of, locations  # lazy: keeps tqdm out until this is used
     kept = {}  # axis -> the indices asked along it, in the order positions, heads
     for what, given in (("positions", positions), ("heads", heads)):
         axis = axis_of(dims, what)

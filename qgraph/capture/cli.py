@@ -60,7 +60,7 @@ def main(args) -> int:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .run import capture
+    from .run import capture  # lazy: keeps safetensors, sympy, torch, tqdm, transformers out until this is used
     transformers.logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     if torch.cuda.is_available():
@@ -80,7 +80,7 @@ def _saes(specs: list[str]) -> dict:
     """``{value: SAE}`` from ``--sae VALUE=PATH`` options (the layer of a folder of layers is VALUE's block)."""
     import re
 
-    from ..saes import SAE
+    from ..saes import SAE  # lazy: keeps torch out until this is used
     saes = {}
     for spec in specs:
         value, _, path = spec.partition("=")

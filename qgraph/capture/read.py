@@ -26,6 +26,7 @@ from ..errors import InvalidArgument, MissingFile, OutOfRange, UnknownValue
 from ..values.aliases import tl_names
 from .integrity import CaptureCorrupt, check_bytes, check_header, check_layout
 from .manifest import FORMAT, META
+from ..reprs import capture
 
 if TYPE_CHECKING:  # a type only: safetensors is imported when a shard is first read
     from safetensors import safe_open
@@ -65,11 +66,9 @@ class Capture(torch.utils.data.Dataset):
         return len(self._where)
 
     def __repr__(self) -> str:  # short: where, rows, values, shards (qgraph/reprs.py)
-        from ..reprs import capture
         return capture(self).text()
 
     def _repr_html_(self) -> str:
-        from ..reprs import capture
         return capture(self).html()
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:

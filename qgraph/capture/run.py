@@ -26,6 +26,7 @@ from .integrity import shard_file
 from .manifest import META, CaptureMismatch, check, done_shards, merge, model_identity, new_manifest, \
     recorded_shard_rows, saes_identity, tokenizer_identity, write_json
 from .writer import ShardJob, ShardWriter
+from ..progress import progress
 
 _SHARD_BYTES = 256 << 20  # the default shard size aimed at
 
@@ -110,7 +111,6 @@ def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_s
 
 def _run(ig, names, rows, out, world, device, dtype, batch_size, shard_rows, max_tokens, show) -> int:
     """The capture loop of one rank; returns how many of its shards were already done."""
-    from ..progress import progress
     done = {shard["index"]: shard for shard in done_shards(out, world.rank, verify=True)}
     writer = ShardWriter(out, world.rank, [done[i] for i in sorted(done)])
     mine = ((index, row) for index, row in enumerate(rows) if index % world.size == world.rank)

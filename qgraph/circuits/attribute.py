@@ -28,6 +28,7 @@ from ..progress import progress
 from .graph import AttributionGraph, Node
 from .rows import OFFLOADS, Rows, feature_influence
 from .transcoders import transcoder_set
+from ..kernels.grad import keep_recomputation
 
 IN_FLIGHT = 0.25  # a batch's gradients and working memory, at most this part of what the forward keeps
 GATHERED = 1 << 22  # elements of gradients gathered at once (16 MiB of float32) to dot with decoder rows
@@ -50,7 +51,7 @@ def attribution_graph(model_or_ig, input_ids, transcoders, *, max_n_logits: int 
     a temporary file.
     ``qgraph.circuits.estimate`` says beforehand what a call will hold and how many backwards it takes.
     ``tokenizer`` decodes the tokens for the views."""
-    from ..instrument import InstrumentedModel
+    from ..instrument import InstrumentedModel  # lazy: keeps safetensors, sympy, transformers out until this is used
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
     ids = checked_prompt(input_ids, model)
@@ -78,10 +79,10 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     """The prompt ``ids`` ``[seq]`` run once through the replacement model: what its sources add, and
     ``rows(targets)``, their direct effects by backward passes of ``batch_size`` targets. ``counter``
     (``estimate.SavedBytes``) counts what autograd saves (and, for ``estimate``, keeps none of it)."""
-    from ..export import export_model
-    from ..families import family_for
-    from ..passes.replacement import EMBEDDINGS, inject_name
-    from ..program import Program
+    from ..export import export_model  # lazy: keeps transformers out until this is used
+    from ..families import family_for  # lazy: keeps transformers out until this is used
+    from ..passes.replacement import EMBEDDINGS, inject_name  # lazy: keeps transformers out until this is used
+    from ..program import Program  # lazy: keeps sympy, transformers out until this is used
 
     blocks = len(family_for(model).block_mixers(model.config))
     transcoders = transcoder_set(transcoders, blocks, model)
@@ -91,7 +92,6 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     program.build(["layers.0.layer_input", "final_norm_output", *(f"layers.{i}.{transcoders.reads[i]}"
                                                                   for i in range(blocks))],
                   {}, True, replacement=transcoders.spliced)
-    from ..kernels.grad import keep_recomputation
     seq, device = ids.shape[0], next(model.parameters()).device
     ids = ids.to(device)
     width = input_embedding(model).embedding_dim
@@ -99,6 +99,7 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
                for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
     inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
+    # lazy: qgraph.circuits.memory imports this module's package at import time (a cycle)
     from .memory import SavedBytes, in_flight, resident
     counter = counter or SavedBytes(keep=True)
     counter.built = resident()  # the export (if this process had none) and the build are held from here
@@ -174,7 +175,7 @@ class _Run:
     """One run of the frozen program: what the sources add, and the rows of targets by backward passes."""
 
     def __init__(self, transcoders, captured, logits, injects, blocks, batch_size, unembedding):
-        from ..passes.replacement import EMBEDDINGS, inject_name
+        from ..passes.replacement import EMBEDDINGS, inject_name  # lazy: keeps transformers out until this is used
         self.transcoders, self.logits, self.blocks, self.batch = transcoders, logits.detach(), blocks, batch_size
         # a logit target's direction lies on the unembedding's input, the final norm's output (frozen: the
         # logits are linear in it), at the last position: W_U[token] - mean(W_U), never vocabulary-wide

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..inputs import input_embedding
+from ..errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,18 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
              offload: str | None = None) -> Estimate:
     """The memory ``attribution_graph`` with these arguments will add and the backward passes it will
     take (see the module's docstring for how), from one forward that keeps nothing."""
-    from ..instrument import InstrumentedModel
+    from ..instrument import InstrumentedModel  # lazy: keeps safetensors, sympy, transformers out until this is used
+    # lazy: qgraph.circuits.attribute imports this module's package at import time (a cycle)
     from .attribute import check_attribution_options, checked_prompt, salient_logits, replacement_run
+    # lazy: qgraph.circuits.memory imports this module's package at import time (a cycle)
     from .memory import SavedBytes, in_flight, resident, storage_bytes
+    # lazy: qgraph.circuits.rows imports this module's package at import time (a cycle)
     from .rows import OFFLOADS, working_rows
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
     ids = checked_prompt(input_ids, model)
     check_attribution_options(max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval)
     if offload not in OFFLOADS:
-        from ..errors import InvalidArgument
         raise InvalidArgument(f"offload={offload!r}: None (the rows in memory) or 'disk' (in a temporary file)")
     gc.collect()
     start = resident()

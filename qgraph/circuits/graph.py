@@ -190,6 +190,7 @@ class AttributionGraph:
 
     def scores(self):
         """circuit-tracer's ``(replacement, completeness)`` scores of this graph (``circuits.scores``)."""
+        # lazy: qgraph.circuits.scores imports this module's package at import time (a cycle)
         from .scores import graph_scores
         return graph_scores(self)
 
@@ -333,6 +334,7 @@ class AttributionGraph:
         shows its activation, influence and, where given, its label and top logits
         (``{(layer, feature): ...}``). Returns a ``Figure`` (shown in a notebook; ``.save("g.html")`` or
         ``.save("g.svg")``). A graph not yet pruned is pruned first."""
+        # lazy: qgraph.circuits.render imports this module's package at import time (a cycle)
         from .render import figure
 
         return figure(self._as_pruned(node_threshold, edge_threshold), labels or {}, top_logits or {})
@@ -341,6 +343,7 @@ class AttributionGraph:
                     node_threshold: float | None = None, edge_threshold: float | None = None):
         """The pruned graph as a ``graphviz.Digraph`` (one rank per layer; ``.source`` is the DOT). A graph
         not yet pruned is pruned first."""
+        # lazy: qgraph.circuits.render imports this module's package at import time (a cycle)
         from .render import digraph
 
         return digraph(self._as_pruned(node_threshold, edge_threshold), labels or {})

@@ -38,6 +38,12 @@ import torch
 
 from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..inputs import input_embedding
+from ..compat import attn_implementation
+from ..inputs import prepare
+from ..kernels.ops import DELTA_RULE_OPS
+from ..passes.edit import applying
+from ..saes.clt import CrossLayerTranscoder
+from ..saes.transcoder import Transcoder
 
 
 @dataclass(repr=False)
@@ -126,8 +132,9 @@ def _setup(model_or_ig, input_ids, transcoders, interventions, constrained_layer
            apply_activation_function, open_ended: bool = False):
     """Every argument checked, before any forward: (model, ids, spliced, [(block, position or None for an
     open-ended one, feature, value)], whether direct effects)."""
-    from ..families import family_for
-    from ..instrument import InstrumentedModel
+    from ..families import family_for  # lazy: keeps transformers out until this is used
+    from ..instrument import InstrumentedModel  # lazy: keeps safetensors, sympy, transformers out until this is used
+    # lazy: qgraph.circuits.attribute imports this module's package at import time (a cycle)
     from .attribute import checked_prompt
 
     model = model_or_ig.model if isinstance(model_or_ig, InstrumentedModel) else model_or_ig
@@ -218,8 +225,7 @@ class _Spliced:
     ``blocks`` (spliced, in order), ``width`` (features per block), their encoders."""
 
     def __init__(self, transcoders, blocks: int, model):
-        from ..saes.clt import CrossLayerTranscoder
-        from ..saes.transcoder import Transcoder
+        # lazy: qgraph.circuits.transcoders imports this module's package at import time (a cycle)
         from .transcoders import loaded
         transcoders = loaded(transcoders, blocks)
         self.request, self.cross = transcoders, isinstance(transcoders, CrossLayerTranscoder)
@@ -248,7 +254,7 @@ class _Spliced:
         return f"layers.{block}.{self.request.reads if self.cross else self.request[block].reads}"
 
     def instrument(self, model, features: bool):
-        from ..instrument import instrument
+        from ..instrument import instrument  # lazy: keeps safetensors, sympy, transformers out until this is used
         values = [f"layers.{b}.transcoder.features" if features else self.reads(b) for b in self.blocks]
         return instrument(model, values=values, transcoders=self.request)
 
@@ -305,13 +311,9 @@ class _Set:
 # -- the frozen runs ---------------------------------------------------------------------------------
 def _frozen_attention(ig, ids, edits):
     """The live program with the attention frozen: recorded on the clean run, replayed with the edits."""
-    from ..compat import attn_implementation
-    from ..export import export_model
-    from ..inputs import prepare
-    from ..kernels.ops import DELTA_RULE_OPS
-    from ..passes.edit import applying
-    from ..passes.replacement import ATTENTION, frozen
-    from ..program import Program
+    from ..export import export_model  # lazy: keeps transformers out until this is used
+    from ..passes.replacement import ATTENTION, frozen  # lazy: keeps transformers out until this is used
+    from ..program import Program  # lazy: keeps sympy, transformers out until this is used
 
     slots = {name: ig.slot(name) for name in edits}
     program = Program(ig.model, export_model(ig.model, images=False), transcoders=ig.transcoders)
@@ -335,9 +337,10 @@ def _frozen_attention(ig, ids, edits):
 def _direct(model, ids, spliced, wanted, features: bool) -> Intervened:
     """Direct effects: the replacement model recorded on the clean run, replayed with each delta times its
     decoders added at the MLP outputs it writes (``inject_{block}``)."""
-    from ..export import export_model
-    from ..passes.replacement import EMBEDDINGS, frozen, inject_name
-    from ..program import Program
+    from ..export import export_model  # lazy: keeps transformers out until this is used
+    from ..passes.replacement import EMBEDDINGS, frozen, inject_name  # lazy: keeps transformers out until this is used
+    from ..program import Program  # lazy: keeps sympy, transformers out until this is used
+    # lazy: qgraph.circuits.transcoders imports this module's package at import time (a cycle)
     from .transcoders import TranscoderSet
 
     blocks, seq = spliced.blocks, len(ids)

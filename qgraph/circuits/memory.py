@@ -7,6 +7,7 @@ import os
 import sys
 
 import torch
+from ..errors import InternalError
 
 # a vmapped backward's working memory, in units of what one block keeps for one target (fitted at 16 and
 # 128 tokens on the 0.8B shape)
@@ -44,7 +45,6 @@ class SavedBytes:
 
     def unpack(self, packed):
         if not self.keep:
-            from ..errors import InternalError
             raise InternalError("qgraph.circuits.estimate's forward keeps nothing for a backward")
         return packed
 

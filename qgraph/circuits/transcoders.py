@@ -14,6 +14,8 @@ import torch
 
 from ..errors import InvalidArgument
 from ..inputs import input_embedding
+from ..saes.transcoder import Transcoder
+from ..saes.clt import CrossLayerTranscoder
 
 
 class TranscoderSet:
@@ -67,16 +69,13 @@ def loaded(transcoders, blocks: int):
     folder = Path(transcoders)
     folder = folder.parent if folder.is_file() else folder
     if any(folder.glob("W_enc_*.safetensors")) or any(folder.glob("params_layer_*.safetensors")):
-        from ..saes.clt import CrossLayerTranscoder
         return CrossLayerTranscoder.load(folder)
-    from ..saes.transcoder import Transcoder
     return {i: Transcoder.load(transcoders, layer=i) for i in range(blocks)}
 
 
 def transcoder_set(transcoders, blocks: int, model) -> TranscoderSet:
     """Per-layer transcoders for every block, a cross-layer transcoder, or a folder of either (a
     cross-layer one holds ``W_enc_{i}.safetensors`` or ``params_layer_{i}.safetensors``), checked against the model."""
-    from ..saes.clt import CrossLayerTranscoder
     width = input_embedding(model).embedding_dim
     transcoders = loaded(transcoders, blocks)
     if isinstance(transcoders, CrossLayerTranscoder):

@@ -92,7 +92,7 @@ def patches(model):
     """While exporting: every sparse MoE block keeps its tokens' shape and runs its routed experts
     as ``qgraph::moe_experts`` under their experts implementation (the classes' forwards are restored
     afterwards)."""
-    from ..kernels.experts import ACTIVATIONS
+    from ..kernels.experts import ACTIVATIONS  # lazy: registers the op's kernels on first use
     activation = model.config.get_text_config().hidden_act
     if activation not in ACTIVATIONS:
         raise UnsupportedModel(f"the experts' activation {activation!r} is not one qgraph's experts op runs "

@@ -35,6 +35,7 @@ from ..kernels.ops import DELTA_RULE_OPS, MARK_OP
 from .base import BuildPass, PassResult
 from ..rewrites.emit import MethodCall, emit_module, emitter
 from ..values.locate import Found
+from ..rewrites.clt import BlockCall
 
 aten = torch.ops.aten
 _MIXING = {aten.conv1d.default, aten.mm.default, aten.addmm.default, aten.linear.default, aten.matmul.default,
@@ -117,7 +118,6 @@ class _BlockCalls:
     input, ``decode`` the features of this block (``cross=False``) or of every block up to it."""
 
     def __init__(self, graph_module, block: int, transcoder, reads: str, cross: bool):
-        from ..rewrites.clt import BlockCall
         self.reads, self.cross, self.width = reads, cross, transcoder.d_sae
         self.names = {}
         for method in ("encode", "decode", "skip"):

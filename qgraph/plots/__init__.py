@@ -61,7 +61,7 @@ def _select(out, pattern: str) -> list[str]:
     """The captured names ``pattern`` (a name, alias or glob) selects, in block order."""
     if not any(c in pattern for c in "*?"):
         out[pattern]  # NotCaptured, as out[name] says it
-        from ..values.names import canonical
+        from ..values.names import canonical  # lazy: keeps sympy, transformers out until this is used
         return [canonical(pattern, out.blocks, out.aliases)]
     return out.select(pattern)
 

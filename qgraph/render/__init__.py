@@ -29,7 +29,7 @@ def __getattr__(name: str):
     """``dot.py``'s names, imported on first use (the ``qgraph`` command imports this package for
     ``WHAT`` and ``DETAIL`` without needing graphviz)."""
     if name in _DOT:
-        from . import dot
+        from . import dot  # lazy: qgraph.render.dot imports this module's package at import time (a cycle)
         return getattr(dot, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -40,12 +40,13 @@ def __dir__() -> list[str]:
 
 def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detail: str = "modules", highlight=()):
     """The ``Diagram`` (boxes, wires, clusters) that ``render`` draws; see ``render`` for the arguments."""
-    from ..export import export_model
-    from ..families import family_for
+    from ..export import export_model  # lazy: keeps torch, tqdm, transformers out until this is used
+    from ..families import family_for  # lazy: keeps torch, transformers out until this is used
+    # lazy: keeps safetensors, sympy, torch, tqdm, transformers out until this is used
     from ..instrument import InstrumentedModel
-    from .block import block_diagram
-    from .graph import GraphView
-    from .model import model_diagram
+    from .block import block_diagram  # lazy: qgraph.render.block imports this module's package at import time (a cycle)
+    from .graph import GraphView  # lazy: qgraph.render.graph imports this module's package at import time (a cycle)
+    from .model import model_diagram  # lazy: qgraph.render.model imports this module's package at import time (a cycle)
 
     if what not in WHAT:
         raise InvalidArgument(f"what={what!r}: draw one of {', '.join(map(repr, WHAT))}")
@@ -75,7 +76,7 @@ def diagram(model_or_ig, what: str = "block", layer: int | None = None, *, detai
                      transcoders=getattr(model_or_ig, "transcoders", None))
     marks = dict(marks)
     if highlight:
-        from ..values.names import resolve
+        from ..values.names import resolve  # lazy: keeps sympy, torch, transformers out until this is used
         for name in resolve([highlight] if isinstance(highlight, str) else list(highlight),
                             view.catalogue, family, model.config):
             marks.setdefault(name, "value")
@@ -103,6 +104,7 @@ def render(model_or_ig, what: str = "block", layer: int | None = None, path: str
     Rendering svg, png or pdf needs Graphviz's ``dot`` program; without it the ``.dot`` source is
     written next to ``path`` and ``GraphvizNotFound`` says how to install Graphviz.
     """
+    # lazy: qgraph.render.dot imports this module's package at import time (a cycle)
     from .dot import FORMATS, to_graphviz, write
 
     if path is not None and Path(path).suffix.lstrip(".").lower() not in FORMATS:
@@ -116,6 +118,7 @@ def render(model_or_ig, what: str = "block", layer: int | None = None, path: str
 
 def _unpack(model_or_ig):
     """(model, {value name: "value" | "edit"}) of a model or an InstrumentedModel."""
+    # lazy: keeps safetensors, sympy, torch, tqdm, transformers out until this is used
     from ..instrument import InstrumentedModel
 
     if isinstance(model_or_ig, InstrumentedModel):

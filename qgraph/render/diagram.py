@@ -63,7 +63,7 @@ class Diagram:
 
     def _repr_svg_(self) -> str | None:
         """Shown inline in a notebook (through Graphviz's ``dot``; without it the notebook shows the repr)."""
-        from .dot import svg
+        from .dot import svg  # lazy: qgraph.render.dot imports this module's package at import time (a cycle)
         return svg(self)
 
     def taps(self) -> dict[str, Box]:

@@ -101,7 +101,7 @@ class CrossLayerTranscoder(torch.nn.Module):
         ``W_dec_{i}.safetensors``, an optional ``config.yaml`` beside) or Gemma Scope 2's
         (``params_layer_{i}.safetensors``); see ``clt_formats.py``. ``dtype`` casts the weights (the
         files' own dtype by default); ``reads`` overrides the value it reads where no config says."""
-        from .clt_formats import read
+        from .clt_formats import read  # lazy: keeps transformers out until this is used
         return cls(**read(path, dtype=dtype, reads=reads))
 
     # the widths a block's splice checks (as a per-layer Transcoder's)

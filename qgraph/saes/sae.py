@@ -73,7 +73,7 @@ class SAE(torch.nn.Module):
         reads: Qwen-Scope, SAELens or sparsify. ``layer`` picks one of a folder of layers; ``k``
         overrides (or, for Qwen-Scope without ``L0_<k>`` in the path, supplies) a TopK SAE's k;
         ``hook`` overrides the value the SAE reads, where the format's name for it does not say."""
-        from .formats import read
+        from .formats import read  # lazy: qgraph.saes.formats imports this module's package at import time (a cycle)
         record = read(path, layer=layer, k=k)
         if hook is not None:
             record["hook"] = hook

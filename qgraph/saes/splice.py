@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from ..errors import InvalidArgument, InvalidType, NotSupported, OutOfRange
 from ..values.locate import Found
 from ..rewrites.splice import SPLICES
+from .clt import CrossLayerTranscoder
+from .transcoder import Transcoder
 
 
 def check_saes(request, resolve, catalogue) -> dict:
@@ -64,8 +66,6 @@ def check_transcoders(request, catalogue, saes: dict) -> dict:
     (``saes``, checked) at the tensor a transcoder reads or writes. A ``CrossLayerTranscoder`` instead
     of the dict splices across every block: ``{block: (its CLTBlock, splice)}`` for all of them, once
     its count of blocks is checked against the model's."""
-    from .clt import CrossLayerTranscoder
-    from .transcoder import Transcoder
     transcoders, splice = request
     blocks = sum(1 for name in catalogue if re.fullmatch(r"layers\.\d+\.layer_output", name))
     if isinstance(transcoders, CrossLayerTranscoder):
@@ -100,7 +100,7 @@ def check_transcoders(request, catalogue, saes: dict) -> dict:
 def _check_block(block: int, tc, catalogue, saes: dict):
     """``tc`` (a block's transcoder, or a CLT's block), once the values it reads and writes are nodes
     of the program as wide as it, with no SAE (``saes``) at either."""
-    from ..values.dictionaries import inputs
+    from ..values.dictionaries import inputs  # lazy: keeps sympy out until this is used
     for name, width, what in zip(inputs(block, tc), (tc.d_in, tc.d_out), ("reads", "writes")):
         entry = catalogue.get(name)
         location = entry.location if entry is not None else None

@@ -64,6 +64,7 @@ class Transcoder(SAE):
         folders of them). ``layer`` picks one of a set (and must agree with the transcoder's own where
         the format says it); ``k`` overrides (or supplies) a TopK transcoder's k. ``hook`` is ``SAE.load``'s:
         a transcoder reads its block's ``reads``, so it takes none."""
+        # lazy: qgraph.saes.transcoder_formats imports this module's package at import time (a cycle)
         from .transcoder_formats import read
         if hook is not None:
             raise InvalidArgument(f"Transcoder.load(hook={hook!r}): a transcoder reads the value its record names at "

@@ -12,6 +12,8 @@ from ..errors import SavedProgramError
 from .budget import CONTAINERS, GRAPH_BYTES
 from .fields import (Fields, dict_of, dtype_name, either, flag, identifier, integer, list_of, one_of, optional, record,
                      tensor_shape, text)
+from ..families import FAMILIES
+from ..values.derive import DERIVATIONS
 
 META, GRAPH, TENSORS = "qgraph.json", "graph.json", "tensors.safetensors"
 # inflated bytes each member may have (graph.json's from the load's budget); the held tensors are stored, never
@@ -113,8 +115,6 @@ def bare_file_name(value) -> bool:
 
 def check_meta(meta: dict, where: str) -> None:
     """Every field of ``qgraph.json`` (its format and versions are checked first, by ``read``)."""
-    from ..families import FAMILIES
-    from ..values.derive import DERIVATIONS
     fields = Fields(meta, f"{where} ({META})")
     fields.get("versions", lambda v: dict_of(_text)(v) and {"torch", "qgraph"} <= set(v), "the versions that wrote it")
     families = {family.name: family for family in FAMILIES}

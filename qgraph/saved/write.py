@@ -156,6 +156,7 @@ def _write(path: Path, meta: dict, data: dict, tensors: dict[str, torch.Tensor])
 def read_meta(path: Path) -> dict | None:
     """A saved program's ``qgraph.json`` (None if it has none), read without reading the rest and bounded
     before it is read (``saved.schema``)."""
+    # lazy: qgraph.saved.schema imports this module's package at import time (a cycle)
     from .schema import parse, read_members
     with zipfile.ZipFile(path) as archive:
         names = archive.namelist()

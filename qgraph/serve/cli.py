@@ -68,6 +68,7 @@ def main(args, load) -> int:
     """``qgraph serve``: the keys (or loopback) checked first, then ``load()`` -> ``(path, model)``, then serve."""
     keys = None
     if args.api_keys is not None:
+        # lazy: keeps safetensors, starlette, sympy, torch, tqdm, transformers out until this is used
         from .server import read_keys
         try:
             keys = read_keys(args.api_keys)
@@ -80,9 +81,11 @@ def main(args, load) -> int:
                     max_reply_bytes=args.max_reply_bytes, timeout_s=args.timeout,
                     max_edit_work=args.max_edit_work)
     if args.stages > 1:
+        # lazy: keeps safetensors, sympy, torch, tqdm, transformers out until this is used
         from .stages import serve_stages
         return serve_stages(args, keys, load, limits)
-    from .run import Runner
+    from .run import Runner  # lazy: keeps safetensors, sympy, torch, tqdm, transformers out until this is used
+    # lazy: keeps safetensors, starlette, sympy, torch, tqdm, transformers out until this is used
     from .server import serve
     path, model = load()
     return serve(Runner(model, name=str(path), limits=limits), limits, keys, args.host, args.port)

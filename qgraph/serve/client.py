@@ -24,6 +24,8 @@ from ..values.catalogue import ServedEntry
 from ..values.names import aliases, resolve
 from .edits import encode
 from .wire import parse, pack
+from ..generate import GenerateOutput, Step
+from ..lens import LogitLens
 
 MEDIA_TYPE = "application/vnd.qgraph.safetensors"
 
@@ -164,7 +166,6 @@ class RemoteInstrument:
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens: int | None = None, edits=None,
                  steps=None, **settings):
         """Generate on the server (greedy, or ``do_sample=True`` with ``seed=``): a local ``GenerateOutput``."""
-        from ..generate import GenerateOutput, Step
         call, tensors = self._call(input_ids, attention_mask, edits)
         settings = {key: value for key, value in settings.items() if value is not None}
         if max_new_tokens is not None:
@@ -185,7 +186,6 @@ class RemoteInstrument:
 
     def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5):
         """What ``ig.logit_lens`` returns, the projection on the vocabulary run on the server."""
-        from ..lens import LogitLens  # noqa: PLC0415 — the lens's picture module loads with its first use
         positions = [positions] if isinstance(positions, int) else list(positions)
         _, tensors = self._call(input_ids, attention_mask, None)
         reply, got = self.server.run({"lens": {"positions": positions, "top": top}}, tensors)

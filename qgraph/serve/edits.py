@@ -13,6 +13,7 @@ import torch
 from ..edits import AXES, Add, Edit, Replace, Scale, Zero
 from ..errors import EditError
 from ..saved.fields import integer, list_of, number
+from .function import export_function, load_function
 
 KINDS = {"Replace": Replace, "Add": Add, "Scale": Scale, "Zero": Zero}
 _NUMBERS = {"Add": ("scale",), "Scale": ("factor",)}  # a number field, or (Scale) a tensor by name
@@ -51,7 +52,6 @@ def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, t
     if callable(edit):
         if layout is None:
             raise EditError(f"the function edit at '{name}': the server's catalogue gives no layout for it")
-        from .function import export_function
         dims, shape, dtype = layout["dims"], layout["shape"], getattr(torch, layout["dtype"])
         example = torch.zeros([2 if d == "batch" else 3 if isinstance(s, str) else s for d, s in zip(dims, shape)],
                               dtype=dtype)
@@ -74,7 +74,6 @@ def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used:
     if kind == "function":
         if set(spec) != {"kind", "graph"}:
             raise EditError(f"{where}: a function edit holds kind and graph only, not {sorted(set(spec) - {'kind'})}")
-        from .function import load_function
         held = {key[len(prefix) + 1:]: tensor for key, tensor in tensors.items() if key.startswith(prefix + ".")}
         used.update(f"{prefix}.{key}" for key in held)
         return load_function(spec["graph"], held, name)

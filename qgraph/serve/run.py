@@ -32,6 +32,8 @@ from ..values.catalogue import entry_data
 from .limits import Limits
 from .request import Request, TooLarge, Unprocessable
 from .work import check_edit_work
+import qgraph
+from ..generate import check_settings
 
 if TYPE_CHECKING:  # transformers loads with the model, not with qgraph.serve
     from transformers import PreTrainedModel
@@ -51,7 +53,6 @@ class Runner:
     """Runs requests on ``model`` (in the batcher's one thread)."""
 
     def __init__(self, model: PreTrainedModel, name: str = "", stages=None, limits: Limits = Limits()):
-        import qgraph
         self.model, self.name, self.stages = model, public_name(name), stages  # stages: a Stages under torchrun
         self.limits = limits
         self.parameters = sum(p.numel() for p in model.parameters())  # a forward: about 2 operations each a token
@@ -74,7 +75,6 @@ class Runner:
 
     def instrument(self, request: Request):
         """The instrument of the request's program (made once, kept among the last ``PROGRAMS``)."""
-        import qgraph
         key = request.key
         with self._lock:
             if key in self._instruments:
@@ -97,7 +97,6 @@ class Runner:
         if request.edits:
             check_edit_work(request, self.base.resolve, self.parameters, self.limits)
         if request.generate is not None:
-            from ..generate import check_settings
             settings = {key: value for key, value in request.generate.items() if key != "steps"}
             check_settings(self.model, request.input_ids, **settings)
 

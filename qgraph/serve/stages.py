@@ -16,6 +16,9 @@ import torch
 from .limits import Limits
 from .request import request_of
 from .wire import Bounds, parse
+from ..distributed import Stages
+from ..errors import UsageError
+from .run import Runner
 
 STOP = -1
 IDLE = timedelta(days=365)  # the other ranks wait this long for the next request
@@ -89,10 +92,7 @@ def serve_stages(args, keys, load, limits: Limits) -> int:
 
     import torch.distributed as dist
 
-    from ..distributed import Stages
-    from ..errors import UsageError
-    from .run import Runner
-    from .server import serve
+    from .server import serve  # lazy: keeps starlette out until this is used
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size != args.stages:
         raise UsageError(f"--stages {args.stages} runs one stage per process: start it under "

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .catalogue import Entry
+from ..families import family_for
+from ..reprs import Summary, blocks_text
+from .names import normalize
 
 if TYPE_CHECKING:  # a type only: transformers is imported with the model
     from transformers import PreTrainedModel
@@ -55,7 +58,6 @@ class SupportTable:
         self.ports = [entry for entry in catalogue.values() if entry.spec is None]
 
     def __getitem__(self, name: str) -> Entry:
-        from .names import normalize
         return self.catalogue[normalize(name)]
 
     def to_rich(self):
@@ -136,9 +138,8 @@ def _ranges(blocks: list[int]) -> str:
 def support(model: PreTrainedModel) -> SupportTable:
     """The support table of ``model``: every standard value, its layout and shape, and per block
     whether it is available here, with the reason where it is not."""
-    from ..export import export_model
-    from ..families import family_for
-    from ..program import Program
+    from ..export import export_model  # lazy: keeps tqdm out until this is used
+    from ..program import Program  # lazy: keeps tqdm out until this is used
     family_for(model)  # not a model qgraph knows: named before exporting
     exported = export_model(model)
     return SupportTable(Program(model, exported).catalogue, exported.family, model.config)
@@ -149,7 +150,6 @@ def annotated_tree(model: torch.nn.Module, catalogue: dict[str, Entry], highligh
 
     Values in ``highlight`` (the instrumented ones) are marked with ``*``.
     """
-    from ..families import family_for
     family = family_for(model)
     by_host: dict[str, list[Entry]] = {}
     for entry in catalogue.values():
@@ -185,7 +185,6 @@ def _summary(table):
     """``SupportTable``: a row per standard value (layout, shape, where it is available)."""
     from collections import Counter
 
-    from ..reprs import Summary, blocks_text
     rows, text_rows, counts = [], [], Counter()
     for row in table.rows:
         yes = [block for block, reason in row.blocks.items() if reason is None]
