@@ -3,6 +3,8 @@ and ``BlockTaps`` over ``Drawing``, and each part reads what another sets. ``Blo
 state, and the methods one part calls on another, once, so each part is checked against it."""
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from typing import TYPE_CHECKING
 
 from torch.fx import Node
@@ -38,14 +40,18 @@ class BlockHost(Drawing):
     ghosts: list[str]
     tap_nodes: dict[str, Node]
 
+    @abstractmethod
     def _cluster_of(self, scope: str) -> str | None:
-        raise NotImplementedError  # _Block's
+        ...  # _Block's
 
+    @abstractmethod
     def _root(self, node: Node) -> Node:
-        raise NotImplementedError  # BlockGrouping's
+        ...  # BlockGrouping's
 
+    @abstractmethod
     def _context_kind(self, node: Node) -> str | None:
-        raise NotImplementedError  # BlockGrouping's
+        ...  # BlockGrouping's
 
+    @abstractmethod
     def _group_of(self, node: Node) -> tuple | None:
-        raise NotImplementedError  # BlockGrouping's
+        ...  # BlockGrouping's

@@ -7,6 +7,8 @@ from each other (``flow.build_flows``), splices each value's tap point into the 
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from collections import defaultdict
 
 from ..values.locate import Found
@@ -31,7 +33,7 @@ def dims(layout: str) -> str:
     return layout[layout.index("["):] if "[" in layout else layout
 
 
-class Drawing:
+class Drawing(ABC):
     """One diagram of ``self.nodes``, built by ``_build``. A subclass provides:
 
     ``_group()`` (fill ``self.groups``: node -> group key or None), ``_outside_group(node)`` (the group
@@ -56,32 +58,41 @@ class Drawing:
         self._draw(flows)
 
     # -- what a subclass provides --------------------------------------------------------------
+    @abstractmethod
     def _group(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _outside_group(self, node):
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _sink(self, user):
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _absorbed(self, node) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _tap_list(self, flows) -> list[tuple]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _title(self) -> str:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _box(self, key, nodes, box_id: str) -> Box | None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _tap_box(self, tap_id: str, names: list[str]) -> Box:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _draw(self, flows) -> None:
-        raise NotImplementedError
+        ...
 
     # -- drawing helpers -------------------------------------------------------------------------
     def _id_letter(self, key) -> str:
