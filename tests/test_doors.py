@@ -79,17 +79,25 @@ def test_patch_and_pictures_agree_through_every_door(doors):
     assert "<svg" in pages["local"] and "runs elsewhere" in pages["remote"] and "runs elsewhere" in pages["loaded"]
 
 
-def test_attribution_and_the_lens_agree_where_they_run_and_are_refused_by_name_where_not(doors):
-    local, remote, loaded = doors["local"], doors["remote"], doors["loaded"]
+def test_attribution_and_the_lens_agree_where_they_run_and_are_refused_by_name_where_not(doors, sdpa_model):
+    local = doors["local"]
+    before = {name: tensor.clone() for name, tensor in sdpa_model.state_dict().items()}
+    grads = [None if weight.grad is None else weight.grad.clone() for weight in sdpa_model.parameters()]
     metric = lambda logits: logits[:, -1, 3].sum()  # noqa: E731
-    mine = qgraph.attribution_patch(remote, ids(5), ids(6), "layers.*.layer_output", metric, positions="each")
     theirs = qgraph.attribution_patch(local, ids(5), ids(6), "layers.*.layer_output", metric, positions="each")
-    for name in theirs:
-        close(mine[name], theirs[name])
-    lens, ref = remote.logit_lens(ids(5), positions=[-1], top=3), local.logit_lens(ids(5), positions=[-1], top=3)
+    for door in ("remote", "loaded"):
+        mine = qgraph.attribution_patch(doors[door], ids(5), ids(6), "layers.*.layer_output", metric, positions="each")
+        for name in theirs:
+            close(mine[name], theirs[name])
+    assert theirs["layers.1.layer_output"].abs().sum() > 0
+    loaded = doors["loaded"]
+    for weight, grad in zip(sdpa_model.parameters(), grads):  # no weight's gradient, the model as it was
+        assert (weight.grad is None) if grad is None else torch.equal(weight.grad, grad)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in sdpa_model.state_dict().items())
+    lens, ref = doors["remote"].logit_lens(ids(5), positions=[-1], top=3), local.logit_lens(ids(5), positions=[-1], top=3)
     assert all(torch.equal(lens[block][0], ref[block][0]) for block in ref)
-    with pytest.raises(qgraph.NotSupported, match="attribution_patch.*qgraph.instrument"):
-        qgraph.attribution_patch(loaded, ids(5), ids(6), "layers.1.layer_output", metric)
+    with pytest.raises(qgraph.NotSupported, match="holds no readout.*qgraph.instrument"):
+        loaded.logit_lens(ids(5))
     with pytest.raises(qgraph.NotSupported, match="generate with qgraph.instrument"):
         loaded.generate(ids(5), max_new_tokens=2)
     with pytest.raises(qgraph.NotSupported, match="saved without layers.1.layer_mid among its values and slots"):
