@@ -5,7 +5,7 @@ Three classes implement it:
 - ``qgraph.instrument(model, ...)`` (``InstrumentedModel``): the program runs here, by the runner its
   build chose (``qgraph.runners``: eager, compiled or staged);
 - ``qgraph.remote(url).instrument(...)`` (``serve.client.RemoteInstrument``): it runs on a server;
-- ``qgraph.load(path)`` (``saved.read.LoadedProgram``): a saved program runs here, with no model class.
+- ``qgraph.load(path)`` (``saved.loaded.LoadedProgram``): a saved program runs here, with no model class.
 
 Each has a ``catalogue`` (``{name: entry}``: ``layout``, ``dims``, ``shape``, ``description``, ``host``,
 ``port``, ``available``; a local ``Entry``, or the same facts sent as data, ``values.catalogue.ServedEntry``),
