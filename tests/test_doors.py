@@ -79,7 +79,7 @@ def test_patch_and_pictures_agree_through_every_door(doors):
     assert "<svg" in pages["local"] and "runs elsewhere" in pages["remote"] and "runs elsewhere" in pages["loaded"]
 
 
-def test_attribution_and_the_lens_agree_where_they_run_and_are_refused_by_name_where_not(doors, sdpa_model):
+def test_attribution_and_the_lens_agree_on_every_door(doors, sdpa_model, tmp_path):
     local = doors["local"]
     before = {name: tensor.clone() for name, tensor in sdpa_model.state_dict().items()}
     grads = [None if weight.grad is None else weight.grad.clone() for weight in sdpa_model.parameters()]
@@ -94,10 +94,17 @@ def test_attribution_and_the_lens_agree_where_they_run_and_are_refused_by_name_w
     for weight, grad in zip(sdpa_model.parameters(), grads):  # no weight's gradient, the model as it was
         assert (weight.grad is None) if grad is None else torch.equal(weight.grad, grad)
     assert all(torch.equal(tensor, before[name]) for name, tensor in sdpa_model.state_dict().items())
-    lens, ref = doors["remote"].logit_lens(ids(5), positions=[-1], top=3), local.logit_lens(ids(5), positions=[-1], top=3)
-    assert all(torch.equal(lens[block][0], ref[block][0]) for block in ref)
-    with pytest.raises(qgraph.NotSupported, match="holds no readout.*qgraph.instrument"):
-        loaded.logit_lens(ids(5))
+    ref = local.logit_lens(ids(5), positions=[0, -1], top=3)
+    for door in ("remote", "loaded"):
+        lens = doors[door].logit_lens(ids(5), positions=[0, -1], top=3)
+        assert lens.positions == ref.positions == [0, 4]
+        for block in ref:
+            assert torch.equal(lens[block][0], ref[block][0])
+            close(lens[block][1], ref[block][1])
+    close(loaded.project_on_vocab(local(ids(7))["layers.3.layer_output"]), local(ids(7)).logits)
+    bare = qgraph.load(local.variant(["layers.*.layer_output"]).save(tmp_path / "bare.qgraph", weights=True))
+    with pytest.raises(qgraph.NotSupported, match="needs a slot at layers.3.layer_output"):
+        bare.logit_lens(ids(5))
     with pytest.raises(qgraph.NotSupported, match="generate with qgraph.instrument"):
         loaded.generate(ids(5), max_new_tokens=2)
     with pytest.raises(qgraph.NotSupported, match="saved without layers.1.layer_mid among its values and slots"):

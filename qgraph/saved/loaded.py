@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import InvalidState, InvalidType, NotSupported, QgraphError, SavedProgramError
-from ..edits import EditError, Target
+from ..errors import InvalidArgument, InvalidState, InvalidType, NotSupported, QgraphError, SavedProgramError
+from ..edits import EditError, Replace, Target
 from ..families import FAMILIES
 from ..families.configs import config_of
 from ..export.fingerprint import fingerprint
 from ..inputs import check_text
+from ..lens import LogitLens, logit_lens
 from ..output import Output
 from ..kernels.slot import editing
 from ..rewrites.on_request import input_source
@@ -172,10 +173,28 @@ class LoadedProgram:
         raise NotSupported(f"{self.path.name} is one forward pass, saved without a cache: generate with "
                            f"qgraph.instrument(model) or on a server (qgraph serve)")
 
-    def logit_lens(self, *args, **kwargs):
-        """Refused: a saved program holds no readout (the final norm and head) to project the blocks' outputs."""
-        raise NotSupported(f"{self.path.name} holds no readout of the blocks' outputs (the final norm and head "
-                           f"as functions): read the lens with qgraph.instrument(model) or on a server")
+    def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5) -> LogitLens:
+        """What ``InstrumentedModel.logit_lens`` returns, projected by ``project_on_vocab``: a program saved
+        with every block's ``layer_output`` among its values and a slot at the last block's."""
+        return logit_lens(self, input_ids, attention_mask, positions, top)
+
+    def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of a residual-stream tensor by the program's own readout: the last block's output replaced
+        by ``hidden`` (its slot must have been saved), so the final norm and head the program runs project it
+        (the blocks before run on placeholder tokens; their result is replaced)."""
+        last = f"layers.{self.blocks - 1}.layer_output"
+        if last not in self.slots or not self.meta["logits"]:
+            raise NotSupported(f"{self.path.name} projects on the vocabulary through its own readout, which needs a "
+                               f"slot at {last} and the logits: save it with instrument(model, edits=['{last}']) "
+                               f"(logits=True), or read the lens with qgraph.instrument(model) or on a server")
+        width = self.config.get_text_config().hidden_size
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0 or hidden.shape[-1] != width:
+            got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise InvalidArgument(f"project_on_vocab takes a residual-stream tensor [..., {width}], got {got}")
+        rows = hidden.reshape(1, -1, width)
+        tokens = torch.zeros(rows.shape[:2], dtype=torch.long, device=hidden.device)
+        logits = self.variant((), edits=[last])(tokens, edits={last: Replace(rows)}).logits
+        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
     def _edits(self, edits: Mapping | None) -> dict:
         if edits is None:
