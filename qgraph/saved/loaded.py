@@ -194,6 +194,7 @@ class LoadedProgram:
         rows = hidden.reshape(1, -1, width)
         tokens = torch.zeros(rows.shape[:2], dtype=torch.long, device=hidden.device)
         logits = self.variant((), edits=[last])(tokens, edits={last: Replace(rows)}).logits
+        assert logits is not None, "a variant with logits of a program saved with them returns them"
         return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
     def _edits(self, edits: Mapping | None) -> dict:
