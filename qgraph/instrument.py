@@ -17,7 +17,8 @@ from .edits import EditError
 from .export import export_model
 from .families import family_for
 from .export.fingerprint import fingerprint
-from .inputs import image_keys, prepare, vision_given
+from .identity import model_identity, saes_identity
+from .inputs import image_keys, input_embedding, prepare, vision_given
 from .values.names import aliases, resolve
 from .output import Output, retain
 from .passes.edit import EditSlot, applying
@@ -168,6 +169,15 @@ class InstrumentedModel:
     def blocks(self) -> int:
         """The model's decoder blocks."""
         return len(self.family.block_mixers(self.config))
+
+    @property
+    def device(self) -> torch.device:
+        """Where its calls take their inputs: the embedding's device (or the loaded weights')."""
+        return self._device or input_embedding(self.model).weight.device
+
+    def identity(self) -> dict:
+        """The model's class, name, config and weights as hashes, and its SAEs' (``qgraph.identity``)."""
+        return {"model": model_identity(self.model), **({"saes": saes_identity(self.saes)} if self.saes else {})}
 
     def check_options(self, values) -> dict[str, dict]:
         """Per-value options from ``values={name: {option: ...}}``, checked (``values.options``)."""

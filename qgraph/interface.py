@@ -12,7 +12,7 @@ Each has a ``catalogue`` (``{name: entry}``: ``layout``, ``dims``, ``shape``, ``
 the model's ``family``, ``config`` and ``blocks``, and resolves names with one function
 (``values.names.resolve``) over them, so a name or glob selects the same values in the same order
 wherever the model runs. The recipes (``patch``, ``attribution_patch``, ``steer``, ``logit_lens``), the
-pictures (``out.plot``, ``qgraph.explore``) and ``capture`` are written once against this protocol.
+pictures (``out.plot``, ``qgraph.explore``) and ``qgraph.capture`` are written once against this protocol.
 What one door cannot do it refuses by name, with the door that can (a saved program does not generate).
 """
 from __future__ import annotations
@@ -33,6 +33,15 @@ class Instrument(Protocol):
     @property
     def blocks(self) -> int:
         """The model's decoder blocks."""
+        ...
+
+    @property
+    def device(self) -> Any:
+        """Where its calls take their inputs (a ``torch.device``)."""
+        ...
+
+    def identity(self) -> dict:
+        """What it runs, as hashes (``qgraph.identity``): a capture records it, to refuse mixing shards."""
         ...
 
     def resolve(self, patterns) -> list[str]:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from qgraph.capture import CaptureCorrupt, CaptureMismatch, capture, load_capture
-from qgraph.capture import manifest as manifest_module
 from qgraph.capture.data import documents, open_dataset
-from qgraph.capture.manifest import model_identity
+from qgraph.identity import model_identity
+import qgraph.identity as identity_module
 
 from conftest import program_cache_on
 from test_capture import SETUP, TEXTS, VALUES, files
@@ -157,7 +157,7 @@ def test_a_manifest_that_is_not_json_is_named(copy):
 
 
 def weights_sha256(module):
-    return manifest_module._weights_sha256(module)
+    return identity_module.weights_sha256(module)
 
 
 def test_the_weights_fingerprint_sees_every_element(monkeypatch):
@@ -176,7 +176,7 @@ def test_the_weights_fingerprint_sees_every_element(monkeypatch):
                     tensor.view(-1)[index] = old
         assert len(seen) == 1 + 3 * 5 + 3 + 4 and weights_sha256(module) == base, dtype
         with monkeypatch.context() as patch:  # hashed a chunk at a time (as a GPU tensor is): the same hash
-            patch.setattr(manifest_module, "_CHUNK", 7)
+            patch.setattr(identity_module, "CHUNK", 7)
             assert weights_sha256(module) == base
 
 

@@ -11,8 +11,6 @@ writes the same bytes as an uninterrupted one.
 """
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import os
 import warnings
@@ -20,50 +18,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 
 from ..errors import CaptureMismatch
+from ..identity import sha
 from .integrity import damage
 
 if TYPE_CHECKING:  # a type only: transformers is imported with the model
-    from transformers import PreTrainedModel
+    pass
 
 FORMAT = "qgraph-capture/2"  # 2: every weight hashed, shards carry their place in their metadata
 META = ("input_ids", "attention_mask", "doc_id", "position")  # int64 [rows, context] in every shard
-_CHUNK = 1 << 24  # elements hashed per step (a GPU tensor is copied to the CPU a chunk at a time)
-
-
-def model_identity(model: PreTrainedModel) -> dict:
-    """The model's class, name, a hash of its config and ``_weights_sha256``: any change to any
-    weight (one neuron's column), a reload of other weights or a dtype change gives another hash."""
-    config = model.config.to_dict()
-    for key in ("_name_or_path", "transformers_version", "_attn_implementation_autoset"):
-        config.pop(key, None)
-    return {"class": type(model).__name__, "name": str(getattr(model.config, "_name_or_path", "") or ""),
-            "config_sha256": _sha(json.dumps(config, sort_keys=True, default=str)),
-            "weights_sha256": _weights_sha256(model)}
-
-
-def saes_identity(saes: dict) -> dict:
-    """For each spliced SAE (``{hook: (sae, splice)}``): where it came from, its form and a hash of its weights."""
-    return {hook: {"source": sae.source, "splice": splice, "form": sae.extra_repr(),
-                   "weights_sha256": _weights_sha256(sae)}
-            for hook, (sae, splice) in sorted(saes.items())}
-
-
-def _weights_sha256(module: torch.nn.Module) -> str:
-    """sha256 over the bytes of every element of every parameter and buffer (non-persistent ones,
-    such as rotary frequencies, too; a tied parameter once), each after its name, shape and dtype.
-    A CPU tensor is hashed in place (through a uint8 view, so bfloat16 too), a GPU one is copied to
-    the CPU a chunk at a time."""
-    weights = hashlib.sha256()
-    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
-        weights.update(f"{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
-        flat = tensor.detach().reshape(-1)
-        for start in range(0, flat.numel(), _CHUNK):
-            chunk = flat[start:start + _CHUNK].contiguous().cpu().view(torch.uint8).numpy()
-            weights.update(chunk)  # type: ignore[arg-type]  # an ndarray is a buffer: numpy's stubs say so from 3.12
-    return weights.hexdigest()
 
 
 def tokenizer_identity(tokenizer) -> dict | None:
@@ -71,7 +35,7 @@ def tokenizer_identity(tokenizer) -> dict | None:
         return None
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
     return {"class": type(tokenizer).__name__, "name": str(getattr(tokenizer, "name_or_path", "") or ""),
-            "vocab_sha256": _sha(vocab), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+            "vocab_sha256": sha(vocab), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
 
 
 def versions() -> dict:
@@ -82,10 +46,6 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             found[package] = None
     return found
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # -- comparing ---------------------------------------------------------------------------------------

@@ -19,12 +19,13 @@ import torch
 
 from ..errors import InvalidArgument
 from ..instrument import instrument
+from ..interface import Instrument
 from ..saved.fields import integer
 from .data import documents, open_dataset, pack
 from ..distributed.world import join
 from .integrity import shard_file
-from .manifest import META, CaptureMismatch, check, done_shards, merge, model_identity, new_manifest, \
-    recorded_shard_rows, saes_identity, tokenizer_identity, write_json
+from .manifest import META, CaptureMismatch, check, done_shards, merge, new_manifest, recorded_shard_rows, \
+    tokenizer_identity, write_json
 from .writer import ShardJob, ShardWriter
 from ..progress import progress
 
@@ -49,7 +50,8 @@ def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_s
             dtype: torch.dtype = torch.bfloat16, max_tokens: int | None = None, shard_rows: int | None = None,
             text_column: str = "text", chat_template: bool = False, compile=False, progress: bool = True,
             saes=None, splice: str = "error") -> CaptureRun:
-    """Capture ``values`` (names, globs, or ``{name: options}``) of ``model`` over ``dataset`` into
+    """Capture ``values`` (names, globs, or ``{name: options}``) of ``model`` (a model, or any
+    ``qgraph.Instrument``: a local, remote or loaded one, its values read through it) over ``dataset`` into
     ``out``: ``manifest.json`` and ``shards/r{rank}-{index:05d}.safetensors``, one tensor per value
     (``[rows, ...]`` in the value's layout, floats cast to ``dtype``) plus ``input_ids``,
     ``attention_mask``, ``doc_id`` and ``position`` (``[rows, context]``).
@@ -69,17 +71,21 @@ def capture(model, tokenizer, dataset, values, out, context: int = 1024, batch_s
     if isinstance(max_tokens, float) and max_tokens.is_integer():
         max_tokens = int(max_tokens)  # 1e7
     _check_arguments(context, batch_size, dtype, max_tokens, shard_rows)
-    device = next(model.parameters()).device
+    if isinstance(model, Instrument) and (saes is not None or compile):
+        raise InvalidArgument("saes= and compile= set up the instrument capture makes of a model: an instrument given "
+                              "has its own (qgraph.instrument(model, saes=..., compile=...))")
+    device = model.device if isinstance(model, Instrument) else next(model.parameters()).device
     world = join(device)
     try:
         out = Path(out)
         examples, source = open_dataset(dataset, text_column)
         request = {values: {}} if isinstance(values, str) else values
         request = dict(request) if isinstance(request, Mapping) else dict.fromkeys(request, {})
-        ig = instrument(model, values=request, logits=False, compile=compile, saes=saes, splice=splice)
-        names, records = _values(ig, model, request, context, dtype)
+        ig = model.variant(request, logits=False) if isinstance(model, Instrument) else \
+            instrument(model, values=request, logits=False, compile=compile, saes=saes, splice=splice)
+        names, records = _values(ig, request, context, dtype)
         shard_rows = shard_rows or recorded_shard_rows(out) or _default_shard_rows(records, context, batch_size)
-        identity = {"model": model_identity(model), **({"saes": saes_identity(ig.saes)} if ig.saes else {}),
+        identity = {**ig.identity(),
                     "values": [{k: r[k] for k in ("name", "layout", "options")}
                                                                 for r in records],
                     "dtype": str(dtype).removeprefix("torch."), "context": context, "batch_size": batch_size,
@@ -154,7 +160,7 @@ def _loop(ig, names, mine, out, done, writer, bar, device, dtype, batch_size, sh
     return skipped
 
 
-def _values(ig, model, request: dict, context: int, dtype: torch.dtype):
+def _values(ig, request: dict, context: int, dtype: torch.dtype):
     """The value names the request selects, and for each its layout, options and estimated bytes per row."""
     options = {}
     for pattern, option in request.items():

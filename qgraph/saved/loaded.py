@@ -18,6 +18,7 @@ from ..edits import EditError, Replace, Target
 from ..families import FAMILIES
 from ..families.configs import config_of
 from ..export.fingerprint import fingerprint
+from ..identity import config_sha256, tensors_sha256
 from ..inputs import check_text
 from ..lens import LogitLens, logit_lens
 from ..output import Output
@@ -74,6 +75,7 @@ class LoadedProgram:
         seen = None if self._model is None else fingerprint(self._model)
         self._sources = [weights[item["parameter"]] if "parameter" in item else item["input"] for item in self._inputs]
         self._anchor = next(iter(weights.values()), None)  # any weight: where they are
+        self._weights = weights
         self._fingerprint = seen
 
     def _follow(self) -> None:
@@ -135,6 +137,18 @@ class LoadedProgram:
         watched = {name: (captured[name], ()) for name in self._watch} if watching else {}
         return Output(logits if self._logits else None, values, self.blocks, watched,
                       aliases=aliases(self.family, self.config), source=self, input_ids=input_ids)
+
+    @property
+    def device(self) -> torch.device:
+        """Where its calls take their inputs: its weights' device."""
+        return self._anchor().device if self._anchor is not None else torch.device("cpu")
+
+    def identity(self) -> dict:
+        """Its model's class and config, and the weights it reads, as hashes (``qgraph.identity``)."""
+        self._follow()
+        read = [(name, self._weights[name]()) for name in sorted(self._weights)]
+        return {"model": {"class": self.meta["model_class"], "name": self.path.name,
+                          "config_sha256": config_sha256(self.meta["config"]), "weights_sha256": tensors_sha256(read)}}
 
     def resolve(self, patterns) -> list[str]:
         """The names of its values and slots that ``patterns`` select, as an instrumented model selects them."""

@@ -111,6 +111,12 @@ class RemoteInstrument:
     def __repr__(self) -> str:
         return f"RemoteInstrument({self.server.url}, {len(self.values)} values)"
 
+    device = torch.device("cpu")  # a call's tensors travel from here
+
+    def identity(self) -> dict:
+        """The served model's class, name, config and weights as hashes (the server's ``/v1/info``)."""
+        return {"model": dict(self.server.info()["model"]["identity"]), "server": self.server.url}
+
     def resolve(self, patterns) -> list[str]:
         """The value names ``patterns`` select, as a local instrument of the served model selects them."""
         return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []

@@ -28,6 +28,7 @@ import torch
 
 from ..edits import apply_edit
 from ..families.configs import config_data
+from ..identity import model_identity
 from ..values.catalogue import entry_data
 from .limits import Limits
 from .request import Request, TooLarge, Unprocessable
@@ -57,6 +58,8 @@ class Runner:
         self.limits = limits
         self.parameters = sum(p.numel() for p in model.parameters())  # a forward: about 2 operations each a token
         self.base = qgraph.instrument(model, stages=stages)
+        # what it serves, as hashes (a capture through qgraph.remote records it), its name without a path
+        self.identity = {**model_identity(model), "name": self.name}
         self._instruments: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
         self.forwards = 0  # forwards run (a batch of several requests counts once): /v1/health
@@ -70,7 +73,7 @@ class Runner:
         return {"model": {"name": self.name, "model_type": config.model_type, "class": type(self.model).__name__,
                           "family": ig.family.name, "blocks": ig.blocks, "dtype": dtype,
                           "vocab_size": self._embeddings().num_embeddings,
-                          "config": config_data(config, paths=False)},
+                          "config": config_data(config, paths=False), "identity": self.identity},
                 "values": {name: {**entry_data(entry), "dtype": dtype} for name, entry in ig.catalogue.items()}}
 
     def instrument(self, request: Request):
