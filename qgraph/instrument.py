@@ -85,11 +85,9 @@ class InstrumentedModel:
     When the model changes in a way the program depends on (a replaced submodule, untied weights,
     another dtype or device, another attention implementation), the next call rebuilds the programs.
 
-    Other qgraph modules use only its public attributes (``model``, ``config``, ``family``, ``exported``,
-    ``catalogue``, ``values``, ``options``, ``slots``, ``saes``, ``transcoders``) and these methods:
-    ``resolve``, ``check_options``, ``call_edits``, ``refresh``, ``program_for`` (the built program of
-    a kind of call), ``slot`` (a value's edit slot), ``decoder`` (generation's programs, kept with the
-    others), ``use_weights`` (weights loaded for a model on meta) and ``variant`` (what the recipes run).
+    It is a ``qgraph.Instrument`` (``qgraph/interface.py``): what the recipes and pictures use of it. Other
+    qgraph modules use its ``program_for`` (the built program of a kind of call), ``slot``, ``decoder``
+    (generation's programs) and ``use_weights`` (weights loaded for a model on meta) too.
     """
 
     def __init__(self, model: PreTrainedModel, values=(), *, edits=(), logits=True, saes=None, splice="error",

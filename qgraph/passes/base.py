@@ -14,16 +14,39 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from ..errors import InternalError
 from ..kernels.ops import MARK_OP
 
-if TYPE_CHECKING:  # qgraph.program imports the passes
-    from ..program import Program
+if TYPE_CHECKING:  # types only
+    from ..families.base import Family
+    from ..values.catalogue import Entry
+
+
+class Program(Protocol):
+    """What a pass reads and changes of the program it builds (``qgraph.program.Program``, which imports
+    the passes: named here by what it has, so the passes import nothing above them)."""
+
+    model: Any
+    family: Family
+    module: GraphModule
+    catalogue: dict[str, Entry]
+    slots: dict[str, Any]  # {name: passes.edit.EditSlot}
+    spliced: dict[str, Node]
+    device: Any  # torch.device | None
+
+    @property
+    def graph(self) -> Graph: ...
+
+    def add_input(self, name: str, source: Any, example: Any, recipe: dict | None = None) -> Node: ...
+
+    def recatalogue(self) -> None: ...
+
+    def sources_of(self, entry: Entry) -> list[str]: ...
 
 __all__ = ["Build", "BuildPass", "GraphPass", "PassResult", "Request", "run_passes"]
 

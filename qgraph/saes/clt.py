@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..errors import InvalidArgument, OutOfRange
 from .sae import shape_of
-from .transcoder import READS, WRITES
+from .transcoder_formats import READS, WRITES
 
 
 class CrossLayerTranscoder(torch.nn.Module):

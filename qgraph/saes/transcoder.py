@@ -24,9 +24,8 @@ from torch import Tensor
 
 from ..errors import InvalidArgument
 from .sae import SAE, frozen, shape_of
+from .transcoder_formats import READS, WRITES, read
 
-READS = ("mlp_input", "layer_mid")  # the values of a block a transcoder may read
-WRITES = "mlp.mlp_output"  # the value of a block it writes
 
 
 class Transcoder(SAE):
@@ -64,8 +63,6 @@ class Transcoder(SAE):
         folders of them). ``layer`` picks one of a set (and must agree with the transcoder's own where
         the format says it); ``k`` overrides (or supplies) a TopK transcoder's k. ``hook`` is ``SAE.load``'s:
         a transcoder reads its block's ``reads``, so it takes none."""
-        # lazy: qgraph.saes.transcoder_formats imports this module's package at import time (a cycle)
-        from .transcoder_formats import read
         if hook is not None:
             raise InvalidArgument(f"Transcoder.load(hook={hook!r}): a transcoder reads the value its record names at "
                                   f"its layer; pick the layer with layer=, or load an SAE with SAE.load(hook=)")

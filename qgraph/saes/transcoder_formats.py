@@ -32,7 +32,9 @@ import torch
 from ..errors import InvalidArgument, MissingFile, NotSupported
 from ..values.aliases import tl_names, tl_split, tl_value
 from .formats import read_json, numbered, read_safetensors, read_yaml
-from .transcoder import READS, WRITES
+
+READS = ("mlp_input", "layer_mid")  # the values of a block a transcoder may read
+WRITES = "mlp.mlp_output"  # the value of a block it writes
 
 # SAELens architectures -> (activation, has W_skip)
 SAELENS = {"transcoder": ("relu", False), "skip_transcoder": ("relu", True), "jumprelu_transcoder": ("jumprelu", False),
