@@ -29,10 +29,7 @@ from .values.support import annotated_tree
 from .saes.splice import check_saes, check_transcoders
 from .distributed import Stages, stage_program
 from .distributed.weights import load_weights
-from .sweep import sweep
-from .saved import save
 from .generate import generate
-from .saes.read import top_features
 from .lens import project_on_vocab, logit_lens
 
 if TYPE_CHECKING:  # a type only: transformers is imported with the model
@@ -263,6 +260,7 @@ class InstrumentedModel:
 
     def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads, batch_size) -> dict:
         """``qgraph.patch``'s locations, as a sweep that runs the corrupt prefix once (``qgraph.sweep``)."""
+        from .sweep import sweep  # lazy: patching sweeps (and the stage cutting they use) load with the first patch
         return sweep(self, clean, corrupt, names, metric, positions, heads, batch_size)
 
     def compile(self, **options) -> InstrumentedModel:
@@ -357,6 +355,7 @@ class InstrumentedModel:
         archive, without weights; ``weights=True`` writes them beside it: ``<name>.safetensors``, or
         shards of at most ``max_shard_size`` and ``<name>.safetensors.index.json``).
         ``qgraph.load(path, weights=...)`` runs it with no model class."""
+        from .saved import save  # lazy: saved programs, an optional subsystem, load with the first save
         return save(self, path, weights, max_shard_size)
 
     # -- generating --------------------------------------------------------------------------------
@@ -379,6 +378,7 @@ class InstrumentedModel:
         the SAE spliced at block ``layer`` (see ``instrument(..., saes=...)``), largest first, as this
         instrument runs (its fixed edits and other SAEs in place). Where the block has several SAEs,
         ``value`` names the one by the value it reads (``"layers.1.layer_input"``)."""
+        from .saes.read import top_features  # lazy: the SAE readers load with their first use
         return top_features(self, input_ids, layer, k, attention_mask, value)
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
