@@ -113,20 +113,19 @@ def test_attribution_and_the_lens_agree_on_every_door(doors, sdpa_model, tmp_pat
         loaded.variant(["layers.1.linear_attn.attention_queries"])  # not among what it was saved with
 
 
-def test_a_capture_through_every_door_holds_the_same_values(doors, sdpa_model, tokenizer, tmp_path):
+def test_a_capture_through_every_door_holds_the_same_values(doors, tokenizer, tmp_path):
     texts = ["The Eiffel Tower is in Paris.", "A second, shorter document.", "Three."]
-    runs = {door: qgraph.capture(doors[door] if door != "model" else sdpa_model, tokenizer, texts,
-                                 ["layers.1.layer_output", "layers.3.layer_output"], tmp_path / door, context=8,
-                                 batch_size=2, dtype=torch.float32, progress=False)
-            for door in ("model", "local", "remote", "loaded")}
+    runs = {door: qgraph.capture(doors[door], tokenizer, texts, ["layers.1.layer_output", "layers.3.layer_output"],
+                                 tmp_path / door, context=8, batch_size=2, dtype=torch.float32, progress=False)
+            for door in ("local", "remote", "loaded")}  # (a model's own capture: tests/test_capture.py)
     captured = {door: qgraph.load_capture(run.out) for door, run in runs.items()}
-    reference = captured["model"]
+    reference = captured["local"]
     for door, capture in captured.items():
-        assert runs[door].rows == runs["model"].rows == len(capture) > 1
+        assert runs[door].rows == runs["local"].rows == len(capture) > 1
         for row in range(len(capture)):
             for name in ("layers.1.layer_output", "layers.3.layer_output", "input_ids"):
                 close(capture[row][name], reference[row][name])
     assert runs["remote"].manifest["identity"]["model"]["weights_sha256"] == \
-        runs["model"].manifest["identity"]["model"]["weights_sha256"]  # the server hashes the same weights
+        runs["local"].manifest["identity"]["model"]["weights_sha256"]  # the server hashes the same weights
     with pytest.raises(qgraph.InvalidArgument, match="an instrument given has its own"):
         qgraph.capture(doors["local"], tokenizer, texts, ["layers.1.layer_output"], tmp_path / "x", compile=True)
