@@ -138,13 +138,16 @@ def explore(ig_or_model, out=None, *, blocks=None, plots: int = 32) -> Figure:
     if not isinstance(plots, int) or isinstance(plots, bool) or plots < 0:
         raise InvalidArgument(f"plots={plots!r}: give the most values to plot, an int >= 0")
     mixers = family.block_mixers(config)
-    if model is None:  # drawn from the instrument's catalogue alone
-        ig_or_model = None
     drawn = _drawn_blocks(blocks, mixers)
+    drawer = ig_or_model if model is not None else None  # what the diagrams are drawn from
+    later = "" if model is None else " (its values; blocks=\"all\" draws it)"  # of a block without its diagram
 
     key = f"qg-{uuid.uuid4().hex[:10]}"
     shown: set[str] = set()  # names that have an element on the page
-    parts = [_section("the model", _diagram(ig_or_model, "model", None, catalogue, shown),
+    parts = [] if model is not None else [  # a server's or a saved program's: its catalogue alone, no module tree
+        '<div class="qg-note">The model runs elsewhere (a server or a saved program), so no diagram is drawn here '
+        '(qgraph.explore(model) where the model is draws them): the values are listed by block.</div>']
+    parts += [_section("the model", _diagram(drawer, "model", None, catalogue, shown),
                       _model_values(catalogue), shown, catalogue, out, opened=True)]
     kinds = family.kinds(config)
     for mixer in dict.fromkeys(mixers):
@@ -152,9 +155,9 @@ def explore(ig_or_model, out=None, *, blocks=None, plots: int = 32) -> Figure:
         inner = []
         for block in members:
             values = _block_values(catalogue, f"layers.{block}")
-            diagram = _diagram(ig_or_model, "block", block, catalogue, shown) if block in drawn else ""
-            inner.append(_section(f"block {block}" + ("" if diagram else " (its values; blocks=\"all\" draws it)"),
-                                  diagram, values, shown, catalogue, out, opened=bool(diagram)))
+            diagram = _diagram(drawer, "block", block, catalogue, shown) if block in drawn else ""
+            inner.append(_section(f"block {block}" + ("" if diagram else later), diagram, values, shown, catalogue,
+                                  out, opened=bool(diagram) or (model is None and block == members[0])))
         title = f"{family.title(mixer)} blocks ({kinds[members[0]]}): {_ranges(members)}"
         parts.append(f'<details open class="qg-kind"><summary>{html.escape(title)}</summary>{"".join(inner)}</details>')
     depth = family.vision_blocks(config)
@@ -162,9 +165,9 @@ def explore(ig_or_model, out=None, *, blocks=None, plots: int = 32) -> Figure:
         inner = []
         for block in range(depth):
             values = _block_values(catalogue, f"vision.layers.{block}")
-            diagram = _diagram(ig_or_model, "vision_block", block, catalogue, shown) \
+            diagram = _diagram(drawer, "vision_block", block, catalogue, shown) \
                 if block == 0 or blocks == "all" else ""
-            title = f"vision block {block}" + ("" if diagram else " (its values; blocks=\"all\" draws it)")
+            title = f"vision block {block}" + ("" if diagram else later)
             inner.append(_section(title, diagram, values, shown, catalogue, out, opened=bool(diagram)))
         parts.append(f'<details open class="qg-kind"><summary>vision encoder blocks: 0-{depth - 1}</summary>'
                      f'{"".join(inner)}</details>')
@@ -236,11 +239,10 @@ def _model_values(catalogue) -> list[str]:
 
 
 def _diagram(ig_or_model, what: str, layer, catalogue, shown: set) -> str:
-    """A diagram's inline SVG, each value's element tagged with ``data-value`` (marked in ``shown``); a note
-    where the model runs elsewhere (a server, a saved program: no module tree here to draw)."""
+    """A diagram's inline SVG, each value's element tagged with ``data-value`` (marked in ``shown``); "" where
+    the model runs elsewhere (a server, a saved program: no module tree here to draw)."""
     if ig_or_model is None:
-        return ('<div class="qg-note">The model runs elsewhere (a server or a saved program), so its diagram is '
-                'not drawn here: qgraph.explore(model) where the model is draws it; the values are listed below.</div>')
+        return ""
     import graphviz
 
     try:

@@ -129,3 +129,25 @@ def test_a_capture_through_every_door_holds_the_same_values(doors, tokenizer, tm
         runs["local"].manifest["identity"]["model"]["weights_sha256"]  # the server hashes the same weights
     with pytest.raises(qgraph.InvalidArgument, match="an instrument given has its own"):
         qgraph.capture(doors["local"], tokenizer, texts, ["layers.1.layer_output"], tmp_path / "x", compile=True)
+
+
+@pytest.mark.parametrize("change", ["a fact of another type", "an unknown fact", "another family's model type",
+                                    "a dunder config field"])
+def test_a_catalogue_the_client_cannot_read_is_refused_before_any_use(remote, monkeypatch, change):
+    import copy
+
+    from qgraph.serve.client import Remote
+    info = copy.deepcopy(remote.info())
+    entry = info["values"]["layers.0.layer_output"]
+    if change == "a fact of another type":
+        entry["port"] = "yes"
+    elif change == "an unknown fact":
+        entry["__class__"] = "x"
+    elif change == "another family's model type":
+        info["model"]["model_type"] = "llama"
+    else:
+        info["model"]["config"]["__class__"] = "x"
+    hostile = qgraph.remote(remote.url)
+    monkeypatch.setattr(Remote, "info", lambda self: info)
+    with pytest.raises((qgraph.NotSupported, qgraph.InvalidArgument), match="this qgraph does not (read|know)|no field"):
+        hostile.instrument(["layers.0.layer_output"])

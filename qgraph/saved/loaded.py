@@ -31,6 +31,7 @@ from ..values.names import aliases, resolve
 from . import sandbox
 from .write import META
 
+from .allowed import FRESH
 from .feed import weights_of
 
 if TYPE_CHECKING:
@@ -65,10 +66,11 @@ class LoadedProgram:
         self.catalogue = {name: ServedEntry.of(name, facts) for name, facts in meta["catalogue"].items()}
         self._logits = meta["logits"]  # whether its calls return the logits (a variant's may not)
         self._watch: tuple[str, ...] = ()  # values whose gradients a variant's calls keep ({"grad": True})
-        # the values it returns that the rest of the graph reads too: d loss / d value is the returned tensor's
+        # the values it returns that the rest of the graph reads too, as tensors of their own (not a view of what
+        # the graph reads: allowed.FRESH): d loss / d value is the returned tensor's gradient
         returned = module.graph.output_node().args[0][int(meta["logits"]):]
         self._read = {name for name, node in zip(meta["outputs"], returned)
-                      if isinstance(node, torch.fx.Node) and len(node.users) > 1}
+                      if isinstance(node, torch.fx.Node) and len(node.users) > 1 and str(node.target) in FRESH}
 
     def _use(self, weights: dict) -> None:
         """Feed the program ``weights`` (``{name: function giving the tensor}``) and the call's inputs."""

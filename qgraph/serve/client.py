@@ -18,6 +18,8 @@ import torch
 from ..errors import InvalidArgument, NotSupported, QgraphError
 from ..families import FAMILIES
 from ..families.configs import config_of
+from ..saved.fields import record, text
+from ..saved.schema import FACT_CHECKS
 from ..output import Output
 from ..sweep import patch_by_calls
 from ..values.catalogue import ServedEntry
@@ -52,6 +54,7 @@ class Remote:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self._info: dict | None = None  # GET /v1/info's answer, once asked
+        self._model: tuple | None = None  # (family, config, catalogue) read from it, once
 
     def __repr__(self) -> str:
         model = (self._info or {}).get("model", {})
@@ -62,6 +65,28 @@ class Remote:
         if self._info is None:
             self._info = self._answer(self._http.get("/v1/info")).json()
         return self._info
+
+    def model(self) -> tuple:
+        """``(family, config, catalogue)`` of the served model, read once from ``/v1/info`` (every instrument
+        and variant of this server shares them): its family by name, its config rebuilt from the family's
+        configuration class, each value's facts checked as a saved program's are (``saved.schema``)."""
+        if self._model is None:
+            info = self.info()
+            model, values = info.get("model"), info.get("values")
+            family = next((f for f in FAMILIES if isinstance(model, dict) and f.name == model.get("family")), None)
+            if family is None or model is None or model.get("model_type") not in family.model_types \
+                    or not isinstance(model.get("config"), dict):
+                raise NotSupported(f"the server at {self.url} runs a model of a family or type this qgraph does not "
+                                   f"know: use the qgraph the server runs")
+            facts = record({**FACT_CHECKS, "dtype": text()})
+            if not isinstance(values, dict) or not all(isinstance(name, str) and facts(entry)
+                                                      for name, entry in values.items()):
+                raise NotSupported(f"the server at {self.url} sends a value catalogue this qgraph does not read: use "
+                                   f"the qgraph the server runs")
+            catalogue = {name: ServedEntry.of(name, {k: v for k, v in entry.items() if k != "dtype"})
+                         for name, entry in values.items()}
+            self._model = family, config_of(model["model_type"], model["config"]), catalogue
+        return self._model
 
     def instrument(self, values=(), *, edits=(), logits: bool = True) -> RemoteInstrument:
         """A remote instrument reading ``values`` (names, globs, or ``{name: {"grad": True}}``)."""
@@ -96,16 +121,8 @@ class RemoteInstrument:
 
     def __init__(self, server: Remote, values, edits, logits: bool):
         self.server, self._values, self._edits, self._logits = server, values, tuple(edits), logits
-        info = server.info()
-        model = info["model"]
-        self.blocks = model["blocks"]
-        self.family = next((family for family in FAMILIES if family.name == model["family"]), None)
-        if self.family is None:
-            raise NotSupported(f"the server runs a {model['family']} model, a family this qgraph does not know: "
-                               f"install the qgraph the server runs")
-        self.config = config_of(model["model_type"], model["config"])
-        self.catalogue = {name: ServedEntry.of(name, {k: v for k, v in entry.items() if k != "dtype"})
-                          for name, entry in info["values"].items()}
+        self.family, self.config, self.catalogue = server.model()
+        self.blocks = len(self.family.block_mixers(self.config))
         self.values = self.resolve(values)
 
     def __repr__(self) -> str:
@@ -122,6 +139,7 @@ class RemoteInstrument:
         return resolve(patterns, self.catalogue, self.family, self.config) if patterns else []
 
     def variant(self, values=(), *, edits=(), logits: bool = True) -> RemoteInstrument:
+        """An instrument of the same server reading ``values``, with slots at ``edits``."""
         return RemoteInstrument(self.server, values, edits, logits)
 
     def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads, batch_size):
