@@ -14,7 +14,7 @@ from types import ModuleType
 
 # public name -> the submodule (below qgraph) that defines it
 _PUBLIC = {
-    "Add": "edits", "Edit": "edits", "Replace": "edits", "Scale": "edits", "Zero": "edits",
+    "Add": "edits", "Edit": "edits", "Read": "edits", "Replace": "edits", "Scale": "edits", "Zero": "edits",
     "capture": "capture", "load_capture": "capture",
     # the errors (qgraph/errors.py): every one a QgraphError; their first use checks no versions
     "QgraphError": "errors", "InternalError": "errors", "InvalidArgument": "errors", "InvalidType": "errors",
@@ -42,7 +42,8 @@ _PUBLIC = {
 
 __all__ = ["Instrument", "Add", "attribution_patch", "capture", "CaptureCorrupt", "CaptureMismatch", "load_capture",
            "Edit", "EditError", "expert_neurons", "GenerateOutput", "InstrumentedModel", "LoadedProgram", "Output",
-           "Replace", "SAE", "Scale", "SupportTable", "SavedProgramError", "Stages", "UnavailableValue", "UnknownValue",
+           "Read", "Replace", "SAE", "Scale", "SupportTable", "SavedProgramError", "Stages", "UnavailableValue",
+           "UnknownValue",
            "UnsupportedModel", "Zero", "chat_prompt", "instrument", "load", "patch", "render", "skip_layers", "steer",
            "support", "Transcoder", "CrossLayerTranscoder", "AttributionGraph", "attribution_graph", "QgraphError",
            "InternalError", "InvalidArgument", "InvalidType", "OutOfRange", "NotSupported", "MissingFile",

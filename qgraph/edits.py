@@ -1,12 +1,22 @@
 """Edits: what to do to a value. An edit is applied where the value lives in the graph, so every
 value read downstream of it sees the edited tensor (and the value itself is captured as edited).
 
-Each tensor edit can select a region by the value's layout axes: ``batch=``, ``positions=`` (the
-``seq`` axis, the ``query`` axis of a pattern, the rows of a vision value), ``heads=`` (any heads axis), ``neurons=``
-(an ``intermediate_size`` or SAE features axis) and ``experts=`` (a ``num_experts`` axis: a MoE block's
-``expert_weights`` or ``router_logits``). A selection is an index or a non-empty list of indices (negative
-ones count from the end). Any callable ``f(tensor) -> tensor`` is an edit too; it sees and returns
-the whole value.
+Each edit but a bare function selects a region by the value's layout axes: ``batch=``, ``positions=``
+(the ``seq`` axis, the ``query`` axis of a pattern, the rows of a vision value), ``heads=`` (any heads
+axis), ``neurons=`` (an ``intermediate_size`` or SAE features axis) and ``experts=`` (a ``num_experts``
+axis: a MoE block's ``expert_weights`` or ``router_logits``). A selection is an index or a non-empty list
+of indices (negative ones count from the end). Any callable ``f(tensor) -> tensor`` is an edit too; it
+sees and returns the whole value.
+
+Edits that read the forward: ``Read(name)`` stands wherever an edit takes a tensor
+(``Replace(Read("layers.2.layer_output"))``, ``Add(Read(...), scale=0.5)``): that value in the same
+forward (as its own edits left it), selected by the edit's region as the edited value is.
+``Edit(fn, reads=[...], positions=...)`` calls ``fn(x, reads, mask)`` on the region: ``reads`` the
+values named (``{name as written: tensor}``), ``mask`` the call's attention mask along the value's
+token axis (bool, True at real tokens; None where the value has no token axis). ``Add(v, scale,
+relative=True)`` adds ``scale * m * v``, ``m`` the mean norm of the value's vectors over each row's
+real tokens. What an edit reads is wired into the graph (``passes.edit``: its slot takes those values
+as inputs), so the edit is exact, differentiable and compiled like any other.
 
 Edits are checked when made (a selection that is not ints, a tensor that is not numbers) and when
 applied (an index out of range, a tensor that does not broadcast, lives on another device or is not
@@ -14,14 +24,16 @@ floating): each error names the edit, the value and what to give instead.
 """
 from __future__ import annotations
 
-import numbers
+import dataclasses
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 
-from .errors import EditError, InvalidArgument, InvalidType
+from .edit_checks import check_data, check_tensor, indices, is_number
+from .errors import EditError, InvalidType
 
 # Which layout dims each selector addresses, in order of preference.
 AXES = {
@@ -31,6 +43,8 @@ AXES = {
     "neurons": ("intermediate_size", "shared_intermediate_size", "expert_intermediate_size", "d_sae"),
     "experts": ("num_experts",),
 }
+TOKENS = ("seq", "query")  # the token axes a call's attention mask lines up with
+MASK = "attention_mask"  # the value an edit reads for the call's mask
 
 
 @dataclass(frozen=True)
@@ -45,15 +59,46 @@ class Target:
         return f"'{self.name}' ({self.layout})" if self.layout else f"'{self.name}'"
 
 
+@dataclass(frozen=True)
+class Read:
+    """The value ``name`` (a standard name, alias or bracket form naming one value) of the same forward,
+    where an edit takes a tensor. It must be computed before the value edited."""
+
+    name: str
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidType(f"Read takes one value's name, e.g. qgraph.Read('layers.2.layer_output'), not "
+                              f"{self.name!r}")
+
+
+class Forward:
+    """What an edit slot hands its edits of the forward: ``{name: (tensor as served, Target)}`` of the
+    values wired into it (``passes.edit``)."""
+
+    def __init__(self, reads: Mapping[str, tuple[torch.Tensor, Target]] | None = None):
+        self.reads = dict(reads or {})
+
+    def get(self, name: str, where: str) -> tuple[torch.Tensor, Target]:
+        if name not in self.reads:
+            raise EditError(f"{where} reads '{name}', which this program does not hand to its edit slot: give the "
+                            f"edit per call (ig(..., edits=...)) or fixed (instrument(..., edits=...)), so the read "
+                            f"is wired in")
+        return self.reads[name]
+
+
 @dataclass
-class Edit:
-    """Base of the tensor edits: the region selection shared by all of them."""
+class Region:
+    """Base of the edits that select a region: the selection, and what ``change`` sees (``Scope``)."""
 
     batch: Sequence[int] | None = field(default=None, kw_only=True)
     positions: Sequence[int] | None = field(default=None, kw_only=True)
     heads: Sequence[int] | None = field(default=None, kw_only=True)
     neurons: Sequence[int] | None = field(default=None, kw_only=True)
     experts: Sequence[int] | None = field(default=None, kw_only=True)
+    # an affine map of the value (a * x + b, with a and b not depending on x): it may be edited inside a
+    # kernel, as the map of zeros and of ones (``write_values``)
+    affine: ClassVar[bool] = True
 
     def __post_init__(self):
         for selector in AXES:
@@ -61,187 +106,255 @@ class Edit:
             if chosen is not None:
                 setattr(self, selector, indices(chosen, selector, f"{type(self).__name__}({selector}=...)"))
 
-    def apply(self, x: torch.Tensor, target: Target) -> torch.Tensor:
-        """``x`` with the selected region (``positions``, ``heads``, ``neurons``) replaced by ``change`` of it;
-        ``x`` itself is not modified."""
-        index = self._region(x, target)
+    def apply(self, x: torch.Tensor, target: Target, forward: Forward | None = None) -> torch.Tensor:
+        """``x`` with the selected region replaced by ``change`` of it; ``x`` itself is not modified."""
+        scope = Scope(self, x, target, forward or Forward())
         out = x.clone()
-        out[index] = self.change(x[index], target, index)
+        out[scope.index] = self.change(x[scope.index], scope)
         return out
 
-    def change(self, region: torch.Tensor, target: Target, index) -> torch.Tensor:
-        """The new values of ``region`` (the value at ``index``): what a subclass defines."""
+    def change(self, region: torch.Tensor, scope: Scope) -> torch.Tensor:
+        """The new values of ``region``: what a subclass defines."""
         raise NotImplementedError
 
-    def _region(self, x: torch.Tensor, target: Target):
-        """An open-mesh index of the selected region: one broadcastable index tensor per axis."""
+    def needs(self) -> tuple[str, ...]:
+        """The values this edit reads of the forward (its ``Read`` fields' names, and the mask's)."""
+        return tuple(dict.fromkeys(value.name for value in self._fields().values() if isinstance(value, Read)))
+
+    def bind(self, resolve: Callable[[str, object], str]) -> Region:
+        """A copy whose reads are named by ``resolve(name as written, edit)`` (a standard name)."""
+        changes: dict = {key: Read(resolve(value.name, self)) for key, value in self._fields().items()
+                         if isinstance(value, Read)}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def _fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def index_of(self, x: torch.Tensor, dims: tuple, where: str, strict: bool = True) -> tuple:
+        """An open-mesh index of the selected region of ``x`` (laid out as ``dims``): one broadcastable index
+        tensor per axis. A selector whose axis ``dims`` lack is an error (``strict``) or selects nothing."""
         index = [torch.arange(size, device=x.device) for size in x.shape]
-        for selector, dims in AXES.items():
+        for selector, names in AXES.items():
             chosen = getattr(self, selector)
             if chosen is None:
                 continue
-            axis = next((target.dims.index(d) for d in dims if d in target.dims), None)
+            axis = next((dims.index(d) for d in names if d in dims), None)
             if axis is None:
-                raise EditError(f"{type(self).__name__}({selector}=...) at {target.describe()}: that layout has "
-                                f"no {'/'.join(dims)} axis to select {selector} on")
-            chosen = indices(chosen, selector, f"{type(self).__name__}({selector}=...) at {target.describe()}")
+                if not strict:
+                    continue
+                raise EditError(f"{type(self).__name__}({selector}=...) at {where}: that layout has no "
+                                f"{'/'.join(names)} axis to select {selector} on")
             size = x.shape[axis]
             bad = [i for i in chosen if not -size <= i < size]
             if bad:
-                raise EditError(f"{type(self).__name__}({selector}={chosen}) at {target.describe()}: "
-                                f"{bad} out of range for its {target.dims[axis]} axis of size {size}: give indices "
-                                f"from {-size} to {size - 1}")
+                raise EditError(f"{type(self).__name__}({selector}={chosen}) at {where}: {bad} out of range for its "
+                                f"{dims[axis]} axis of size {size}: give indices from {-size} to {size - 1}")
             index[axis] = torch.tensor([i % size for i in chosen], device=x.device)
         return tuple(t.view([-1 if a == axis else 1 for a in range(x.dim())]) for axis, t in enumerate(index))
 
-    def _fit(self, tensor: torch.Tensor, region: torch.Tensor, target: Target) -> torch.Tensor:
-        where = f"{type(self).__name__} at {target.describe()}"
+    def _given(self, data, region: torch.Tensor, scope: Scope) -> torch.Tensor:
+        """``data`` (a tensor, a number, nested lists, or a ``Read``'s region) broadcast to ``region``."""
+        tensor = scope.read(data.name) if isinstance(data, Read) else data
+        target = scope.target
         if not isinstance(tensor, torch.Tensor):  # a number or a nested list, checked at construction
             tensor = torch.as_tensor(tensor, dtype=region.dtype, device=region.device)
-        _check_tensor(tensor, region, where)
+        what = f"the value '{data.name}' it reads" if isinstance(data, Read) else "the tensor"
+        check_tensor(tensor, region, f"{type(self).__name__} at {target.describe()}", what)
         tensor = tensor.to(region.dtype)
         try:
             return tensor.expand_as(region)
         except RuntimeError:
             raise EditError(
-                f"{type(self).__name__} at {target.describe()}: got a tensor of shape {tuple(tensor.shape)}, "
+                f"{type(self).__name__} at {target.describe()}: got {what} of shape {tuple(tensor.shape)}, "
                 f"expected one broadcastable to {tuple(region.shape)} (the region selected of "
                 f"[{' '.join(map(str, target.dims))}])") from None
 
 
-@dataclass
-class Replace(Edit):
-    """Replace the value (or the selected region) with ``tensor``, broadcast to it."""
+class Scope:
+    """What an edit's ``change`` sees beyond its region: the value's whole tensor and target, the region's
+    index, and, selected as the region is, the values the edit reads and the call's mask."""
 
-    tensor: torch.Tensor
+    def __init__(self, edit: Region, x: torch.Tensor, target: Target, forward: Forward):
+        self.edit, self.x, self.target, self.forward = edit, x, target, forward
+        self.where = f"{type(edit).__name__} at {target.describe()}"
+        self.index = edit.index_of(x, target.dims, target.describe())
+
+    def read(self, name: str) -> torch.Tensor:
+        """The region of the value ``name`` that the edit's selection picks (by that value's own axes)."""
+        tensor, target = self.forward.get(name, self.where)
+        return tensor[self.edit.index_of(tensor, target.dims, target.describe(), strict=False)]
+
+    def mask(self, region: bool = True) -> torch.Tensor | None:
+        """The call's attention mask along the value's token axis, ``[batch, tokens]`` (bool, True at real
+        tokens; the last ``tokens`` of the call's, as a decoding step's value has), selected as the region
+        (``region``) or whole; None where the value has no batch and token axis."""
+        dims = self.target.dims
+        axis = next((dims.index(d) for d in TOKENS if d in dims), None)
+        if axis is None or "batch" not in dims:
+            return None
+        mask = self.forward.get(MASK, self.where)[0][:, -self.x.shape[axis]:].bool()
+        if not region:
+            return mask
+        return mask[self.edit.index_of(mask, ("batch", dims[axis]), "the call's attention_mask", strict=False)]
+
+    def mean_norm(self) -> torch.Tensor:
+        """Each row's mean norm (over the last axis) of the value at its real tokens, broadcast to the region."""
+        x, dims = self.x, self.target.dims
+        mask = self.mask(region=False)
+        if mask is None or dims[0] != "batch":
+            raise EditError(f"{self.where}: relative=True scales by the mean norm over each row's tokens, and this "
+                            f"value has no [batch ... seq ...] layout; add an absolute vector (relative=False)")
+        axis = next(dims.index(d) for d in TOKENS if d in dims)
+        norms = x.norm(dim=-1, keepdim=True)
+        weights = mask.to(x.dtype).view([mask.shape[0] if a == 0 else mask.shape[1] if a == axis else 1
+                                         for a in range(x.dim())]).expand_as(norms)
+        rest = tuple(range(1, x.dim()))
+        mean = (norms * weights).sum(rest, keepdim=True) / weights.sum(rest, keepdim=True)
+        return mean.expand_as(x)[self.index]
+
+
+@dataclass
+class Replace(Region):
+    """Replace the value (or the selected region) with ``tensor`` (or a ``Read``), broadcast to it."""
+
+    tensor: torch.Tensor | Read
 
     def __post_init__(self):
         super().__post_init__()
-        _check_data(self.tensor, "Replace(tensor=...)")
+        if not isinstance(self.tensor, Read):
+            check_data(self.tensor, "Replace(tensor=...)")
 
-    def change(self, region, target, index):
+    def change(self, region, scope):
         """The tensor given, broadcast to the region."""
-        return self._fit(self.tensor, region, target)
+        return self._given(self.tensor, region, scope)
 
 
 @dataclass
-class Add(Edit):
-    """Add ``scale * tensor`` to the value (or the selected region): steering."""
+class Add(Region):
+    """Add ``scale * tensor`` (or a ``Read``) to the value (or the selected region): steering. With
+    ``relative=True`` the vector is also scaled by each row's mean norm of the value at its real tokens
+    (nnsight's ``x + scale * x.norm(dim=-1, keepdim=True).mean() * v``, one prompt at a time)."""
 
-    tensor: torch.Tensor
+    tensor: torch.Tensor | Read
     scale: float = 1.0
+    relative: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        _check_data(self.tensor, "Add(tensor=...)")
-        if not _is_number(self.scale):
+        if not isinstance(self.tensor, Read):
+            check_data(self.tensor, "Add(tensor=...)")
+        if not is_number(self.scale):
             raise InvalidType(f"Add(scale={self.scale!r}): scale takes a number (the vector is added scale times); "
                               f"give a tensor as Add's tensor instead")
+        if not isinstance(self.relative, bool):
+            raise InvalidType(f"Add(relative={self.relative!r}) takes True or False")
 
-    def change(self, region, target, index):
-        """The region plus ``scale`` times the tensor."""
-        return region + self.scale * self._fit(self.tensor, region, target)
+    @property
+    def affine(self) -> bool:  # type: ignore[override]  # the mean norm depends on the value
+        return not self.relative
+
+    def needs(self) -> tuple[str, ...]:
+        return (*super().needs(), *((MASK,) if self.relative else ()))
+
+    def change(self, region, scope):
+        """The region plus ``scale`` times the tensor (times the rows' mean norm, ``relative``)."""
+        added = self.scale * self._given(self.tensor, region, scope)
+        return region + (added * scope.mean_norm() if self.relative else added)
 
 
 @dataclass
-class Scale(Edit):
-    """Multiply the value (or the selected region) by ``factor``: a number, or a tensor broadcast to it."""
+class Scale(Region):
+    """Multiply the value (or the selected region) by ``factor``: a number, or a tensor (or ``Read``)
+    broadcast to it."""
 
-    factor: float
+    factor: float | torch.Tensor | Read
 
     def __post_init__(self):
         super().__post_init__()
-        if not _is_number(self.factor):
-            _check_data(self.factor, "Scale(factor=...)")
+        if not is_number(self.factor) and not isinstance(self.factor, Read):
+            check_data(self.factor, "Scale(factor=...)")
 
-    def change(self, region, target, index):
+    def change(self, region, scope):
         """The region times ``factor``."""
-        return region * (self.factor if _is_number(self.factor) else self._fit(self.factor, region, target))
+        return region * (self.factor if is_number(self.factor) else self._given(self.factor, region, scope))
 
 
 @dataclass
-class Zero(Edit):
+class Zero(Region):
     """Set the value (or the selected region) to zero: ablation."""
 
-    def change(self, region, target, index):
+    def change(self, region, scope):
         """Zeros of the region's shape."""
         return torch.zeros_like(region)
 
 
-def apply_edit(edit, x: torch.Tensor, target: Target) -> torch.Tensor:
-    """Apply one edit (an ``Edit`` or any callable) to ``x`` and check what comes back."""
-    if isinstance(edit, Edit):
-        return edit.apply(x, target)
+@dataclass
+class Edit(Region):
+    """A function edit of the selected region that reads the forward: ``fn(x, reads, mask)`` returns the
+    region's new values. ``reads``: the values named in ``reads=`` (``{name as written: tensor}``, each
+    selected as the region is), ``mask``: the call's attention mask along the value's token axis (bool
+    ``[batch, tokens]`` of the region, True at real tokens; None where the value has none)."""
+
+    fn: Callable
+    reads: Sequence[str] = ()
+    affine: ClassVar[bool] = False  # any function: not where a kernel edits the value (write_values)
+    names: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # as written -> standard
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not callable(self.fn):
+            raise InvalidType(f"Edit takes a function fn(x, reads, mask) -> the region's new values, not "
+                              f"{type(self.fn).__name__}")
+        reads = [self.reads] if isinstance(self.reads, str) else self.reads
+        if not isinstance(reads, Sequence) or not all(isinstance(name, str) and name for name in reads):
+            raise InvalidType(f"Edit(reads={self.reads!r}) takes a list of value names, e.g. "
+                              f"reads=['layers.2.layer_output']")
+        self.reads = tuple(reads)
+
+    def needs(self) -> tuple[str, ...]:
+        return (*dict.fromkeys(self.names.get(name, name) for name in self.reads), MASK)
+
+    def bind(self, resolve):
+        bound = dataclasses.replace(self)
+        bound.names = {name: resolve(name, self) for name in self.reads}
+        return bound
+
+    def change(self, region, scope):
+        """``fn`` of the region, the regions of its reads and the region's mask, checked."""
+        reads = {name: scope.read(self.names.get(name, name)) for name in self.reads}
+        return checked(self.fn, (region, reads, scope.mask()), region, scope.target, "the function edit (Edit)")
+
+
+def apply_edit(edit, x: torch.Tensor, target: Target, forward: Forward | None = None) -> torch.Tensor:
+    """Apply one edit (a ``Region`` edit, or any callable of the value) to ``x`` and check what comes back."""
+    if isinstance(edit, Region):
+        return edit.apply(x, target, forward)
     if not callable(edit):
-        raise EditError(f"the edit at {target.describe()} is {edit!r}: give Replace, Add, Scale, Zero or a "
+        raise EditError(f"the edit at {target.describe()} is {edit!r}: give Replace, Add, Scale, Zero, Edit or a "
                         f"function tensor -> tensor")
+    return checked(edit, (x,), x, target, "the function edit")
+
+
+def checked(fn: Callable, args: tuple, x: torch.Tensor, target: Target, what: str) -> torch.Tensor:
+    """``fn(*args)``, which must be a tensor of ``x``'s shape on its device (floating where it is), as
+    ``x``'s dtype; the user's own error goes up with a note of where it was raised."""
     try:
-        out = edit(x)
+        out = fn(*args)
     except Exception as error:  # the user's own error, with where it happened
         if sys.version_info >= (3, 11):  # add_note is 3.11's; on 3.10 the error goes up as it is
-            error.add_note(f"(raised by the function edit at {target.describe()})")
+            error.add_note(f"(raised by {what} at {target.describe()})")
         raise
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise EditError(f"the function edit at {target.describe()} returned {got}; it must return a tensor of "
-                        f"the value's shape {tuple(x.shape)}")
-    _check_tensor(out, x, f"the function edit at {target.describe()}", "its result")
+        raise EditError(f"{what} at {target.describe()} returned {got}; it must return a tensor of the "
+                        f"{'region' if len(args) > 1 else 'value'}'s shape {tuple(x.shape)}")
+    check_tensor(out, x, f"{what} at {target.describe()}", "its result")
     return out.to(x.dtype)
 
 
-def indices(chosen, what: str, where: str) -> list[int]:
-    """``chosen`` (an int, or a non-empty list, tuple or 1-D integer tensor of ints) as a list of
-    ints; a ``TypeError`` or ``ValueError`` naming ``where`` and what ``what`` takes otherwise."""
-    takes = (f"{what} takes an int or a non-empty list of ints (negative ones count from the end), "
-             f"e.g. {what}=[0, -1]")
-    if isinstance(chosen, torch.Tensor):
-        if chosen.dim() > 1 or chosen.is_floating_point() or chosen.is_complex() or chosen.dtype == torch.bool:
-            raise InvalidType(f"{where}: got a {chosen.dtype} tensor of shape {tuple(chosen.shape)}; {takes}")
-        chosen = chosen.tolist()
-    if type(chosen).__module__ == "numpy":  # an array or a numpy int
-        chosen = chosen.tolist()
-    if isinstance(chosen, slice):
-        raise InvalidType(f"{where}: got {chosen!r}; {takes} (for a range write list(range(start, stop)))")
-    if _is_int(chosen):
-        return [int(chosen)]
-    if isinstance(chosen, (str, bytes)) or not isinstance(chosen, Sequence):
-        raise InvalidType(f"{where}: got {type(chosen).__name__} {chosen!r}; {takes}")
-    bad = [item for item in chosen if not _is_int(item)]
-    if bad:
-        raise InvalidType(f"{where}: {bad!r} are not ints; {takes}")
-    if not chosen:
-        raise InvalidArgument(f"{where}: the list is empty, so it selects nothing; {takes} (leave {what} out to "
-                              f"select all)")
-    return [int(item) for item in chosen]
+def needs(edit) -> tuple[str, ...]:
+    """The values ``edit`` reads of the forward (none for a bare function)."""
+    return edit.needs() if isinstance(edit, Region) else ()
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_data(data, where: str) -> None:
-    """A tensor, a number or a nested list of numbers; a TypeError naming ``where`` otherwise."""
-    if isinstance(data, torch.Tensor):
-        return
-    try:
-        torch.as_tensor(data, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        raise InvalidType(f"{where}: got {type(data).__name__} {str(data)[:60]!r}; it takes a tensor (or a number, "
-                          f"or a nested list of numbers) broadcastable to the value or the region selected") from None
-
-
-def _check_tensor(tensor: torch.Tensor, value: torch.Tensor, where: str, what: str = "the tensor") -> None:
-    """``tensor`` must live on ``value``'s device and be floating when ``value`` is."""
-    if tensor.device != value.device:
-        raise EditError(f"{where}: {what} is on {tensor.device} but the value is on {value.device}: move it there "
-                        f"(.to('{value.device}'))")
-    if value.is_floating_point() and not tensor.is_floating_point():
-        raise EditError(f"{where}: {what} is {tensor.dtype} but the value is {value.dtype}: give a floating tensor "
-                        f"(.to({value.dtype}))")
-
-
-Editable = Edit | Callable[[torch.Tensor], torch.Tensor]
+Editable = Region | Callable[[torch.Tensor], torch.Tensor]

@@ -23,6 +23,7 @@ import torch
 
 from . import compat
 from .values import derive
+from .edits import needs
 from .errors import InvalidArgument, InvalidType, NotCaptured, NotSupported, QgraphError
 from .export import export_model
 from .inputs import image_keys, prepare
@@ -340,9 +341,10 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     else:
         names, options = ig.resolve(list(values)), ig.check_options(values)
     call_edits = ig.call_edits(edits)  # {name: edit}; undeclared names get slots in this decoder's programs
-    decoder_key = (tuple(names), frozenset(call_edits))
-    decoder = ig.decoder(decoder_key, lambda: Decoder(ig, names, options,
-                                              {name: ig.slot(name) for name in {*ig.slots, *call_edits}}))
+    reads = {name: needs(edit) for name, edit in call_edits.items()}
+    slots = {name: ig.slot(name, reads.get(name, ())) for name in {*ig.slots, *call_edits}}
+    decoder = ig.decoder((tuple(names), frozenset((name, slot.read_names) for name, slot in slots.items())),
+                         lambda: Decoder(ig, names, options, slots))
 
     batch, prompt_length = ids.shape
     blocks = len(ig.family.block_mixers(ig.config))
@@ -358,7 +360,7 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
         inputs = {"input_ids": new_ids, "attention_mask": full_mask[:, -new:], "positions": positions[:, -new:],
                   "causal_mask": causal_mask(full_mask, new), **cache}
         program = decoder.prompt if step == 0 else decoder.decode
-        active = {ig.slot(name): edit for name, edit in call_edits.items()} \
+        active = {slots[name]: edit for name, edit in call_edits.items()} \
             if call_edits and _selected(steps, step, max_new_tokens + 1) else {}
         with applying(active), torch.no_grad():
             logits, captured = program.run(inputs)

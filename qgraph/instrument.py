@@ -13,7 +13,7 @@ from .values import derive
 from .values.catalogue import Entry
 from .compat import hooked_modules
 from .compile import compile_options, compile_program
-from .edits import EditError
+from .edits import EditError, Region, needs
 from .export import export_model
 from .families import family_for
 from .export.fingerprint import fingerprint
@@ -126,11 +126,13 @@ class InstrumentedModel:
         values, edits = self._request
         self.values = self.resolve(values)
         self.options = self.check_options(values)
-        fixed = {name: edit for pattern, edit in edits.items() for name in self.resolve(pattern)} \
+        fixed = {name: self.bind(edit) for pattern, edit in edits.items() for name in self.resolve(pattern)} \
             if isinstance(edits, Mapping) else {}
-        self.slots: dict[str, EditSlot] = {name: self._new_slot(name, fixed.get(name))
+        self.slots: dict[str, EditSlot] = {name: self._new_slot(name, fixed.get(name), needs(fixed.get(name)))
                                            for name in self.resolve(edits)}
-        self._call_slots: dict[str, EditSlot] = {}  # slots made for per-call edits at undeclared values
+        self._declared = frozenset((name, slot.read_names) for name, slot in self.slots.items())
+        # slots made for per-call edits: at undeclared values, or reading more of the forward ({(name, reads): slot})
+        self._call_slots: dict[tuple, EditSlot] = {}
         self._programs: dict[tuple, Program] = {}
         self._decoders = {}  # generation's programs (``decoder``), of the model as it was
         self._check_stages()
@@ -154,11 +156,15 @@ class InstrumentedModel:
             raise InvalidArgument(f"micro-batches cut the batch, but {', '.join(unbatched[:3])} have no leading batch "
                                   f"dim ({self.catalogue[unbatched[0]].layout}): use microbatches=1 or leave them out")
 
-    def _new_slot(self, name: str, fixed=None) -> EditSlot:
-        return EditSlot.at(self.catalogue[name], fixed)
+    def _new_slot(self, name: str, fixed=None, reads=()) -> EditSlot:
+        return EditSlot.at(self.catalogue[name], fixed, [self.catalogue[read] for read in reads])
 
-    def _key(self, images: bool, extra=()) -> tuple:
-        return images, frozenset(self.slots) | frozenset(extra)
+    def _key(self, images: bool, extra: Mapping[str, tuple] | None = None) -> tuple:
+        """A program's key: the image-text program or not, and its slots, each with the values it reads."""
+        if not extra:
+            return images, self._declared
+        names = dict.fromkeys([*self.slots, *extra])
+        return images, frozenset((name, self.slot(name, extra.get(name, ())).read_names) for name in names)
 
     @property
     def blocks(self) -> int:
@@ -193,9 +199,10 @@ class InstrumentedModel:
         return self.program.graph
 
     # -- what other qgraph modules use (generate, save, load_weights, the recipes) ---------------------
-    def program_for(self, images: bool, extra=()) -> Program:
+    def program_for(self, images: bool, extra: Mapping[str, tuple] | None = None) -> Program:
         """The program a call runs: a text-only call to the image-text model runs its text program;
-        a call with edits at undeclared values (``extra``) one that also has their slots."""
+        a call with edits at undeclared values, or reading more of the forward (``extra``: ``{name: the
+        values its edit reads}``), one that also has those slots."""
         key = self._key(images, extra)
         program = self._programs.get(key)
         if program is not None:
@@ -208,7 +215,7 @@ class InstrumentedModel:
                     self._fingerprint = fingerprint(self.model, self._reads)
                 program = self._program(exported)
                 present = program.present
-                slots = {name: self.slot(name) for name in key[1] if name in present}
+                slots = {name: self.slot(name, reads) for name, reads in key[1] if name in present}
                 self._programs[key] = program.build([n for n in self.values if n in present], slots, self._logits,
                                                     {n: o for n, o in self.options.items() if n in present})
                 self._finish(self._programs[key], extra)
@@ -218,14 +225,33 @@ class InstrumentedModel:
         """A program builder for ``exported``, with this model's SAEs and transcoders."""
         return Program(self.model, exported, self.saes, self._weights, self._device, self.transcoders)
 
-    def slot(self, name: str) -> EditSlot:
-        """The slot at ``name``: declared, or made for per-call edits (once, then reused)."""
-        if name in self.slots:
-            return self.slots[name]
+    def slot(self, name: str, reads: tuple = ()) -> EditSlot:
+        """The slot at ``name`` that reads ``reads`` (and what its fixed edit reads): declared, or made for
+        per-call edits (once, then reused)."""
+        declared = self.slots.get(name)
+        wanted = tuple(dict.fromkeys([*(declared.read_names if declared else ()), *reads]))
+        if declared is not None and wanted == declared.read_names:
+            return declared
         with self._lock:
-            if name not in self._call_slots:
-                self._call_slots[name] = self._new_slot(name)
-            return self._call_slots[name]
+            if (name, wanted) not in self._call_slots:
+                self._call_slots[(name, wanted)] = self._new_slot(name, declared and declared.fixed, wanted)
+            return self._call_slots[(name, wanted)]
+
+    def bind(self, edit):
+        """``edit`` with the values it reads (``Read``s, ``Edit(reads=...)``) named by their standard names."""
+        return edit.bind(self.read_name) if isinstance(edit, Region) else edit
+
+    def read_name(self, written: str, edit) -> str:
+        """The one value ``written`` names, for an edit that reads it; an ``EditError`` otherwise."""
+        names = self.resolve(written)
+        if len(names) != 1:
+            raise EditError(f"{type(edit).__name__} reads '{written}', which names {len(names)} values "
+                            f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}): a read names one value")
+        entry = self.catalogue[names[0]]
+        if entry.derived:
+            raise EditError(f"{type(edit).__name__} reads '{names[0]}', which is computed after the run from other "
+                            f"values ({entry.description}); read a value of the forward")
+        return names[0]
 
     def decoder(self, key, make):
         """Generation's programs for ``key`` (its values and edits): ``make()`` once, then kept until the
@@ -270,7 +296,7 @@ class InstrumentedModel:
         (see ``qgraph.compile``)."""
         self._compile = options
         for (_, slots), program in self._programs.items():
-            if slots == frozenset(self.slots):
+            if slots == self._declared:
                 compile_program(program, **options)
         return self
 
@@ -293,7 +319,7 @@ class InstrumentedModel:
         images = self.exported.images and vision_given(inputs)  # images, videos or both: the image-text program
         prepared = prepare(self.model, self.family.images, input_ids, attention_mask, with_images=images, **inputs)
         call_edits = self.call_edits(edits)
-        program = self.program_for(images, call_edits)
+        program = self.program_for(images, {name: needs(edit) for name, edit in call_edits.items()})
         missing = [name for name in call_edits if name not in program.slots]
         if missing:
             raise EditError(f"{missing} are not in this call's program: a call without images has no vision values")
@@ -316,7 +342,8 @@ class InstrumentedModel:
 
     def call_edits(self, edits: Mapping | None) -> dict[str, object]:
         """``{name: edit}`` for a call's ``edits={pattern: edit}``, patterns resolved, each name checked
-        to be editable (a later pattern overrides an earlier one at the same name)."""
+        to be editable (a later pattern overrides an earlier one at the same name), the values each edit
+        reads named (``bind``)."""
         if edits is None:
             return {}
         if not isinstance(edits, Mapping):
@@ -324,10 +351,10 @@ class InstrumentedModel:
                               f"edits={{'layers.2.layer_output': qgraph.Zero()}}")
         resolved = {}
         for pattern, edit in edits.items():
+            bound = self.bind(edit)
             for name in self.resolve(pattern):
-                if name not in self.slots:
-                    self.slot(name)  # checks it can be edited
-                resolved[name] = edit
+                self.slot(name, needs(bound)).check(bound)  # it can be edited, so
+                resolved[name] = bound
         return resolved
 
     def refresh(self) -> None:

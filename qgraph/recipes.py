@@ -10,15 +10,19 @@ from .errors import InvalidArgument, InvalidType
 
 
 def steer(layers: int | Iterable[int], vector: torch.Tensor, factor: float = 1.0,
-          positions: Iterable[int] | None = None) -> dict:
+          positions: Iterable[int] | None = None, relative: bool = False) -> dict:
     """The edits that add ``factor * vector`` to ``layer_output`` of ``layers`` (at ``positions``,
-    or every position). Use as ``instrument(..., edits=steer(...))`` or per call ``ig(..., edits=...)``."""
+    or every position). ``relative=True`` scales the vector by each row's mean residual norm over its
+    real (unpadded) tokens too (``Add(..., relative=True)``): nnsight's inline
+    ``x + factor * x.norm(dim=-1, keepdim=True).mean() * vector`` on one prompt, as data. Use as
+    ``instrument(..., edits=steer(...))`` or per call ``ig(..., edits=...)``."""
     layers = [layers] if isinstance(layers, int) else layers
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable) \
             or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
         raise InvalidType(f"steer takes a block index or a list of them, not {layers!r}: e.g. steer([2, 3], vector)")
     positions = None if positions is None else list(positions)
-    return {f"layers.{i}.layer_output": Add(vector, scale=factor, positions=positions) for i in layers}
+    return {f"layers.{i}.layer_output": Add(vector, scale=factor, positions=positions, relative=relative)
+            for i in layers}
 
 
 def skip_layers(start: int, end: int) -> dict:

@@ -20,7 +20,8 @@ import torch
 
 from .distributed import blocks_of
 from .distributed.split import pick, split
-from .edits import AXES, Edit, Replace, indices
+from .edit_checks import indices
+from .edits import AXES, Region, Replace
 from .errors import InternalError, InvalidArgument, InvalidType
 from .inputs import prepare, vision_given
 from .passes.edit import applying
@@ -156,16 +157,16 @@ class CorruptRun:
         return value
 
 
-class _PatchEdit(Edit):
+class _PatchEdit(Region):
     """The per-call edit of one pass: rows ``l * rows .. (l + 1) * rows`` get the clean value at
     location ``l`` of ``chunk`` (a position and/or head; None: every one), the rest stay corrupt. A
-    region edit (an ``Edit``: whole positions and heads replaced), so it reaches values edited inside
+    region edit (a ``Region``: whole positions and heads replaced), so it reaches values edited inside
     a kernel (``write_values``) too."""
 
     def __init__(self, clean: torch.Tensor, chunk: list[tuple], axes: dict, rows: int):
         self.clean, self.chunk, self.axes, self.rows = clean, chunk, axes, rows
 
-    def apply(self, x: torch.Tensor, target) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, target, forward=None) -> torch.Tensor:
         return self(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

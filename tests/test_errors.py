@@ -29,8 +29,8 @@ PACKAGE = Path(qgraph.__file__).resolve().parent
 
 # bare builtin raises kept on purpose: (file, enclosing function, builtin) -> why
 _ON_PURPOSE = {
-    ("qgraph/edits.py", "Edit.change", "NotImplementedError"):
-        "the abstract method of Edit, which each tensor edit overrides (Python's own idiom)",
+    ("qgraph/edits.py", "Region.change", "NotImplementedError"):
+        "the abstract method of Region, which each tensor edit overrides (Python's own idiom)",
     ("qgraph/rewrites/on_request.py", "Rewrite.apply", "NotImplementedError"):
         "the abstract method of Rewrite, which each typed rewrite overrides (Python's own idiom)",
     ("qgraph/capture/read.py", "Capture.find", "KeyError"):

@@ -57,6 +57,7 @@ def requested(build) -> dict:
     """``{name: OnRequest}`` of the on-request values a build needs made: the values asked, the slots
     and the request's ``make`` (a cached step's memory, the SAEs that change what the model reads)."""
     program, request = build.program, build.request
-    names = [*request.values, *request.slots, *request.make]
+    reads = [read for slot in request.slots.values() for read in slot.read_names]
+    names = [*request.values, *request.slots, *request.make, *reads]
     return {name: program.catalogue[name].location for name in names
             if name in program.catalogue and isinstance(program.catalogue[name].location, OnRequest)}

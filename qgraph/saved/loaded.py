@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import InvalidArgument, InvalidState, InvalidType, NotSupported, QgraphError, SavedProgramError
-from ..edits import EditError, Replace, Target
+from ..edits import EditError, Replace, Target, needs
 from ..families import FAMILIES
 from ..families.configs import config_of
 from ..export.fingerprint import fingerprint
@@ -228,6 +228,11 @@ class LoadedProgram:
                 raise EditError(f"{pattern!r} is not an edit slot of {self.path.name}; its slots are "
                                 f"{', '.join(self.slots) or 'none'} (declare slots with instrument(..., edits=[...]) "
                                 f"before saving)")
+            if needs(edit):
+                raise EditError(f"{type(edit).__name__} at {pattern!r} reads {list(needs(edit))} of the forward, and a "
+                                f"loaded program's slots read only their own value: fix the edit into the program "
+                                f"before saving (instrument(model, edits={{name: edit}}).save(path)), or run it on the "
+                                f"instrumented model")
             for name in names:
                 chosen[name] = (edit, self.slots[name], self._views[name])
         return chosen

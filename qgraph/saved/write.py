@@ -249,10 +249,11 @@ class _Fixed(torch.nn.Module):
 
     def __init__(self, slot: EditSlot):
         super().__init__()
-        self.slot = EditSlot(slot.target, slot.view, fixed=slot.fixed, regions_only=slot.regions_only)
+        self.slot = EditSlot(slot.target, slot.view, fixed=slot.fixed, regions_only=slot.regions_only,
+                             reads=slot.reads)
 
-    def forward(self, x):
-        return self.slot(x)
+    def forward(self, x, *reads):  # the values the fixed edit reads of the forward (qgraph.Read), traced in
+        return self.slot(x, *reads)
 
 
 class _Draft(torch.nn.Module):

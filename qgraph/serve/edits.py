@@ -1,5 +1,6 @@
 """Edits as data: ``Replace``, ``Add``, ``Scale`` and ``Zero`` with their regions travel as a JSON object
-and the tensors it names; a function edit travels as the graph ``serve.function`` exports on the client.
+and the tensors it names (a ``Read`` as ``{"read": name}``, resolved by the server as a value name);
+a function edit travels as the graph ``serve.function`` exports on the client.
 
 ``encode`` (the client) turns an edit into ``(spec, tensors)``; ``decode`` (the server) turns an untrusted
 spec back into an edit, every field checked against a positive list, or raises ``EditError`` (422).
@@ -10,9 +11,9 @@ import numbers
 
 import torch
 
-from ..edits import AXES, Add, Edit, Replace, Scale, Zero
+from ..edits import AXES, Add, Edit, Read, Region, Replace, Scale, Zero
 from ..errors import EditError
-from ..saved.fields import integer, list_of, number
+from ..saved.fields import integer, list_of, number, text
 from .function import export_function, load_function
 
 KINDS = {"Replace": Replace, "Add": Add, "Scale": Scale, "Zero": Zero}
@@ -21,6 +22,8 @@ _TENSORS = {"Replace": "tensor", "Add": "tensor"}
 _MAX_INDICES = 4096  # indices of one region selector
 _INDICES = list_of(integer(-2**31 + 1, 2**31 - 1), 1, _MAX_INDICES)
 _NUMBER = number()  # finite
+_NAME = text(200, printable=True)  # a value a Read names (the server resolves it as it resolves every name)
+_FLAGS = {"Add": ("relative",)}  # a true/false field
 
 
 def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -28,6 +31,10 @@ def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, t
     edit is exported here, on the client, over ``layout`` (the value's ``{"dims", "shape", "dtype"}``
     from the server's catalogue): one that cannot be exported is refused here, with the reason."""
     if isinstance(edit, Edit):
+        raise EditError(f"the edit at '{name}' is an Edit (a function of the region, its reads and the mask), which "
+                        f"cannot travel to a server; read values with Replace/Add/Scale(qgraph.Read(...)), steer with "
+                        f"Add(..., relative=True), or give a function of the value alone")
+    if isinstance(edit, Region):
         kind = type(edit).__name__
         if kind not in KINDS:
             raise EditError(f"the edit at '{name}' is a {kind}; a remote call takes Replace, Add, Scale, Zero or a "
@@ -39,15 +46,16 @@ def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, t
                 spec[selector] = list(getattr(edit, selector))
         field = _TENSORS.get(kind)
         if field is not None:
-            tensors[f"{prefix}.{field}"] = _as_tensor(getattr(edit, field))
-            spec[field] = f"{prefix}.{field}"
+            spec[field] = _data(getattr(edit, field), f"{prefix}.{field}", tensors)
         for option in _NUMBERS.get(kind, ()):
             value = getattr(edit, option)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 spec[option] = float(value)
             else:
-                tensors[f"{prefix}.{option}"] = _as_tensor(value)
-                spec[option] = f"{prefix}.{option}"
+                spec[option] = _data(value, f"{prefix}.{option}", tensors)
+        for flag in _FLAGS.get(kind, ()):
+            if getattr(edit, flag):
+                spec[flag] = True
         return spec, tensors
     if callable(edit):
         if layout is None:
@@ -58,6 +66,14 @@ def encode(name: str, edit, prefix: str, layout=None) -> tuple[dict, dict[str, t
         data, held = export_function(edit, example, tuple(dims), name)
         return {"kind": "function", "graph": data}, {f"{prefix}.{key}": tensor for key, tensor in held.items()}
     raise EditError(f"the edit at '{name}' is {edit!r}: give Replace, Add, Scale, Zero or a function tensor -> tensor")
+
+
+def _data(value, key: str, tensors: dict) -> object:
+    """A tensor field's spec: ``{"read": name}`` for a ``Read``, else the key its tensor travels by."""
+    if isinstance(value, Read):
+        return {"read": value.name}
+    tensors[key] = _as_tensor(value)
+    return key
 
 
 def _as_tensor(value) -> torch.Tensor:
@@ -79,7 +95,8 @@ def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used:
         return load_function(spec["graph"], held, name)
     if kind not in KINDS:
         raise EditError(f"{where} is of kind {kind[:40]!r}; the kinds are {', '.join(KINDS)} and function")
-    allowed = {"kind", *AXES, *([_TENSORS[kind]] if kind in _TENSORS else []), *_NUMBERS.get(kind, ())}
+    allowed = {"kind", *AXES, *([_TENSORS[kind]] if kind in _TENSORS else []), *_NUMBERS.get(kind, ()),
+               *_FLAGS.get(kind, ())}
     unknown = sorted(set(spec) - allowed)
     if unknown:
         raise EditError(f"{where}: a {kind} takes {', '.join(sorted(allowed - {'kind'}))}, not {unknown}")
@@ -92,9 +109,14 @@ def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used:
             fields[selector] = chosen
     if kind in _TENSORS:
         fields[_TENSORS[kind]] = _tensor(spec.get(_TENSORS[kind]), tensors, prefix, used, where)
+    for flag in _FLAGS.get(kind, ()):
+        if flag in spec:
+            if not isinstance(spec[flag], bool):
+                raise EditError(f"{where}: {flag} takes true or false, not {str(spec[flag])[:40]}")
+            fields[flag] = spec[flag]
     for option in _NUMBERS.get(kind, ()):
         value = spec.get(option, 1.0 if kind == "Add" else None)
-        if isinstance(value, str):
+        if isinstance(value, (str, dict)):
             value = _tensor(value, tensors, prefix, used, where)
         elif not _NUMBER(value):
             raise EditError(f"{where}: {option} takes a finite number or a tensor's name, not {str(value)[:40]}")
@@ -102,7 +124,11 @@ def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used:
     return KINDS[kind](**fields)
 
 
-def _tensor(key, tensors: dict, prefix: str, used: set, where: str) -> torch.Tensor:
+def _tensor(key, tensors: dict, prefix: str, used: set, where: str) -> torch.Tensor | Read:
+    if isinstance(key, dict):  # a Read: one value's name, resolved (and refused if unknown) as every name is
+        if set(key) != {"read"} or not _NAME(key["read"]):
+            raise EditError(f"{where}: a read is {{\"read\": a value's name}}, not {str(key)[:60]}")
+        return Read(key["read"])
     if not isinstance(key, str) or not key.startswith(prefix + ".") or key not in tensors:
         raise EditError(f"{where} names the tensor {str(key)[:60]!r}, which the body does not hold as {prefix}.*")
     tensor = tensors[key]

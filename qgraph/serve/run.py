@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from ..edits import apply_edit
+from ..edits import Forward, Region, apply_edit, needs
 from ..families.configs import config_data
 from ..identity import model_identity
 from ..values.catalogue import entry_data
@@ -255,18 +255,36 @@ class Runner:
                    for name in names)
 
 
-class RowEdits:
-    """One batched forward's edit at one value: each request's edit on its own rows and positions."""
+class RowEdits(Region):
+    """One batched forward's edit at one value: each request's edit on its own rows and positions, reading
+    its own rows (and real tokens) of what the edits read of the forward."""
 
-    def __init__(self, target, parts: list, length: int):
+    def __init__(self, target, parts: list, length: int):  # not the dataclass's fields: no region of its own
         self.target, self.parts, self.length = target, parts, length
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def affine(self) -> bool:  # type: ignore[override]  # as its requests' edits are
+        return all(getattr(edit, "affine", False) for _, edit in self.parts)
+
+    def needs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(name for _, edit in self.parts for name in needs(edit)))
+
+    def bind(self, resolve) -> RowEdits:
+        return RowEdits(self.target, [(row, edit.bind(resolve) if isinstance(edit, Region) else edit)
+                                      for row, edit in self.parts], self.length)
+
+    def apply(self, x: torch.Tensor, target, forward: Forward | None = None) -> torch.Tensor:
         out = x.clone()
+        reads = (forward or Forward()).reads
         for row, edit in self.parts:
             index = _index(self.target.dims, row, self.length)
-            out[index] = apply_edit(edit, x[index], self.target)
+            own = Forward({name: (tensor[_index(read.dims, row, self.length)], read)
+                           for name, (tensor, read) in reads.items()})
+            out[index] = apply_edit(edit, x[index], self.target, own)
         return out
+
+    def __repr__(self) -> str:
+        return f"RowEdits({self.target.name}, {len(self.parts)} requests)"
 
 
 def _by_name(ig, edits: dict) -> dict:

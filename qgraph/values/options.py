@@ -5,7 +5,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..edits import indices
+from ..edit_checks import indices
 from ..errors import InvalidArgument, InvalidType
 
 # The options a value takes (every value takes ``grad``)
