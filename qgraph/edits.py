@@ -160,6 +160,7 @@ class Region:
             tensor = torch.as_tensor(tensor, dtype=region.dtype, device=region.device)
         what = f"the value '{data.name}' it reads" if isinstance(data, Read) else "the tensor"
         check_tensor(tensor, region, f"{type(self).__name__} at {target.describe()}", what)
+        what = what if isinstance(data, Read) else "a tensor"
         tensor = tensor.to(region.dtype)
         try:
             return tensor.expand_as(region)
