@@ -149,7 +149,7 @@ def test_a_cross_layer_transcoder_by_repo_and_subfolder(cache, tmp_path, sdpa_mo
 def test_what_is_missing_names_what_there_is(cache, tmp_path):
     publish(cache, "org/saes", saelens_release(tmp_path / "release"))
     with pytest.raises(MissingFile, match=r"org/saes/blocks.9.hook_resid_post: no SAE there \(as the local cache "
-                                          r"holds it\); its folders holding a SAE are blocks.1.hook_resid_post, "
+                                          r"holds it\); its folders holding an SAE are blocks.1.hook_resid_post, "
                                           r"blocks.2.hook_resid_post: give sae_id= one of them"):
         SAE.load("org/saes", sae_id="blocks.9.hook_resid_post")
     with pytest.raises(MissingFile, match=r"no local path 'org/elsewhere', and the Hub repository 'org/elsewhere' is "

@@ -9,6 +9,9 @@
 * **SAELens**: ``cfg.json`` + ``sae_weights.safetensors`` (``W_enc [d_in, d_sae]``, as the record).
 * **sparsify** (EleutherAI): ``cfg.json`` + ``sae.safetensors`` (``encoder.weight [d_sae, d_in]``),
   or a folder of ``layers.{i}/`` of them. TopK of ``relu(x - b_dec) ...``: b_dec is subtracted.
+
+Every file's size is bounded before it is read (``bounds.py``); ``hub.py`` fetches a Hub repository's
+files into its cache first, where the load is given a repo id.
 """
 from __future__ import annotations
 

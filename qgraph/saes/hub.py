@@ -79,7 +79,7 @@ def _fetch(repo: str, kind: str, folder: str, revision: str | None, layer: int |
     wanted = _wanted(inside, LAYOUTS[kind], layer, kind, where)
     if not wanted:
         homes = [home or "(the repo's root: no folder)" for home in _homes(files, LAYOUTS[kind])]
-        held = f"its folders holding a {kind} are {_names(homes)}" if homes else f"it holds no {kind} qgraph reads"
+        held = f"its folders holding {_a(kind)} are {_names(homes)}" if homes else f"it holds no {kind} qgraph reads"
         raise MissingFile(f"{where}: no {kind} there ({source}); {held}: give {argument}= one of them")
     root = _download(repo, revision, [prefix + name for name in wanted], files, source)
     if kind == "transcoder" and "config.yaml" in wanted:  # a circuit-tracer set's config may name its layer files
@@ -102,7 +102,7 @@ def _wanted(inside: dict[str, int], patterns: tuple[str, ...], layer: int | None
             plain.append(name)
     if layer is None and len(numbered) == 1:
         layer = next(iter(numbered))
-    if numbered and layer not in numbered and all(bounds.bound(name) == bounds.SETTINGS_BYTES for name in plain):
+    if numbered and layer not in numbered and all(PurePosixPath(name).suffix in bounds.SETTINGS for name in plain):
         said = "no layer= was given" if layer is None else f"layer={layer} is not there"
         raise InvalidArgument(f"{where} holds {kind}s of layers {_names(sorted(numbered))}; {said}: give layer= "
                               f"one of them")
@@ -219,6 +219,10 @@ def _inside(folder: str) -> bool:
     """Whether ``folder`` is a relative path that stays inside the folder it is joined to."""
     path = PurePosixPath(folder)
     return bool(folder.strip("/")) and not path.is_absolute() and ".." not in path.parts and "\\" not in folder
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind == "SAE" else f"a {kind}"
 
 
 def _names(items: list) -> str:
