@@ -196,22 +196,32 @@ def test_an_oversized_file_is_refused_unread(cache, tmp_path, monkeypatch):
         SAE.load(release / HOOKS[0])
 
 
-def test_online_the_hubs_sizes_refuse_a_file_before_it_is_downloaded(cache, monkeypatch):
+def test_online_the_layouts_files_are_downloaded_after_the_hubs_sizes_are_checked(cache, tmp_path, monkeypatch):
     import huggingface_hub
     from huggingface_hub import HfApi, constants
     from huggingface_hub.hf_api import RepoFile
+    release = saelens_release(tmp_path / "release")
+    snapshot = publish(cache, "org/saes", release)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    tree = [RepoFile(path=f"{HOOKS[0]}/cfg.json", size=700, oid="a"),
-            RepoFile(path=f"{HOOKS[0]}/sae_weights.safetensors", size=200 << 30, oid="b")]
-    monkeypatch.setattr(HfApi, "list_repo_tree", lambda self, repo, **kwargs: iter(tree))
+    sizes = {path.relative_to(release).as_posix(): path.stat().st_size for path in release.rglob("*") if path.is_file()}
+    monkeypatch.setattr(HfApi, "list_repo_tree", lambda self, repo, **kwargs: iter(
+        [RepoFile(path=path, size=size, oid="x") for path, size in sizes.items()]))
+    calls = []
 
-    def no_download(*args, **kwargs):
-        raise AssertionError("a file past its bound was downloaded")
+    def download(repo, **kwargs):  # the Hub stood in for: what the call asks for, and the files it would fetch
+        calls.append((repo, kwargs))
+        return str(snapshot)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_download)
-    with pytest.raises(InvalidArgument, match=rf"org/big/{HOOKS[0]}/sae_weights.safetensors: 214,748,364,800 bytes, "
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    assert same(SAE.load("org/saes", sae_id=HOOKS[1], revision="v1"), SAE.load(release / HOOKS[1]))
+    assert calls == [("org/saes", {"revision": "v1", "allow_patterns": [f"{HOOKS[1]}/cfg.json",
+                                                                        f"{HOOKS[1]}/sae_weights.safetensors"],
+                                   "local_files_only": False})]
+    sizes[f"{HOOKS[0]}/sae_weights.safetensors"] = 200 << 30  # the Hub says so: refused before the download
+    with pytest.raises(InvalidArgument, match=rf"org/saes/{HOOKS[0]}/sae_weights.safetensors: 214,748,364,800 bytes, "
                                               rf"past the 68,719,476,736"):
-        SAE.load("org/big", sae_id=HOOKS[0])
+        SAE.load("org/saes", sae_id=HOOKS[0])
+    assert len(calls) == 1
 
 
 def test_the_hub_out_of_reach_falls_back_to_the_cache(cache, tmp_path, monkeypatch):

@@ -34,6 +34,13 @@ import re
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
+import huggingface_hub
+from huggingface_hub import HfApi, constants, scan_cache_dir
+from huggingface_hub.errors import (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                    RevisionNotFoundError)
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import validate_repo_id
+
 from ..errors import InvalidArgument, MissingFile
 from . import bounds
 from .formats import read_yaml
@@ -133,13 +140,13 @@ def _listed(repo: str, root: Path, folder: str, layer: int | None) -> list[str]:
 def _download(repo: str, revision: str | None, paths: list[str], files: dict[str, int], source: str) -> Path:
     """The snapshot folder holding ``paths`` (repo paths), each size checked against ``bounds`` before it is
     fetched (the Hub's, or the cache's on disk) and again on disk after."""
-    from huggingface_hub import snapshot_download
     for path in paths:
         if path not in files:
             raise MissingFile(f"{repo} has no file {path} ({source})")
         bounds.check(f"{repo}/{path}", files[path])
-    root = Path(snapshot_download(repo, revision=revision, allow_patterns=[glob.escape(path) for path in paths],
-                                  local_files_only=source != "the Hub"))
+    patterns = [glob.escape(path) for path in paths]  # exactly these files (fnmatch patterns, escaped)
+    root = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=patterns,
+                                                  local_files_only=source != "the Hub"))
     for path in paths:
         bounds.check(root / path)
     return root
@@ -148,9 +155,6 @@ def _download(repo: str, revision: str | None, paths: list[str], files: dict[str
 def _listing(repo: str, revision: str | None) -> tuple[dict[str, int], str]:
     """``({repo path: bytes}, where from)``: the Hub's tree, or (offline, or the Hub out of reach) the
     cached snapshot's files on disk."""
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
-    from huggingface_hub.hf_api import RepoFile
     unreachable = None
     if not constants.HF_HUB_OFFLINE:
         try:
@@ -172,16 +176,14 @@ def _listing(repo: str, revision: str | None) -> tuple[dict[str, int], str]:
 
 def _cached(repo: str, revision: str | None, unreachable: Exception | None) -> Path:
     """The cached snapshot of ``repo`` at ``revision``, or a MissingFile naming the repos the cache holds."""
-    from huggingface_hub import constants, scan_cache_dir, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
     try:
-        return Path(snapshot_download(repo, revision=revision, local_files_only=True))
+        return Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True))
     except LocalEntryNotFoundError as error:
         partial = getattr(error, "snapshot_path", None)  # a snapshot fetched in part: its files are what there is
         if partial:
             return Path(partial)
-    why = "HF_HUB_OFFLINE is set" if unreachable is None else \
-        f"the Hub could not be reached: {type(unreachable).__name__}: {str(unreachable)[:200]}"
+    why, way = ("HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE to download it") if unreachable is None else (
+        f"the Hub could not be reached: {type(unreachable).__name__}: {str(unreachable)[:200]}", "download it online")
     try:
         repos = scan_cache_dir(constants.HF_HUB_CACHE).repos
         cached = sorted(entry.repo_id for entry in repos if entry.repo_type == "model")
@@ -189,8 +191,7 @@ def _cached(repo: str, revision: str | None, unreachable: Exception | None) -> P
         cached = []
     at = f" at revision {revision!r}" if revision else ""
     raise MissingFile(f"no local path {repo!r}, and the Hub repository {repo!r}{at} is not in the local cache ({why}; "
-                      f"it holds {_names(cached) if cached else 'no repository'}): download it online, or give a local "
-                      f"folder")
+                      f"it holds {_names(cached) if cached else 'no repository'}): {way}, or give a local folder")
 
 
 def _homes(files: dict[str, int], patterns: tuple[str, ...]) -> list[str]:
@@ -206,8 +207,6 @@ def _homes(files: dict[str, int], patterns: tuple[str, ...]) -> list[str]:
 
 def _repo_id(name: str) -> bool:
     """Whether ``name`` is a Hub repository id with its owner: ``org/repo``."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
     try:
         validate_repo_id(name)
     except HFValidationError:
