@@ -96,13 +96,17 @@ class CrossLayerTranscoder(torch.nn.Module):
                 setattr(self, name, None)
 
     @classmethod
-    def load(cls, path, dtype: torch.dtype | None = None, reads: str | None = None) -> CrossLayerTranscoder:
+    def load(cls, path, dtype: torch.dtype | None = None, reads: str | None = None, *, subfolder: str | None = None,
+             revision: str | None = None) -> CrossLayerTranscoder:
         """The CLT stored in the folder ``path``: circuit-tracer's (``W_enc_{i}.safetensors`` and
         ``W_dec_{i}.safetensors``, an optional ``config.yaml`` beside) or Gemma Scope 2's
-        (``params_layer_{i}.safetensors``); see ``clt_formats.py``. ``dtype`` casts the weights (the
-        files' own dtype by default); ``reads`` overrides the value it reads where no config says."""
+        (``params_layer_{i}.safetensors``); see ``clt_formats.py``. ``path`` is a local folder, or a Hugging
+        Face Hub repository id (``"org/repo"``, at ``revision``; ``hub.py``), ``subfolder`` the CLT's folder
+        in it. ``dtype`` casts the weights (the files' own dtype by default); ``reads`` overrides the value
+        it reads where no config says."""
         from .clt_formats import read  # lazy: keeps transformers out until this is used
-        return cls(**read(path, dtype=dtype, reads=reads))
+        from .hub import local  # lazy: keeps huggingface_hub out until a dictionary is loaded
+        return cls(**read(local(path, "cross-layer transcoder", subfolder, revision), dtype=dtype, reads=reads))
 
     # the widths a block's splice checks (as a per-layer Transcoder's)
     @property

@@ -22,7 +22,8 @@
   where qgraph could check them); a ``config.yaml`` beside, where there is one, is read as circuit-tracer's.
 
 Both are untrusted data: safetensors only (never a pickle), each file one of the folder's own (a link
-out of the folder is refused), the tensors named above and no others read, each tensor's shape and
+out of the folder is refused, but for a Hub cache snapshot's links to its repo's blobs), each file's size
+bounded (``bounds``), the tensors named above and no others read, each tensor's shape and
 dtype checked from the header before its bytes are read, and the blocks numbered 0 to n - 1 with
 every file there. circuit-tracer casts to the dtype asked (bfloat16 by default) and may read the
 decoders lazily; qgraph keeps the files' dtype unless ``dtype=`` says otherwise, and reads every
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
+from . import bounds
 from .formats import read_yaml
 from .transcoder_formats import hooks_read, hooks_written, reads_of, writes_mlp
 
@@ -156,11 +158,12 @@ def _gemma_scope_2(folder: Path, files: dict) -> dict:
 
 def numbered(folder: Path, files: dict, pattern: str, complete: bool = True) -> dict[int, Path]:
     """``{i: file}`` of the folder's files named by ``pattern``, numbered 0 to n - 1 with none missing
-    (where ``complete``); each a plain file of the folder itself (a link out of it is refused)."""
+    (where ``complete``); each a plain file of the folder itself (a link out of it is refused, but for a
+    Hub cache's own links: ``own``)."""
     found = {}
     for name, entry in files.items():
         if match := re.fullmatch(pattern, name):
-            if not entry.is_file() or entry.resolve().parent != folder.resolve():
+            if not entry.is_file() or not own(entry, folder):
                 raise InvalidArgument(f"{entry}: not a file of {folder} (a link out of the folder, or a folder): "
                                       f"qgraph reads a cross-layer transcoder's own files only")
             found[int(match[1])] = entry
@@ -174,8 +177,21 @@ def numbered(folder: Path, files: dict, pattern: str, complete: bool = True) -> 
     return found
 
 
+def own(entry: Path, folder: Path) -> bool:
+    """Whether ``entry`` (named in ``folder``) is a file of the folder itself: there, or, in a Hugging Face
+    cache's snapshot (``<repo>/snapshots/<commit>/...``), a link to one of that repo's own blobs
+    (``<repo>/blobs/``), as the cache keeps every file it fetched (``hub.py``)."""
+    target = entry.resolve()
+    if target.parent == folder.resolve():
+        return True
+    store = target.parent
+    return store.name == "blobs" and any(above.name == "snapshots" and above.parent.resolve() == store.parent
+                                         for above in entry.absolute().parents)
+
+
 def _open(file: Path):
     from safetensors import safe_open
+    bounds.check(file)
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as error:

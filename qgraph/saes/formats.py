@@ -9,6 +9,9 @@
 * **SAELens**: ``cfg.json`` + ``sae_weights.safetensors`` (``W_enc [d_in, d_sae]``, as the record).
 * **sparsify** (EleutherAI): ``cfg.json`` + ``sae.safetensors`` (``encoder.weight [d_sae, d_in]``),
   or a folder of ``layers.{i}/`` of them. TopK of ``relu(x - b_dec) ...``: b_dec is subtracted.
+
+Every file's size is bounded before it is read (``bounds.py``); ``hub.py`` fetches a Hub repository's
+files into its cache first, where the load is given a repo id.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 
 from ..errors import InvalidArgument, MissingFile, NotSupported
 from ..values.aliases import tl_split, tl_value
+from . import bounds
 
 # SAELens architectures -> the record's activation
 _SAELENS_ARCHITECTURES = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk"}
@@ -64,6 +68,7 @@ def read(path, layer: int | None = None, k: int | None = None) -> dict:
 
 
 def _qwen_scope(file: Path, k: int | None) -> dict:
+    bounds.check(file)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # a pickle weights_only refuses, or not a torch file at all
@@ -201,6 +206,8 @@ def _layer_of(hook: str | None) -> int | None:
 
 
 def read_json(file: Path) -> dict:
+    """The settings of a JSON file, its size bounded first (``bounds``), or an InvalidArgument naming it."""
+    bounds.check(file)
     try:
         cfg = json.loads(file.read_text())
     except ValueError as error:
@@ -211,8 +218,10 @@ def read_json(file: Path) -> dict:
 
 
 def read_yaml(file: Path) -> dict:
-    """The settings of a YAML file (safe_load: data only), or an InvalidArgument naming the file."""
+    """The settings of a YAML file (safe_load: data only), its size bounded first (``bounds``), or an
+    InvalidArgument naming the file."""
     import yaml
+    bounds.check(file)
     try:
         config = yaml.safe_load(file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -223,7 +232,9 @@ def read_yaml(file: Path) -> dict:
 
 
 def read_safetensors(file: Path) -> dict:
+    """Every tensor of a safetensors file, its size bounded first (``bounds``), or an InvalidArgument naming it."""
     from safetensors.torch import load_file
+    bounds.check(file)
     try:
         return load_file(str(file))
     except Exception as error:

@@ -68,13 +68,17 @@ class SAE(torch.nn.Module):
             self.register_parameter("threshold", None)
 
     @classmethod
-    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None) -> SAE:
-        """The SAE stored at ``path`` (a local file or folder) in any of the formats ``formats.py``
-        reads: Qwen-Scope, SAELens or sparsify. ``layer`` picks one of a folder of layers; ``k``
-        overrides (or, for Qwen-Scope without ``L0_<k>`` in the path, supplies) a TopK SAE's k;
-        ``hook`` overrides the value the SAE reads, where the format's name for it does not say."""
+    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None, *,
+             sae_id: str | None = None, revision: str | None = None) -> SAE:
+        """The SAE stored at ``path`` in any of the formats ``formats.py`` reads: Qwen-Scope, SAELens or
+        sparsify. ``path`` is a local file or folder, or a Hugging Face Hub repository id (``"org/repo"``,
+        at ``revision``: ``hub.py`` fetches only the files the SAE needs); ``sae_id`` names the SAE's
+        folder in it (a SAELens release's SAE id). ``layer`` picks one of a folder of layers; ``k``
+        overrides (or, for Qwen-Scope without ``L0_<k>`` in the path, supplies) a TopK SAE's k; ``hook``
+        overrides the value the SAE reads, where the format's name for it does not say."""
         from .formats import read  # lazy: qgraph.saes.formats imports this module's package at import time (a cycle)
-        record = read(path, layer=layer, k=k)
+        from .hub import local  # lazy: hub imports formats (the same cycle)
+        record = read(local(path, "SAE", sae_id, revision, layer, "sae_id"), layer=layer, k=k)
         if hook is not None:
             record["hook"] = hook
         return cls(**record)

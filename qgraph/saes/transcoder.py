@@ -56,17 +56,22 @@ class Transcoder(SAE):
             self.W_skip = frozen(W_skip, self.W_enc.dtype)
 
     @classmethod
-    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None) -> Transcoder:
-        """The transcoder stored at ``path`` (a local file or folder): circuit-tracer's per-layer
-        transcoders (a set's folder with ``config.yaml`` and ``layer_{i}.safetensors``, or one such file)
-        or a SAELens 6 transcoder (``cfg.json`` + ``sae_weights.safetensors``; a folder of ``layer_{i}``
-        folders of them). ``layer`` picks one of a set (and must agree with the transcoder's own where
-        the format says it); ``k`` overrides (or supplies) a TopK transcoder's k. ``hook`` is ``SAE.load``'s:
-        a transcoder reads its block's ``reads``, so it takes none."""
+    def load(cls, path, layer: int | None = None, k: int | None = None, hook: str | None = None, *,
+             sae_id: str | None = None, revision: str | None = None) -> Transcoder:
+        """The transcoder stored at ``path``: circuit-tracer's per-layer transcoders (a set's folder with
+        ``config.yaml`` and ``layer_{i}.safetensors``, or one such file) or a SAELens 6 transcoder
+        (``cfg.json`` + ``sae_weights.safetensors``; a folder of ``layer_{i}`` folders of them). ``path``
+        is a local file or folder, or a Hugging Face Hub repository id (``"org/repo"``, at ``revision``:
+        ``hub.py`` fetches the layer's files only), ``sae_id`` the set's folder in it (``SAE.load``'s name
+        for it: SAELens's; circuit-tracer's subfolder). ``layer`` picks
+        one of a set (and must agree with the transcoder's own where the format says it); ``k`` overrides
+        (or supplies) a TopK transcoder's k. ``hook`` is ``SAE.load``'s: a transcoder reads its block's
+        ``reads``, so it takes none."""
         if hook is not None:
             raise InvalidArgument(f"Transcoder.load(hook={hook!r}): a transcoder reads the value its record names at "
                                   f"its layer; pick the layer with layer=, or load an SAE with SAE.load(hook=)")
-        return cls(**read(path, layer=layer, k=k))
+        from .hub import local  # lazy: keeps huggingface_hub out until a dictionary is loaded
+        return cls(**read(local(path, "transcoder", sae_id, revision, layer, "sae_id"), layer=layer, k=k))
 
     @property
     def writes(self) -> str:

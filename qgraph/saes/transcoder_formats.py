@@ -63,7 +63,7 @@ def read(path, layer: int | None = None, k: int | None = None) -> dict:
         raise MissingFile(f"{path}: cfg.json has no sae_weights.safetensors beside it")
     elif (path / "config.yaml").is_file():
         config = _config(path / "config.yaml")
-        number, file = _pick(_set_files(path, config), layer, path, "layer files (config.yaml)")
+        number, file = _pick(set_files(path, config), layer, path, "layer files (config.yaml)")
         record = _circuit_tracer(file, config, k, number)
     elif files := numbered(path, r"layer_(\d+)\.safetensors", want_dir=False):
         number, file = _pick(files, layer, path, "layer_{i}.safetensors files")
@@ -192,7 +192,7 @@ def _split(hook: str | None) -> tuple[int | None, str | None]:
     return tl_split(hook) if isinstance(hook, str) else (None, None)
 
 
-def _set_files(folder: Path, config: dict) -> Mapping[int, Path | str]:
+def set_files(folder: Path, config: dict) -> Mapping[int, Path | str]:
     """``{layer: file}`` of a circuit-tracer set: its ``transcoders`` list (index = layer; older sets list
     ``{layer, filepath}``), else the ``layer_{i}.safetensors`` in the folder. An ``hf://`` entry is read
     from the folder under its file name, and stays a string (to be named) where it is not there."""
