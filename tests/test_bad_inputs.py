@@ -244,7 +244,7 @@ def test_numbers_lists_and_tensor_factors_are_taken(small, ids6):
 
 def test_an_edit_that_is_neither_an_edit_nor_callable(small, ids6):
     with pytest.raises(EditError, match=r"the edit at 'layers\.1\.layer_output' .* is 3: give Replace, Add, Scale, "
-                                        r"Zero or a function tensor -> tensor"):
+                                        r"Zero, Edit or a function tensor -> tensor"):
         call(small, ids6, edits={"layers.1.layer_output": 3})
 
 

@@ -16,7 +16,7 @@ GROUPS = {  # page -> (title, what it covers, public names)
     "instrument": ("Instrumenting a model", "Exporting a model once and reading its values.",
                    ["instrument", "Instrument", "InstrumentedModel", "Output", "support", "SupportTable", "register_family"]),
     "edits": ("Edits", "What an edit does at a value, and the recipes built on edits.",
-              ["Edit", "Add", "Replace", "Scale", "Zero", "steer", "skip_layers", "expert_neurons"]),
+              ["Edit", "Read", "Add", "Replace", "Scale", "Zero", "steer", "skip_layers", "expert_neurons"]),
     "generation": ("Generation", "Generating with values and edits at every step.", ["GenerateOutput", "chat_prompt"]),
     "capture": ("Capture", "Writing a dataset's values to disk and reading them back.", ["capture", "load_capture"]),
     "saes": ("SAEs and transcoders", "Dictionaries spliced into the program.", ["SAE", "Transcoder", "CrossLayerTranscoder"]),
