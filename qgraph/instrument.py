@@ -364,7 +364,9 @@ class InstrumentedModel:
         """Generate like HF ``generate`` (greedy, or sampling with ``do_sample=True``, ``temperature``,
         ``top_k``, ``top_p``, ``generator=``/``seed=``; stops on the config's eos ids), decoding from a
         cache, and capture the values at every step: ``out.sequences`` and ``out.steps[k][name]``
-        (step 0 the prompt pass, step k the pass over new token k). ``edits={name: edit}`` apply at
+        (step 0 the prompt pass, step k the pass over new token k; the last token's pass runs only when
+        values are captured), ``out.logits`` and ``out.scores`` one per new token, equal to HF's
+        ``output_logits`` and ``output_scores``. ``edits={name: edit}`` apply at
         every step, or at ``steps=[0]`` / ``steps=slice(1, None)`` only. See ``qgraph.generate``."""
         if self._stages is not None:
             raise NotSupported("generate does not run stages yet: generate with an instrument without stages= "

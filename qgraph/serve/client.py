@@ -203,8 +203,8 @@ class RemoteInstrument:
             prefix = f"step.{step}.value."
             values = {key[len(prefix):]: tensor for key, tensor in got.items() if key.startswith(prefix)}
             out.steps.append(Step(values, got[f"step.{step}.logits"], self.blocks))
-            out.logits.append(got[f"step.{step}.logits"])
-            if f"step.{step}.scores" in got:
+            if f"step.{step}.scores" in got:  # a step that chose a new token (the last token's runs for values)
+                out.logits.append(got[f"step.{step}.logits"])
                 out.scores.append(got[f"step.{step}.scores"])
         return out
 

@@ -186,10 +186,13 @@ class Runner:
     def _generate(self, ig, request: Request, settings: dict):
         out = ig.generate(request.input_ids, request.attention_mask, edits=request.edits or None, **settings)
         tensors = {"sequences": out.sequences}
-        for step, values in enumerate(out.steps):
-            tensors[f"step.{step}.logits"] = out.logits[step]
-            if step < len(out.scores):
-                tensors[f"step.{step}.scores"] = out.scores[step]
+        for step, values in enumerate(out.steps):  # a step that chose a token: its logits and scores, as HF's
+            chose = step < len(out.logits)
+            tensors[f"step.{step}.logits"] = out.logits[step] if chose else values.logits[:, -1]
+            if chose:  # unprocessed (greedy, no settings), HF's scores are its logits: the wire holds each apart
+                scores, logits = out.scores[step], out.logits[step]
+                shared = scores.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+                tensors[f"step.{step}.scores"] = scores.clone() if shared else scores
             tensors.update({f"step.{step}.value.{name}": tensor for name, tensor in values.items()})
         return {"steps": len(out.steps), "values": list(ig.values)}, tensors
 
