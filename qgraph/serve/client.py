@@ -208,14 +208,15 @@ class RemoteInstrument:
                 out.scores.append(got[f"step.{step}.scores"])
         return out
 
-    def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5):
+    def logit_lens(self, input_ids, attention_mask=None, *, positions="all", top: int = 5, logits: bool = False):
         """What ``ig.logit_lens`` returns, the projection on the vocabulary run on the server."""
-        positions = [positions] if isinstance(positions, int) else list(positions)
+        if isinstance(positions, (tuple, range)):
+            positions = list(positions)
         _, tensors = self._call(input_ids, attention_mask, None)
-        reply, got = self.server.run({"lens": {"positions": positions, "top": top}}, tensors)
-        tops = {block: (got[f"lens.{block}.ids"], got[f"lens.{block}.probabilities"])
-                for block in range(reply["blocks"])}
-        return LogitLens(tops, reply["positions"], tensors["input_ids"], self)
+        reply, got = self.server.run({"lens": {"positions": [positions] if isinstance(positions, int) else positions,
+                                               "top": top, "logits": logits}}, tensors)
+        return LogitLens(got["lens.ids"], got["lens.probabilities"], reply["positions"], tensors["input_ids"], self,
+                         logits=got.get("lens.logits"), attention_mask=tensors.get("attention_mask"))
 
 
 class RemoteOutput(Output):
