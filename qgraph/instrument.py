@@ -390,14 +390,12 @@ class InstrumentedModel:
 
     def logit_lens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    positions="all", top: int = 5, logits: bool = False):
-        """The logit lens as a grid, blocks × positions: ``project_on_vocab`` of each block's
-        ``layer_output`` (as this instrument computes it: its fixed edits and SAEs in place) at every
-        position (the default, ``"all"``, as the lens papers draw it) or at ``positions`` (an int or a
-        list). A ``LogitLens``: ``top_ids`` and ``top_probs`` ``[batch, blocks, positions, top]``, also
-        the dict ``{block: (token ids, probabilities)}`` each ``[batch, positions, top]``; with
-        ``logits=True`` also ``logits`` and ``probs`` ``[batch, blocks, positions, vocab]`` (float32;
-        not kept by default: 12 GB for 512 positions of the 0.8B). ``.plot()`` draws the grid, each
-        cell's top token coloured by its probability (``qgraph/lens.py``)."""
+        """The logit lens, blocks × positions: ``project_on_vocab`` of each block's ``layer_output`` (its
+        fixed edits and SAEs in place) at every position (``"all"``, the default, as the lens papers draw
+        it) or at ``positions``. A ``LogitLens``: ``top_ids``, ``top_probs`` ``[batch, blocks, positions,
+        top]`` (also the dict ``{block: (ids, probabilities)}``); with ``logits=True`` also ``logits`` and
+        ``probs`` ``[batch, blocks, positions, vocab]`` (not by default: 12 GB for 512 positions of the
+        0.8B). ``.plot()`` draws the grid (``qgraph/lens.py``)."""
         return logit_lens(self, input_ids, attention_mask, positions, top, logits)
 
     # -- looking: repr(ig) (and ig in a notebook) is a short summary; tree() the module tree annotated with
