@@ -33,6 +33,8 @@ class LogitLens(dict):
                  source=None, *, logits: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None):
         super().__init__({block: (top_ids[:, block], top_probs[:, block]) for block in range(top_ids.shape[1])})
         self.top_ids, self.top_probs, self.positions = top_ids, top_probs, positions
+        if attention_mask is not None:  # as the call took it: a tensor, or a list of rows
+            attention_mask = torch.as_tensor(attention_mask)
         self.input_ids, self.attention_mask, self._logits, self._source = input_ids, attention_mask, logits, source
 
     @property
@@ -108,7 +110,6 @@ def logit_lens(ig, input_ids, attention_mask=None, positions="all", top: int = 5
             if logits:
                 full.append(projected)
     grid = hidden.shape[:3]
-    mask = attention_mask if attention_mask is None else torch.as_tensor(attention_mask)
     return LogitLens(torch.cat(ids).reshape(*grid, top), torch.cat(probs).reshape(*grid, top), positions,
                      out.input_ids, ig, logits=torch.cat(full).reshape(*grid, -1) if logits else None,
-                     attention_mask=mask)
+                     attention_mask=attention_mask)
