@@ -10,8 +10,10 @@ left padding is skipped), the mask grows by a column of ones per step.
 
 ``out.steps[0]`` holds the values of the prompt pass; ``out.steps[k]`` (k >= 1) those of the pass
 that reads the k-th new token (a one-token pass: sequence axes have length 1, attention patterns
-are ``[batch, heads, 1, past + 1]``). The last new token is also run through, so there is one entry
-per new token.
+are ``[batch, heads, 1, past + 1]``). ``out.logits`` and ``out.scores`` are HF ``generate``'s
+``output_logits`` and ``output_scores``: one per new token, from the pass that chose it. The pass
+over the last new token chooses nothing: it runs only when the call captures values (its step holds
+them), so ``len(out.steps)`` is ``len(out.logits) + 1`` with values and ``len(out.logits)`` without.
 """
 from __future__ import annotations
 
@@ -58,8 +60,12 @@ class GenerateOutput:
 
     ``sequences``: the prompt and the new tokens ``[batch, prompt + new]`` (rows that stopped are
     filled with the pad id, as HF does). ``steps``: one ``Step`` per pass (0: the prompt, k: the
-    pass over new token k). ``scores``: the processed next-token scores that chose each new token
-    ``[batch, vocab]``. ``logits``: each pass's raw logits at its last position ``[batch, vocab]``.
+    pass over new token k), each with its values and its pass's ``logits``; the pass over the last
+    new token runs only for its values (none captured: no pass, so one step per new token).
+    ``logits`` and ``scores``: one per new token, as HF ``generate(output_logits=True,
+    output_scores=True, return_dict_in_generate=True)`` returns them: the raw logits at the last
+    position of the pass that chose it (float32 ``[batch, vocab]``), and those scores processed (by
+    temperature, top_k, top_p, ...) into the distribution it was chosen from.
     """
 
     sequences: torch.Tensor
@@ -68,8 +74,8 @@ class GenerateOutput:
     logits: list[torch.Tensor] = field(default_factory=list)
 
     def stacked(self, name: str, position: int = -1) -> torch.Tensor:
-        """A value over the decode steps, stacked on a new axis 1: each step's ``[:, position]``
-        along its sequence axis (axis 1), the prompt pass included at its last position."""
+        """A value over the steps, stacked on a new axis 1: each step's ``[:, position]`` along its
+        sequence axis (axis 1), the prompt pass included at its last position."""
         return torch.stack([step[name][:, position] for step in self.steps], dim=1)
 
     def __repr__(self) -> str:  # short: the sequences' shape, the steps, the values per step (qgraph/reprs.py)
@@ -355,7 +361,7 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     output = GenerateOutput(sequences)
     edits = edits or {}
     last = False
-    for step in _steps(max_new_tokens):  # a hard bound: the prompt pass, then one pass per new token
+    for step in _steps(max_new_tokens):  # a hard bound: the prompt pass, then one pass per new token but the last
         new = new_ids.shape[1]
         inputs = {"input_ids": new_ids, "attention_mask": full_mask[:, -new:], "positions": positions[:, -new:],
                   "causal_mask": causal_mask(full_mask, new), **cache}
@@ -368,10 +374,11 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
         derive.fill(captured, program.derivations, inputs, ig.config)
         output.steps.append(Step({name: captured[name] for name in decoder.values if name in captured},
                                  logits, blocks))
-        output.logits.append(logits[:, -1])
         if last:
             break
-        scores = processors(sequences, logits[:, -1].to(copy=True, dtype=torch.float32))
+        raw = logits[:, -1].to(copy=True, dtype=torch.float32)  # HF's next_token_logits: output_logits holds it
+        scores = processors(sequences, raw)
+        output.logits.append(raw)
         output.scores.append(scores)
         if do_sample:
             probabilities = torch.softmax(scores, dim=-1)
@@ -387,5 +394,7 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
             unfinished &= ~torch.isin(next_ids, eos_ids)
         new_ids = next_ids[:, None]
         last = step + 1 == max_new_tokens or not bool(unfinished.any())
+        if last and not decoder.values:  # the last token's pass would choose nothing and read nothing
+            break
     output.sequences = sequences
     return output

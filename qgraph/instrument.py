@@ -391,7 +391,9 @@ class InstrumentedModel:
         """Generate like HF ``generate`` (greedy, or sampling with ``do_sample=True``, ``temperature``,
         ``top_k``, ``top_p``, ``generator=``/``seed=``; stops on the config's eos ids), decoding from a
         cache, and capture the values at every step: ``out.sequences`` and ``out.steps[k][name]``
-        (step 0 the prompt pass, step k the pass over new token k). ``edits={name: edit}`` apply at
+        (step 0 the prompt pass, step k the pass over new token k; the last token's pass runs only when
+        values are captured), ``out.logits`` and ``out.scores`` one per new token, equal to HF's
+        ``output_logits`` and ``output_scores``. ``edits={name: edit}`` apply at
         every step, or at ``steps=[0]`` / ``steps=slice(1, None)`` only. See ``qgraph.generate``."""
         if self._stages is not None:
             raise NotSupported("generate does not run stages yet: generate with an instrument without stages= "
@@ -414,12 +416,14 @@ class InstrumentedModel:
         return project_on_vocab(self, hidden)
 
     def logit_lens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   positions=(-1,), top: int = 5):
-        """Every block's top tokens at ``positions``: a ``LogitLens``, the dict ``{block: (token ids,
-        probabilities)}``, each ``[batch, len(positions), top]``, from ``project_on_vocab`` of the block's
-        ``layer_output`` (as this instrument computes it: its fixed edits and SAEs in place); its
-        ``.plot()`` draws blocks × positions with each cell's top token (``qgraph/lens.py``)."""
-        return logit_lens(self, input_ids, attention_mask, positions, top)
+                   positions="all", top: int = 5, logits: bool = False):
+        """The logit lens, blocks × positions: ``project_on_vocab`` of each block's ``layer_output`` (its
+        fixed edits and SAEs in place) at every position (``"all"``, the default, as the lens papers draw
+        it) or at ``positions``. A ``LogitLens``: ``top_ids``, ``top_probs`` ``[batch, blocks, positions,
+        top]`` (also the dict ``{block: (ids, probabilities)}``); with ``logits=True`` also ``logits`` and
+        ``probs`` ``[batch, blocks, positions, vocab]`` (not by default: 12 GB for 512 positions of the
+        0.8B). ``.plot()`` draws the grid (``qgraph/lens.py``)."""
+        return logit_lens(self, input_ids, attention_mask, positions, top, logits)
 
     # -- looking: repr(ig) (and ig in a notebook) is a short summary; tree() the module tree annotated with
     # every standard value (qgraph/reprs.py)

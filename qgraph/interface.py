@@ -60,8 +60,8 @@ class Instrument(Protocol):
         """Generate, capturing the values at every step: a ``GenerateOutput``."""
         ...
 
-    def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5):
-        """Every block's top tokens at ``positions``: a ``LogitLens``."""
+    def logit_lens(self, input_ids, attention_mask=None, *, positions="all", top: int = 5, logits: bool = False):
+        """The logit lens, blocks × positions (every position unless ``positions``): a ``LogitLens``."""
         ...
 
     def run_patches(self, clean: dict, corrupt: dict, names: list[str], metric, positions, heads,

@@ -113,6 +113,28 @@ def test_attribution_and_the_lens_agree_on_every_door(doors, sdpa_model, tmp_pat
         loaded.variant(["layers.1.linear_attn.attention_queries"])  # not among what it was saved with
 
 
+
+def test_the_lens_grid_its_logits_and_its_picture_agree_on_every_door(doors, tokenizer):
+    """positions="all" (the default) and logits=True: the same grid, logits and figure through every door,
+    a left-padded row's pads included."""
+    tokens = ids(8, seq=6).repeat(2, 1)
+    mask = torch.ones_like(tokens)
+    mask[1, :2] = 0
+    ref = doors["local"].logit_lens(tokens, mask, top=3, logits=True)
+    assert ref.top_ids.shape == (2, 4, 6, 3) and ref.logits.shape[:3] == (2, 4, 6)
+    for door in ("remote", "loaded"):
+        lens = doors[door].logit_lens(tokens, mask, top=3, logits=True)
+        assert lens.positions == ref.positions == list(range(6))
+        assert torch.equal(lens.top_ids, ref.top_ids)
+        close(lens.top_probs, ref.top_probs)
+        close(lens.logits, ref.logits)
+        assert torch.equal(lens.attention_mask, mask)
+        figure, theirs = lens.plot(tokenizer, batch=1), ref.plot(tokenizer, batch=1)  # a server's has no tokenizer here
+        assert figure.data["positions"] == theirs.data["positions"] == [2, 3, 4, 5]
+        assert torch.equal(figure.data["ids"], theirs.data["ids"]) and figure.data["labels"] == theirs.data["labels"]
+        with pytest.raises(qgraph.NotCaptured, match="logits=True"):
+            doors[door].logit_lens(tokens, positions=[-1]).logits
+
 def test_a_capture_through_every_door_holds_the_same_values(doors, tokenizer, tmp_path):
     texts = ["The Eiffel Tower is in Paris.", "A second, shorter document.", "Three."]
     runs = {door: qgraph.capture(doors[door], tokenizer, texts, ["layers.1.layer_output", "layers.3.layer_output"],

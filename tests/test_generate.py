@@ -197,6 +197,63 @@ def test_stops_on_eos(sdpa_model, gen_ig, padded):
     assert alone.sequences.shape[1] == 13 and len(alone.steps) == 2  # all rows done: generation stops
 
 
+
+# -- logits and scores: HF generate's output_logits and output_scores (issue 55) -------------------------------
+
+def hf_outputs(model, ids, mask, **settings):
+    """HF generate with its per-token raw logits and processed scores."""
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, return_dict_in_generate=True,
+                              output_logits=True, output_scores=True, **settings)
+
+
+def assert_as_hf(out, reference):
+    """One logits and one scores entry per new token, each HF's to float32 rounding (a -inf where HF's is)."""
+    assert torch.equal(out.sequences, reference.sequences)
+    new = out.sequences.shape[1] - 12  # the prompts' length
+    assert len(out.logits) == len(out.scores) == len(reference.logits) == len(reference.scores) == new
+    for mine, theirs in zip(out.logits + out.scores, reference.logits + reference.scores):
+        assert mine.dtype == theirs.dtype == torch.float32 and mine.shape == theirs.shape
+        assert torch.equal(mine.isinf(), theirs.isinf())
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.compat
+def test_logits_and_scores_equal_hf_greedy_with_and_without_values(sdpa_model, gen_ig, prompt):
+    reference = hf_outputs(sdpa_model, prompt, torch.ones_like(prompt), do_sample=False)
+    captured = gen_ig.generate(prompt, max_new_tokens=NEW)
+    assert_as_hf(captured, reference)
+    assert len(captured.steps) == NEW + 1  # values asked: the last new token's pass runs for them
+    torch.testing.assert_close(captured.logits[2], captured.steps[2].logits[:, -1].float(), atol=0, rtol=0)
+    bare = qgraph.instrument(sdpa_model).generate(prompt, max_new_tokens=NEW)
+    assert_as_hf(bare, reference)
+    assert len(bare.steps) == NEW and bare.steps[-1].logits.shape[1] == 1  # no values: no pass past the last choice
+
+
+@pytest.mark.compat
+def test_logits_and_scores_equal_hf_when_sampling(sdpa_model, gen_ig, prompt):
+    settings = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(5)  # HF samples from the global generator; so does generate without seed=
+    ours = gen_ig.generate(prompt, max_new_tokens=NEW, **settings)
+    torch.manual_seed(5)
+    reference = hf_outputs(sdpa_model, prompt, torch.ones_like(prompt), **settings)
+    assert_as_hf(ours, reference)
+    finite = ours.scores[0].isfinite().sum(-1)
+    assert (finite <= 20).all() and (finite >= 1).all()  # top_k/top_p masked the rest: processed, not raw
+    torch.testing.assert_close(ours.scores[0].max(-1).values, ours.logits[0].max(-1).values / 0.7)
+
+
+@pytest.mark.compat
+def test_logits_and_scores_equal_hf_on_a_left_padded_batch(sdpa_model, gen_ig, padded):
+    ids, mask = padded
+    assert_as_hf(gen_ig.generate(ids, mask, max_new_tokens=NEW), hf_outputs(sdpa_model, ids, mask, do_sample=False))
+    eos = int(gen_ig.generate(ids, mask, max_new_tokens=1).sequences[0, 12])
+    stopped = hf_outputs(sdpa_model, ids[:1], mask[:1], do_sample=False, eos_token_id=eos)
+    assert len(stopped.logits) == 1  # every row done at once: one new token, one entry
+    assert_as_hf(qgraph.instrument(sdpa_model).generate(ids[:1], mask[:1], max_new_tokens=NEW, eos_token_id=eos),
+                 stopped)
+
+
 def test_chat_prompt_passes_enable_thinking(tokenizer):
     messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(TypeError):

@@ -160,6 +160,23 @@ def test_logit_lens_plots_blocks_by_positions_of_top_tokens(ig_plots, run, token
     assert {"block 0", "block 3", "0: m", "10: !"} <= set(texts(fig.svg))
 
 
+
+def test_the_lens_grid_plots_every_position_with_its_top_token_and_a_colour_scale(ig_plots, run, tokenizer):
+    ids, _ = run
+    lens = ig_plots.logit_lens(ids)  # every position: the grid
+    fig = lens.plot()
+    shown = lambda tokens: [repr(tokenizer.decode([int(i)]))[1:-1].replace(" ", "␣") for i in tokens]  # noqa: E731
+    assert fig.data["positions"] == list(range(11)) and torch.equal(fig.data["ids"], lens.top_ids[0, :, :, 0])
+    torch.testing.assert_close(fig.data["probabilities"], lens.top_probs[0, :, :, 0])
+    assert fig.data["labels"] == shown(ids[0])  # the whole row: its tokens label the x axis
+    words = texts(fig.svg)
+    assert "top-1 probability" in words and "block 3" in words
+    cells = [cell for block in range(4) for cell in shown(lens.top_ids[0, block, :, 0])]
+    assert fig.data["tokens"] == [shown(lens.top_ids[0, block, :, 0]) for block in range(4)]
+    assert sum(words.count(cell) for cell in set(cells)) >= len(cells)  # each cell's token is written in it
+    wide = ig_plots.logit_lens(torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1))).plot()
+    assert wide.data["ids"].shape == (4, 70) and len(texts(wide.svg)) < 100  # too narrow for the cells' text
+
 # -- saving and mistakes --------------------------------------------------------------------------------
 def test_figure_saves_html_svg_and_png(run, tmp_path):
     _, out = run

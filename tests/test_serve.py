@@ -99,11 +99,14 @@ def test_generate_equals_local_generate(remote, local):
     gen = ig.generate(ids, mask, max_new_tokens=6, edits=edits)
     ref = local.generate(ids, mask, max_new_tokens=6, edits=edits, values=["layers.2.layer_output"])
     assert torch.equal(gen.sequences, ref.sequences) and len(gen.steps) == len(ref.steps) == 7
-    for step, (mine, theirs) in enumerate(zip(gen.steps, ref.steps)):
+    for mine, theirs in zip(gen.steps, ref.steps):
         close(mine["layers.2.layer_output"], theirs["layers.2.layer_output"])
-        close(gen.logits[step], ref.logits[step])
-    for mine, theirs in zip(gen.scores, ref.scores, strict=True):
+    assert len(gen.logits) == len(gen.scores) == len(ref.logits) == 6  # one per new token, as HF's output_logits
+    for mine, theirs in zip(gen.logits + gen.scores, ref.logits + ref.scores, strict=True):
         close(mine, theirs)
+    bare = remote.instrument().generate(ids, mask, max_new_tokens=6)  # no values: no pass past the last choice
+    assert len(bare.steps) == len(bare.logits) == 6 and torch.equal(bare.sequences, local.generate(
+        ids, mask, max_new_tokens=6, values=[]).sequences)
     sampled = [ig.generate(ids, mask, max_new_tokens=4, do_sample=True, seed=7).sequences for _ in range(2)]
     assert torch.equal(*sampled)
 

@@ -89,6 +89,8 @@ def test_bodies_over_the_limit_get_413_before_they_are_read(url):
     ({"backward": "nothing"}, ["backward"]),
     ({"backward": "input_ids"}, ["backward", '{"grad": true}']),  # values a list (the default): no gradients to return
     ({"lens": {"positions": [0], "top": 10**6}}, ["lens"]),
+    ({"lens": {"positions": "every"}}, ["lens", "'positions'", '"all" or a list']),
+    ({"lens": {"logits": 1}}, ["lens", "'logits'", "true or false"]),
 ])
 def test_requests_that_cannot_run_get_422(url, bad, words):
     tensors = {"edit.0.tensor": torch.ones(3, 3)} if "Add" in str(bad) else {}

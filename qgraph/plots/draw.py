@@ -207,43 +207,53 @@ DRAW = {"Pattern": _pattern, "Gates": _gates, "States": _states, "State": _state
 # -- the logit lens -------------------------------------------------------------------------------------
 
 
+_LENS_TEXT = 64  # positions past which the cells are too narrow for their tokens
+
+
 def lens_figure(lens, tokenizer=None, batch: int = 0, tokens=None) -> Figure:
-    """``LogitLens.plot``: blocks (up) × positions (across), each cell its top token, coloured by probability."""
+    """``LogitLens.plot``: blocks (up) × positions (across), each cell the block's top token there, coloured
+    by its probability (the scale from 0 to the grid's largest, shown in the colour bar); the x axis the
+    input's token at each position (the lens reads the next one). A left-padded row's pads are not drawn
+    (the lens holds them); past ``_LENS_TEXT`` positions the cells hold no text (too narrow)."""
     if not lens:
         raise InvalidArgument("the logit lens is empty: nothing to draw")
     if tokenizer is None:
         tokenizer = tokenizer_of(getattr(lens, "_source", None))
-    blocks = sorted(lens)
-    ids = torch.stack([lens[b][0][:, :, 0] for b in blocks])  # [blocks, batch, positions]: each top-1
-    probabilities = torch.stack([lens[b][1][:, :, 0] for b in blocks]).float()
-    batch = checked_index(batch, ids.shape[1], "batch")
-    ids, probabilities = ids[:, batch].cpu(), probabilities[:, batch].detach().cpu()
-    cells = [decode(row.tolist(), tokenizer) for row in ids]
-    positions = list(getattr(lens, "positions", range(ids.shape[1])))
-    inputs = getattr(lens, "input_ids", None)
+    batch = checked_index(batch, lens.top_ids.shape[0], "batch")
+    mask = lens.attention_mask
+    real = [k for k, p in enumerate(lens.positions) if mask is None or bool(mask[batch, p])]
+    if not real:
+        raise InvalidArgument(f"row {batch}'s positions {lens.positions} are all padding: nothing to draw")
+    ids = lens.top_ids[batch, :, real, 0].cpu()  # [blocks, positions]: each cell's top-1
+    probabilities = on_cpu(lens.top_probs[batch, :, real, 0])
+    positions = [lens.positions[k] for k in real]
+    blocks, cells = list(range(ids.shape[0])), [decode(row.tolist(), tokenizer) for row in ids]
     if tokens is not None:
         labels = [str(t) for t in tokens]
         if len(labels) != len(positions):
-            raise InvalidArgument(f"tokens= has {len(labels)} labels for {len(positions)} positions")
-    elif isinstance(inputs, torch.Tensor):
-        labels = [f"{p}: {t}" for p, t in zip(positions, decode(inputs[batch, positions].tolist(), tokenizer))]
+            raise InvalidArgument(f"tokens= has {len(labels)} labels for {len(positions)} positions"
+                                  + (" (its row's real ones: pads are not drawn)" if mask is not None else ""))
     else:
-        labels = [str(p) for p in positions]
-    figure = new_figure(max(3.5, 1.1 * len(positions) + 1.8), max(2.4, 0.34 * len(blocks) + 1.2))
+        words = decode(lens.input_ids[batch, positions].tolist(), tokenizer)
+        whole = positions == list(range(positions[0], positions[0] + len(positions)))  # the tokens alone say it
+        labels = [w if whole else f"{p}: {w}" for p, w in zip(positions, words)]
+    text = len(positions) <= _LENS_TEXT
+    figure = new_figure(min(28.0, max(4.0, (0.42 if text else 0.16) * len(positions) + 2.4)),
+                        max(2.6, 0.3 * len(blocks) + 1.7))
     axes = figure.add_subplot()
-    picture = axes.imshow(probabilities.numpy(), cmap="Blues", vmin=0, vmax=1, aspect="auto", origin="lower",
+    high = max(float(probabilities.max()), 1e-6)
+    picture = axes.imshow(probabilities.numpy(), cmap="Blues", vmin=0, vmax=high, aspect="auto", origin="lower",
                           interpolation="nearest")
-    figure.colorbar(picture, ax=axes, shrink=0.9).set_label("top-1 probability", fontsize=8)
-    for b in range(len(blocks)):
-        for p in range(len(positions)):
-            text = cells[b][p] if len(cells[b][p]) <= 10 else cells[b][p][:9] + "…"
-            axes.text(p, b, text, ha="center", va="center", fontsize=7, parse_math=False,
-                      color="white" if probabilities[b, p] > 0.6 else "black")
-    axes.set_xticks(range(len(positions)))
-    axes.set_xticklabels(labels, fontsize=8, rotation=30 if len(positions) > 4 else 0, parse_math=False)
-    axes.set_yticks(range(len(blocks)))
-    axes.set_yticklabels([f"block {b}" for b in blocks], fontsize=8)
-    figure.suptitle("logit lens: each block's top token" + (f"  ·  batch {batch}" if ids.ndim and batch else ""),
-                    fontsize=10)
+    figure.colorbar(picture, ax=axes, shrink=0.9, pad=0.01).set_label("top-1 probability", fontsize=8)
+    if text:
+        size = 7 if len(positions) <= 24 else 5.5
+        for b in blocks:
+            for k, cell in enumerate(cells[b]):
+                axes.text(k, b, cell if len(cell) <= 6 else cell[:5] + "…", ha="center", va="center", fontsize=size,
+                          parse_math=False, color="white" if probabilities[b, k] > 0.6 * high else "black")
+    ticks(axes, labels, "x", rotate=len(positions) > 8)
+    ticks(axes, [f"block {b}" for b in blocks], "y")
+    axes.set_xlabel("input token (each cell: the block's top guess at the next)", fontsize=8)
+    figure.suptitle("logit lens: each block's top token" + (f"  ·  batch {batch}" if batch else ""), fontsize=10)
     return Figure.from_matplotlib(figure, "logit lens", {"tokens": cells, "ids": ids, "probabilities": probabilities,
-                                                         "positions": positions})
+                                                         "positions": positions, "labels": labels})

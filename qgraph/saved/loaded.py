@@ -189,10 +189,11 @@ class LoadedProgram:
         raise NotSupported(f"{self.path.name} is one forward pass, saved without a cache: generate with "
                            f"qgraph.instrument(model) or on a server (qgraph serve)")
 
-    def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5) -> LogitLens:
+    def logit_lens(self, input_ids, attention_mask=None, *, positions="all", top: int = 5,
+                   logits: bool = False) -> LogitLens:
         """What ``InstrumentedModel.logit_lens`` returns, projected by ``project_on_vocab``: a program saved
         with every block's ``layer_output`` among its values and a slot at the last block's."""
-        return logit_lens(self, input_ids, attention_mask, positions, top)
+        return logit_lens(self, input_ids, attention_mask, positions, top, logits)
 
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a residual-stream tensor by the program's own readout: the last block's output replaced

@@ -203,19 +203,20 @@ class RemoteInstrument:
             prefix = f"step.{step}.value."
             values = {key[len(prefix):]: tensor for key, tensor in got.items() if key.startswith(prefix)}
             out.steps.append(Step(values, got[f"step.{step}.logits"], self.blocks))
-            out.logits.append(got[f"step.{step}.logits"])
-            if f"step.{step}.scores" in got:
+            if f"step.{step}.scores" in got:  # a step that chose a new token (the last token's runs for values)
+                out.logits.append(got[f"step.{step}.logits"])
                 out.scores.append(got[f"step.{step}.scores"])
         return out
 
-    def logit_lens(self, input_ids, attention_mask=None, *, positions=(-1,), top: int = 5):
+    def logit_lens(self, input_ids, attention_mask=None, *, positions="all", top: int = 5, logits: bool = False):
         """What ``ig.logit_lens`` returns, the projection on the vocabulary run on the server."""
-        positions = [positions] if isinstance(positions, int) else list(positions)
+        if isinstance(positions, (tuple, range)):
+            positions = list(positions)
         _, tensors = self._call(input_ids, attention_mask, None)
-        reply, got = self.server.run({"lens": {"positions": positions, "top": top}}, tensors)
-        tops = {block: (got[f"lens.{block}.ids"], got[f"lens.{block}.probabilities"])
-                for block in range(reply["blocks"])}
-        return LogitLens(tops, reply["positions"], tensors["input_ids"], self)
+        reply, got = self.server.run({"lens": {"positions": [positions] if isinstance(positions, int) else positions,
+                                               "top": top, "logits": logits}}, tensors)
+        return LogitLens(got["lens.ids"], got["lens.probabilities"], reply["positions"], tensors["input_ids"], self,
+                         logits=got.get("lens.logits"), attention_mask=tensors.get("attention_mask"))
 
 
 class RemoteOutput(Output):

@@ -8,7 +8,7 @@ The call (``docs/serving.md``)::
      "logits": true,                                           # whether the reply holds the logits
      "generate": {"max_new_tokens": 8, ...},                    # generate instead of one forward
      "backward": "logits.grad",                                # run backward from this tensor (d loss / d logits)
-     "lens": {"positions": [-1], "top": 5}}                    # the logit lens instead of one forward
+     "lens": {"positions": "all", "top": 5, "logits": false}}  # the logit lens instead of one forward
 
 beside the tensors ``input_ids`` and ``attention_mask`` (``[batch, seq]``, integers) and the edits' own.
 """
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidArgument
-from ..saved.fields import Check, Fields, dict_of, flag, integer, list_of, number, one_of, optional, shown, text
+from ..saved.fields import Check, Fields, dict_of, either, flag, integer, list_of, number, one_of, optional, shown, text
 from .edits import decode
 from .limits import Limits
 from .wire import WireError
 
 CALL_KEYS = {"values", "edits", "logits", "generate", "backward", "lens"}
-LENS_KEYS = {"positions", "top"}
+LENS_KEYS = {"positions", "top", "logits"}
 _NAME = 300  # characters of a value name or pattern
 _name = text(_NAME, printable=True)
 _INT, _REAL = (integer(), "an int"), (number(1e6), "a number of magnitude below 1e6")
@@ -182,7 +182,9 @@ def _generate(settings, limits: Limits) -> dict | None:
 def _lens(settings) -> dict | None:
     if settings is None:
         return None
-    fields = Fields(settings, "the call's lens", Unprocessable, keys=LENS_KEYS, exact=True)
-    fields.get("positions", list_of(integer(), 1, 4096), "a list of 1 to 4096 positions (ints)")
-    fields.get("top", integer(1, 1000), "an int of 1 to 1000")
+    fields = Fields(settings, "the call's lens", Unprocessable, keys=LENS_KEYS)
+    fields.get("positions", either(one_of({"all"}), list_of(integer(), 1, 4096)),
+               '"all" or a list of 1 to 4096 positions (ints)', default="all")
+    fields.get("top", integer(1, 1000), "an int of 1 to 1000", default=5)
+    fields.get("logits", flag, "true or false (whether the reply holds the full lens logits)", default=False)
     return settings

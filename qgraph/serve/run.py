@@ -179,17 +179,21 @@ class Runner:
 
     def _lens(self, ig, request: Request, options: dict):
         lens = ig.logit_lens(request.input_ids, request.attention_mask, **options)
-        tensors = {f"lens.{block}.{part}": tensor for block, pair in lens.items()
-                   for part, tensor in zip(("ids", "probabilities"), pair)}
+        tensors = {"lens.ids": lens.top_ids, "lens.probabilities": lens.top_probs}
+        if options.get("logits"):
+            tensors["lens.logits"] = lens.logits
         return {"blocks": len(lens), "positions": lens.positions}, tensors
 
     def _generate(self, ig, request: Request, settings: dict):
         out = ig.generate(request.input_ids, request.attention_mask, edits=request.edits or None, **settings)
         tensors = {"sequences": out.sequences}
-        for step, values in enumerate(out.steps):
-            tensors[f"step.{step}.logits"] = out.logits[step]
-            if step < len(out.scores):
-                tensors[f"step.{step}.scores"] = out.scores[step]
+        for step, values in enumerate(out.steps):  # a step that chose a token: its logits and scores, as HF's
+            chose = step < len(out.logits)
+            tensors[f"step.{step}.logits"] = out.logits[step] if chose else values.logits[:, -1]
+            if chose:  # unprocessed (greedy, no settings), HF's scores are its logits: the wire holds each apart
+                scores, logits = out.scores[step], out.logits[step]
+                shared = scores.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+                tensors[f"step.{step}.scores"] = scores.clone() if shared else scores
             tensors.update({f"step.{step}.value.{name}": tensor for name, tensor in values.items()})
         return {"steps": len(out.steps), "values": list(ig.values)}, tensors
 
@@ -234,10 +238,14 @@ class Runner:
             total = sum(_elements(ig.catalogue[name].shape, sizes, key) for name in names)
             return 4 * (total + (rows * query * vocab if request.logits or new else 0))
         estimate = reply(length, length) + new * reply(1, length + new)
+        if request.lens is not None:  # the grid's top tokens (ids, probabilities), its full logits if asked
+            positions = request.lens.get("positions", "all")
+            cells = rows * ig.blocks * (length if positions == "all" else len(positions))
+            estimate = cells * (12 * request.lens.get("top", 5) + (4 * vocab if request.lens.get("logits") else 0))
         if estimate > self.limits.max_reply_bytes:
             raise TooLarge(f"the reply would hold about {estimate:,} bytes, more than this server's --max-reply-bytes "
                            f"{self.limits.max_reply_bytes:,}: ask for fewer values (attention patterns grow as the "
-                           f"length squared), fewer rows or a shorter prompt")
+                           f"length squared; a lens: fewer positions, or no logits), fewer rows or a shorter prompt")
 
     def _row_wide(self, request: Request) -> bool:
         """Whether the program edits a value with no token axis (a DeltaNet's ``state_input`` or
