@@ -13,7 +13,7 @@ from .values import derive
 from .values.catalogue import Entry
 from .compat import hooked_modules
 from .compile import compile_options, compile_program
-from .edits import EditError, Region, needs
+from .edits import EditError, needs
 from .export import export_model
 from .families import family_for
 from .export.fingerprint import fingerprint
@@ -22,6 +22,7 @@ from .inputs import image_keys, input_embedding, prepare, vision_given
 from .values.names import aliases, resolve
 from .output import Output, retain
 from .passes.edit import EditSlot, applying
+from .slots import Slots
 from .program import Program
 from .runners import Staged
 from .values.options import check_options
@@ -126,13 +127,8 @@ class InstrumentedModel:
         values, edits = self._request
         self.values = self.resolve(values)
         self.options = self.check_options(values)
-        fixed = {name: self.bind(edit) for pattern, edit in edits.items() for name in self.resolve(pattern)} \
-            if isinstance(edits, Mapping) else {}
-        self.slots: dict[str, EditSlot] = {name: self._new_slot(name, fixed.get(name), needs(fixed.get(name)))
-                                           for name in self.resolve(edits)}
-        self._declared = frozenset((name, slot.read_names) for name, slot in self.slots.items())
-        # slots made for per-call edits: at undeclared values, or reading more of the forward ({(name, reads): slot})
-        self._call_slots: dict[tuple, EditSlot] = {}
+        self._slots = Slots(self.catalogue, self.resolve, edits, self._lock)
+        self.slots: dict[str, EditSlot] = self._slots.declared
         self._programs: dict[tuple, Program] = {}
         self._decoders = {}  # generation's programs (``decoder``), of the model as it was
         self._check_stages()
@@ -156,15 +152,9 @@ class InstrumentedModel:
             raise InvalidArgument(f"micro-batches cut the batch, but {', '.join(unbatched[:3])} have no leading batch "
                                   f"dim ({self.catalogue[unbatched[0]].layout}): use microbatches=1 or leave them out")
 
-    def _new_slot(self, name: str, fixed=None, reads=()) -> EditSlot:
-        return EditSlot.at(self.catalogue[name], fixed, [self.catalogue[read] for read in reads])
-
     def _key(self, images: bool, extra: Mapping[str, tuple] | None = None) -> tuple:
         """A program's key: the image-text program or not, and its slots, each with the values it reads."""
-        if not extra:
-            return images, self._declared
-        names = dict.fromkeys([*self.slots, *extra])
-        return images, frozenset((name, self.slot(name, extra.get(name, ())).read_names) for name in names)
+        return images, self._slots.key(extra)
 
     @property
     def blocks(self) -> int:
@@ -226,32 +216,8 @@ class InstrumentedModel:
         return Program(self.model, exported, self.saes, self._weights, self._device, self.transcoders)
 
     def slot(self, name: str, reads: tuple = ()) -> EditSlot:
-        """The slot at ``name`` that reads ``reads`` (and what its fixed edit reads): declared, or made for
-        per-call edits (once, then reused)."""
-        declared = self.slots.get(name)
-        wanted = tuple(dict.fromkeys([*(declared.read_names if declared else ()), *reads]))
-        if declared is not None and wanted == declared.read_names:
-            return declared
-        with self._lock:
-            if (name, wanted) not in self._call_slots:
-                self._call_slots[(name, wanted)] = self._new_slot(name, declared and declared.fixed, wanted)
-            return self._call_slots[(name, wanted)]
-
-    def bind(self, edit):
-        """``edit`` with the values it reads (``Read``s, ``Edit(reads=...)``) named by their standard names."""
-        return edit.bind(self.read_name) if isinstance(edit, Region) else edit
-
-    def read_name(self, written: str, edit) -> str:
-        """The one value ``written`` names, for an edit that reads it; an ``EditError`` otherwise."""
-        names = self.resolve(written)
-        if len(names) != 1:
-            raise EditError(f"{type(edit).__name__} reads '{written}', which names {len(names)} values "
-                            f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}): a read names one value")
-        entry = self.catalogue[names[0]]
-        if entry.derived:
-            raise EditError(f"{type(edit).__name__} reads '{names[0]}', which is computed after the run from other "
-                            f"values ({entry.description}); read a value of the forward")
-        return names[0]
+        """The slot at ``name`` that reads ``reads``: declared, or made for per-call edits (``slots.Slots``)."""
+        return self._slots.get(name, reads)
 
     def decoder(self, key, make):
         """Generation's programs for ``key`` (its values and edits): ``make()`` once, then kept until the
@@ -296,7 +262,7 @@ class InstrumentedModel:
         (see ``qgraph.compile``)."""
         self._compile = options
         for (_, slots), program in self._programs.items():
-            if slots == self._declared:
+            if slots == self._slots.main:
                 compile_program(program, **options)
         return self
 
@@ -341,21 +307,9 @@ class InstrumentedModel:
                       loss=ran[2] if loss is not None else None)
 
     def call_edits(self, edits: Mapping | None) -> dict[str, object]:
-        """``{name: edit}`` for a call's ``edits={pattern: edit}``, patterns resolved, each name checked
-        to be editable (a later pattern overrides an earlier one at the same name), the values each edit
-        reads named (``bind``)."""
-        if edits is None:
-            return {}
-        if not isinstance(edits, Mapping):
-            raise InvalidType(f"edits= takes a dict {{name: edit}}, not {type(edits).__name__}: e.g. "
-                              f"edits={{'layers.2.layer_output': qgraph.Zero()}}")
-        resolved = {}
-        for pattern, edit in edits.items():
-            bound = self.bind(edit)
-            for name in self.resolve(pattern):
-                self.slot(name, needs(bound)).check(bound)  # it can be edited, so
-                resolved[name] = bound
-        return resolved
+        """``{name: edit}`` for a call's ``edits={pattern: edit}``: names resolved and checked, reads named
+        (``slots.Slots.of_call``)."""
+        return self._slots.of_call(edits)
 
     def refresh(self) -> None:
         """Rebuild the programs if the model changed since they were built (a replaced submodule,
