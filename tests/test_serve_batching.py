@@ -1,5 +1,5 @@
 """A served reply equals what the request alone gets, whatever the server batches it with. Every kind of
-request (plain, values, each edit kind, a function edit, a given DeltaNet state or conv context, generate,
+request (plain, values, each edit kind, an edit that reads the forward, relative steering, a function edit, a given DeltaNet state or conv context, generate,
 the lens, a backward) is sent together with a longer request of its program while the server's runner is
 held, so the batcher takes them in one go; each reply is compared with the same request sent alone, and a
 continuation from a given state also with the plain HF forward over the whole prompt."""
@@ -139,6 +139,10 @@ def test_every_kind_of_request_batched_with_a_longer_one_equals_it_alone(served,
                                                                                                 batch=[0])}),
         "pattern": lambda ids: body(catalogue, ids, edits={"layers.3.self_attn.attention_probabilities":
                                                            qgraph.Scale(0.5, heads=[1])}),
+        "a read": lambda ids: body(catalogue, ids, ["layers.3.layer_output"], {"layers.3.layer_output": qgraph.Add(
+            qgraph.Read("layers.1.layer_output"), scale=0.5, positions=[0, -1])}),
+        "relative": lambda ids: body(catalogue, ids, edits={"layers.2.layer_output": qgraph.Add(
+            torch.full((64,), 0.3), scale=2.0, relative=True)}),
         "function": lambda ids: body(catalogue, ids, edits={"layers.2.layer_output":
                                                             lambda x: x * 2 - x.mean(1, keepdim=True)}),
         "a state added": lambda ids: body(catalogue, ids, ["layers.1.layer_output"],
