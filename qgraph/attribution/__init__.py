@@ -122,7 +122,8 @@ def _positions(positions, seq: int) -> list[int]:
         raise InvalidType(f"positions= takes an int or a list of ints, not {positions!r}")
     bad = [p for p in asked if not isinstance(p, int) or isinstance(p, bool) or not -seq <= p < seq]
     if bad:
-        raise OutOfRange(f"positions {bad} are not token positions of a {seq}-token call (give ints in [-{seq}, {seq}))")
+        raise OutOfRange(f"positions {bad} are not token positions of a {seq}-token call (give ints in "
+                         f"[-{seq}, {seq}))")
     return [p % seq for p in asked]
 
 

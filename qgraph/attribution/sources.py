@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..errors import InvalidState, NotSupported
+from ..errors import InvalidState, NotSupported, UnknownValue
 
 
 class Weights:
@@ -27,7 +27,7 @@ class Weights:
         model = getattr(source, "model", None)
         targets: dict[str, Callable[[], Tensor]] = {}
         if isinstance(model, torch.nn.Module):  # an instrumented model: its parameters, read at call time
-            targets = {name: (lambda p=p: p) for name, p in model.named_parameters(remove_duplicate=False)}
+            targets = {name: _giving(p) for name, p in model.named_parameters(remove_duplicate=False)}
         elif callable(getattr(source, "weights", None)):  # a loaded program: the weights it runs on
             targets = source.weights()
         self._held = bool(targets)
@@ -72,8 +72,9 @@ def values_for(out, names: list[str]) -> tuple[dict[str, Tensor], Tensor | None]
                            f"computed: capture them in the call, values={names}")
     try:
         variant = source.variant(names)
-    except NotSupported as error:
-        raise NotSupported(f"{error} (the decomposition reads {names})") from None
+    except (NotSupported, UnknownValue) as error:  # a saved program knows only the values it was saved with
+        raise NotSupported(f"the decomposition reads {names}, which {source!r} cannot read ({error}): save the "
+                           f"program with them among its values") from None
     with torch.no_grad():
         again = variant(out.input_ids, out.attention_mask, edits=out.edits)
     if out.logits is not None and again.logits is not None and not _same(out.logits, again.logits):
@@ -81,6 +82,10 @@ def values_for(out, names: list[str]) -> tuple[dict[str, Tensor], Tensor | None]
                            f"or edits that differ from call to call, do not repeat): capture the values in the call "
                            f"itself, values={names}")
     return again.values, again.logits
+
+
+def _giving(tensor: Tensor) -> Callable[[], Tensor]:
+    return lambda: tensor
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ from .parts import Experts, Linear, Whole
 
 PER = ("head", "component", "block")
 PROJECTIONS = {"self_attn": "o_proj", "linear_attn": "out_proj"}  # what each mixer's heads write through
+HEADS = {"self_attn": "num_heads", "linear_attn": "value_heads"}  # the layout dim counting them
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Writer:
     label: str
     block: int | None
     kind: str
-    dictionary: object = None
+    dictionary: Any = None  # an SAE or a Transcoder
     splice: str = "error"
 
     def needs(self, per: str, source) -> list[str]:
@@ -59,7 +61,7 @@ class Writer:
             return [f"{self.label}.attention_output" if self.kind in PROJECTIONS else f"{self.label}.mlp_output"]
         if self.kind in PROJECTIONS:
             return [f"{self.label}.{PROJECTIONS[self.kind]}.input"]
-        if _moe(source, self.block):
+        if experts_of(source):
             return [f"{self.label}.{name}" for name in ("experts_neurons", "router_indices", "router_weights",
                                                          "shared_expert_output", "shared_expert_gate")]
         return [f"{self.label}.mlp_output"]
@@ -73,7 +75,7 @@ class Writer:
             parts, bias = self._features(value)
         elif self.kind in PROJECTIONS and per == "head":
             parts, bias = self._heads(value, weights, source)
-        elif self.kind == "mlp" and per == "head" and _moe(source, self.block):
+        elif self.kind == "mlp" and per == "head" and experts_of(source):
             parts, bias = self._experts(value, weights, source)
         else:
             return [Whole(self.label, next(iter(value.values())))], {}
@@ -85,7 +87,7 @@ class Writer:
         """A mixer's heads: what its output projection reads, one slice per head, through that slice."""
         projection = f"{self.label}.{PROJECTIONS[self.kind]}"
         read = value[f"{projection}.input"]
-        heads = source.catalogue[f"{self.label}.attention_head_outputs"].shape[-2]
+        heads = source.family.dim(source.config, HEADS[self.kind])
         matrix = weights(f"{projection}.weight")  # [hidden, heads * head_dim]
         matrices = matrix.T.reshape(heads, -1, matrix.shape[0])
         bias = {f"{projection}.bias": weights(f"{projection}.bias").expand(*read.shape[:-1], -1)} \
@@ -95,7 +97,7 @@ class Writer:
 
     def _experts(self, value: dict, weights, source):
         """A mixture-of-experts MLP: each routed expert, and the shared expert through its sigmoid gate."""
-        experts = source.catalogue[f"{self.label}.expert_weights"].shape[-1]
+        experts = experts_of(source) or 0
         down = weights(f"{self.label}.experts.down_proj")  # [experts, hidden, intermediate]
         neurons = value[f"{self.label}.experts_neurons"]
         if down.dim() != 3 or down.shape[0] != experts or down.shape[2] != neurons.shape[-1]:
@@ -120,8 +122,9 @@ class Writer:
         return parts, bias
 
 
-def _moe(source, block: int | None) -> bool:
-    return f"layers.{block}.mlp.expert_weights" in source.catalogue
+def experts_of(source) -> int | None:
+    """The experts of a mixture-of-experts family's MLPs (on every block), None for a dense one."""
+    return source.family.dim(source.config, "num_experts")
 
 
 # -- the plan ----------------------------------------------------------------------------------------------

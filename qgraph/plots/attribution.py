@@ -28,7 +28,7 @@ def decomposition_figure(result, batch: int = 0, rows: int = 30) -> Figure:
         else [str(p) for p in positions]
     columns = [f"{p}: {t}" for p, t in zip(positions, tokens)]
     limit = float(grid.abs().max()) or 1.0
-    shown = f"{len(names)} of {len(labels)}" if len(names) < len(labels) else f"all {len(labels)}"
+    shown = f"the {len(names)} largest of {len(labels)}" if len(names) < len(labels) else f"all {len(labels)}"
     heading = f"{result.what()}  ·  batch {batch}" if scores.shape[1] > 1 else result.what()
     if len(positions) == 1:
         figure = new_figure(6.5, max(2.4, 0.22 * len(names) + 1.3))
@@ -41,7 +41,7 @@ def decomposition_figure(result, batch: int = 0, rows: int = 30) -> Figure:
         ticks(axes, names, "y")
         total = float(result.totals()[batch, 0])
         axes.set_xlabel(f"{result.unit} at {columns[0]}: {total:.4g} in all ({shown} components and bias terms "
-                        f"drawn, the largest)", fontsize=8, parse_math=False)
+                        f"drawn)", fontsize=8, parse_math=False)
     else:
         figure = new_figure(min(14.0, max(5.0, 0.5 * len(positions) + 3.5)), max(2.4, 0.22 * len(names) + 1.5))
         axes = figure.add_subplot()
@@ -51,11 +51,12 @@ def decomposition_figure(result, batch: int = 0, rows: int = 30) -> Figure:
         if grid.numel() <= _CELL_NUMBERS:
             for (r, c), value in zip(torch.cartesian_prod(torch.arange(grid.shape[0]), torch.arange(grid.shape[1])),
                                      grid.flatten()):
-                axes.text(int(c), int(r), f"{float(value):.2g}", ha="center", va="center", fontsize=6,
-                          color="white" if abs(float(value)) > 0.6 * limit else "black")
+                if abs(float(value)) >= 0.05 * limit:  # the small ones left blank: the colour says enough
+                    axes.text(int(c), int(r), f"{float(value):.2g}", ha="center", va="center", fontsize=6,
+                              color="white" if abs(float(value)) > 0.6 * limit else "black")
         ticks(axes, columns, "x", rotate=True)
         ticks(axes, names, "y")
-        axes.set_title(f"{shown} components, those with the largest scores", fontsize=8)
+        axes.set_title(f"{shown} components and bias terms, by their largest score", fontsize=8)
     figure.suptitle(heading, fontsize=10)
     return Figure.from_matplotlib(figure, result.what(), {"scores": grid, "labels": names, "positions": positions,
                                                           "tokens": tokens})
