@@ -37,6 +37,12 @@ def hf(checkpoint):
 
 
 @pytest.fixture(scope="module")
+def plain(sdpa_model):
+    """The session's model instrumented for nothing: a decomposition reruns its call for the values it reads."""
+    return qgraph.instrument(sdpa_model)
+
+
+@pytest.fixture(scope="module")
 def moe(sparse_model):
     """The tiny MoE model (the session's, for qgraph) and a fresh load of it (for the hooks)."""
     model = sparse_model("qwen3_5_moe")
@@ -137,11 +143,11 @@ def reference(model, seen, token=TOKEN, against=AGAINST) -> dict[str, torch.Tens
 
 
 # -- the dense model: DeltaNet and attention heads ---------------------------------------------------------
-def test_every_head_and_mlp_is_the_hooks_arithmetic_and_they_sum_to_the_logit_difference(sdpa_model, hf):
+def test_every_head_and_mlp_is_the_hooks_arithmetic_and_they_sum_to_the_logit_difference(sdpa_model, plain, hf):
     ids = random_ids(2, 9, seed=3)
     logits, seen = hooked(hf, ids)
     expected = reference(hf, seen)
-    out = qgraph.instrument(sdpa_model)(ids)  # captures nothing: the decomposition reruns the call for its values
+    out = plain(ids)  # captures nothing: the decomposition reruns the call for its values
     attribution = out.logit_attribution(TOKEN, AGAINST)
     assert attribution.labels == list(expected)  # embed, each block's heads then its MLP, in stream order
     assert attribution.labels[:2] == ["embed", "layers.0.linear_attn.head.0"]
@@ -201,13 +207,13 @@ def test_tokens_positions_and_their_refusals(sdpa_model):
         [(label, float(full[label][1, -1])) for label in full.labels], key=lambda pair: -abs(pair[1]))[:3]
 
 
-def test_the_calls_edits_are_in_force_captured_or_rerun(sdpa_model, hf):
+def test_the_calls_edits_are_in_force_captured_or_rerun(sdpa_model, plain, hf):
     ids = random_ids(1, 8, seed=7)
     edits = {"layers.1.mlp.mlp_output": qgraph.Scale(3.0), "layers.2.linear_attn.out_proj.input": qgraph.Zero()}
     logits, seen = hooked(hf, ids, {("mlp", 1): lambda x, y: y * 3, ("z", 2): lambda z, _: torch.zeros_like(z)})
     expected = reference(hf, seen)
     expected["layers.1.mlp"] = expected["layers.1.mlp"] * 3  # the hook saw the MLP's output before its change
-    rerun = qgraph.instrument(sdpa_model)(ids, edits=edits).logit_attribution(TOKEN, AGAINST)
+    rerun = plain(ids, edits=edits).logit_attribution(TOKEN, AGAINST)
     captured = qgraph.instrument(sdpa_model, values=list(HEADS))(ids, edits=edits).logit_attribution(TOKEN, AGAINST)
     for attribution in (rerun, captured):
         for label, value in expected.items():
@@ -218,28 +224,27 @@ def test_the_calls_edits_are_in_force_captured_or_rerun(sdpa_model, hf):
     # a call whose edits differ from call to call does not repeat: refused, naming the values to capture
     noisy = {"layers.1.mlp.mlp_output": lambda x: x + torch.randn_like(x)}
     with pytest.raises(qgraph.InvalidState, match=r"gave other logits.*values=\['layers.0.layer_input'"):
-        qgraph.instrument(sdpa_model)(ids, edits=noisy).logit_attribution(TOKEN)
+        plain(ids, edits=noisy).logit_attribution(TOKEN)
 
 
 # -- the residual stack ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, point", [("layers.0.layer_input", 0), ("layers.2.layer_mid", 5),
                                          ("blocks.1.hook_resid_post", 4), ("layers[-1].layer_output", 8)])
-def test_the_residual_stack_sums_to_the_value(sdpa_model, hf, name, point):
+def test_the_residual_stack_sums_to_the_value(plain, hf, name, point):
     ids = random_ids(2, 6, seed=11)
     _, seen = hooked(hf, ids)
-    expected = list(written(hf, seen).items())
-    out = qgraph.instrument(sdpa_model)(ids)
+    # the components up to the point: each block's heads, then its MLP (layer_mid: the mixer's heads only)
+    upto = {label: vectors for label, vectors in written(hf, seen).items()
+            if label == "embed" or _index(label) <= point}
+    out = plain(ids)
     for per in ("head", "component", "block"):
         stack = out.residual_stack(name, per=per)
         close(stack.stack.sum(0), stack.value)
-        close(stack.value, out.source.variant([stack.name])(ids)[stack.name])
+        close(stack.value, sum(upto.values()))  # the value, as the HF forward's components sum to it
     heads = out.residual_stack(name, per="head", positions=[0, -1])
-    # the components up to the point: each block's heads, then its MLP (layer_mid: the mixer's heads only)
-    upto = [label for label, _ in expected if label == "embed" or _index(label) <= point]
-    assert heads.labels == upto and heads.stack.shape == (len(upto), 2, 2, 64)
-    for label, vectors in expected:
-        if label in upto:
-            close(heads[label], vectors[:, [0, -1]])
+    assert heads.labels == list(upto) and heads.stack.shape == (len(upto), 2, 2, 64) and heads.positions == [0, 5]
+    for label, vectors in upto.items():
+        close(heads[label], vectors[:, [0, -1]])
     assert heads.top(2)[0][0] in heads.labels
 
 
@@ -260,7 +265,8 @@ def test_every_routed_expert_and_the_shared_expert_are_their_weights_arithmetic(
     ids = random_ids(2, 7, seed=13)
     logits, seen = hooked(plain, ids)
     expected = reference(plain, seen)
-    attribution = qgraph.instrument(model)(ids).logit_attribution(TOKEN, AGAINST)
+    out = qgraph.instrument(model)(ids)
+    attribution = out.logit_attribution(TOKEN, AGAINST)
     experts = [label for label in attribution.labels if label.startswith("layers.1.mlp.")]
     assert experts == [f"layers.1.mlp.expert.{e}" for e in range(8)] + ["layers.1.mlp.shared_expert"]
     assert attribution.labels == list(expected)
@@ -269,7 +275,7 @@ def test_every_routed_expert_and_the_shared_expert_are_their_weights_arithmetic(
     routed = attribution.attributions[[attribution.labels.index(f"layers.1.mlp.expert.{e}") for e in range(8)]]
     assert ((routed != 0).sum(0) == 2).all()  # top-2: each token has two experts' contributions, the rest zero
     close(total_of(attribution), logits[..., TOKEN] - logits[..., AGAINST])
-    stack = qgraph.instrument(model)(ids).residual_stack("layers.1.layer_output", per="head")
+    stack = out.residual_stack("layers.1.layer_output", per="head")
     close(stack.stack.sum(0), stack.value)
     close(stack["layers.1.mlp.expert.3"], written(plain, seen)["layers.1.mlp.expert.3"])
 

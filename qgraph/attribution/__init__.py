@@ -46,14 +46,14 @@ def logit_attribution(out, tokens, against=None, *, positions=None, per: str = "
     batch, device = stream.shape[0], stream.device
     ids = _ids(tokens, batch, len(where), "tokens", source).to(device)
     other = None if against is None else _ids(against, batch, len(where), "against", source).to(device)
-    unembed = weights(f"{head}.weight")
-    readout = unembed[ids] if other is None else unembed[ids] - unembed[other]
+    readout = weights(f"{head}.weight", rows=ids).float()  # the rows asked, not a float32 copy of the head
+    readout = readout if other is None else readout - weights(f"{head}.weight", rows=other).float()
     direction = readout * gain * scale  # [batch, positions, hidden]
     attributions = torch.cat([part.project(direction) for part in parts])
     scores = {label: (vectors * direction).sum(-1) for label, vectors in bias.items()}
     if weights.has(f"{head}.bias"):
-        offset = weights(f"{head}.bias")
-        scores[f"{head}.bias"] = offset[ids] if other is None else offset[ids] - offset[other]
+        offset = weights(f"{head}.bias", rows=ids).float()
+        scores[f"{head}.bias"] = offset if other is None else offset - weights(f"{head}.bias", rows=other).float()
     if logits is not None:
         chosen = logits.detach().float()[:, where].to(device)
         total = chosen.gather(-1, ids[..., None])[..., 0]

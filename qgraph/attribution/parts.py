@@ -72,7 +72,7 @@ class Experts:
     """A mixture-of-experts block's routed experts (see the module's docstring): ``neurons [batch, positions,
     top_k, intermediate]`` (what each routed expert's down projection reads), ``indices`` and ``weights``
     ``[batch, positions, top_k]`` (which expert, with what router weight), ``down [experts, hidden,
-    intermediate]``."""
+    intermediate]`` (in its own dtype: each expert's is cast when used)."""
 
     labels: list[str]
     neurons: Tensor
@@ -85,7 +85,8 @@ class Experts:
         outputs [routed tokens, hidden])``."""
         for expert in self.indices.unique().tolist():
             chosen = self.indices == expert
-            yield expert, chosen, (self.neurons[chosen] @ self.down[expert].T) * self.weights[chosen][:, None]
+            down = self.down[expert].float()  # one expert's at a time: a model's experts are large
+            yield expert, chosen, (self.neurons[chosen] @ down.T) * self.weights[chosen][:, None]
 
     def _rows(self, chosen: Tensor) -> tuple[Tensor, ...]:
         """The (batch, position) of each routed token, in ``chosen``'s order."""

@@ -19,9 +19,11 @@ from ..errors import InvalidState, NotSupported, UnknownValue
 
 class Weights:
     """The weights of ``source`` by their spec names (``layers.3.self_attn.o_proj.weight``, ``norm.weight``,
-    ``lm_head.weight``), float32 and detached, read when first asked (a door without weights refuses then,
-    so what needs none, a residual stack per component, runs on it); ``saes`` its SAEs (``{value: (sae,
-    splice)}``) and ``transcoders`` its transcoders (``{block: (transcoder, splice)}``)."""
+    ``lm_head.weight``), detached: float32, or in their own dtype with ``rows`` (the rows to take of a large
+    one, the unembedding's of the tokens asked; ``rows=...`` all of them), the reader casting them. Read
+    when asked: a door without weights refuses then, so what needs none (a residual stack per component)
+    runs on it. ``saes`` are its SAEs (``{value: (sae, splice)}``), ``transcoders`` its transcoders
+    (``{block: (transcoder, splice)}``)."""
 
     def __init__(self, source):
         model = getattr(source, "model", None)
@@ -42,7 +44,7 @@ class Weights:
     def has(self, name: str) -> bool:
         return name in self._weights
 
-    def __call__(self, name: str) -> Tensor:
+    def __call__(self, name: str, rows=None) -> Tensor:
         if not self._held:
             raise NotSupported(f"a {self._where} holds no weights, and this decomposition reads '{name}': run it "
                                f"where the weights are (on the server's machine with qgraph.instrument(model), or "
@@ -55,7 +57,7 @@ class Weights:
         if tensor.is_meta:
             raise InvalidState(f"the weight '{name}' is on the meta device: decompose an instrument of a model whose "
                                f"weights are loaded")
-        return tensor.detach().float()
+        return tensor.detach().float() if rows is None else tensor.detach()[rows]
 
 
 def values_for(out, names: list[str]) -> tuple[dict[str, Tensor], Tensor | None]:

@@ -98,7 +98,7 @@ class Writer:
     def _experts(self, value: dict, weights, source):
         """A mixture-of-experts MLP: each routed expert, and the shared expert through its sigmoid gate."""
         experts = experts_of(source) or 0
-        down = weights(f"{self.label}.experts.down_proj")  # [experts, hidden, intermediate]
+        down = weights(f"{self.label}.experts.down_proj", rows=...)  # [experts, hidden, intermediate], as stored
         neurons = value[f"{self.label}.experts_neurons"]
         if down.dim() != 3 or down.shape[0] != experts or down.shape[2] != neurons.shape[-1]:
             raise NotSupported(f"{self.label}.experts.down_proj has shape {tuple(down.shape)}, not [experts, hidden, "
