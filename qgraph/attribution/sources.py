@@ -5,7 +5,8 @@ the ``Output`` came through.
 - a local instrument (``qgraph.instrument``) reads its model's parameters, and its SAEs and transcoders;
 - a loaded program (``qgraph.load``) reads the weights it runs on, by their export targets; it has no
   dictionary objects, so a program saved with SAEs or transcoders is refused by name;
-- a remote instrument holds no weights: refused by name, with where to run it instead.
+- a remote instrument holds no weights: what reads one is refused by name, with where to run it instead
+  (a residual stack per component or block reads none, and runs on the server's values).
 """
 from __future__ import annotations
 
