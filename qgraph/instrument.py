@@ -302,8 +302,8 @@ class InstrumentedModel:
                 continue
             retain(tensor)  # a tensor, or its micro-batches' (stages in this process)
             grads[name] = (tensor, program.catalogue[name].found.view)  # tapped, so found
-        return Output(logits, values, self.blocks, grads,
-                      aliases=aliases(self.family, self.config), source=self, input_ids=prepared["input_ids"],
+        return Output(logits, values, self.blocks, grads, aliases=aliases(self.family, self.config), source=self,
+                      input_ids=prepared["input_ids"], attention_mask=prepared["attention_mask"], edits=edits,
                       loss=ran[2] if loss is not None else None)
 
     def call_edits(self, edits: Mapping | None) -> dict[str, object]:

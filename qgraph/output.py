@@ -1,12 +1,13 @@
 """What an instrumented call returns: ``Output``, the logits and the captured values by name."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from . import reprs
+from .attribution import LogitAttribution, ResidualStack, logit_attribution, residual_stack
 from .errors import InvalidArgument, InvalidState, NotCaptured
 from .kernels import views
 from .values.names import canonical
@@ -35,6 +36,10 @@ class Output:
     input_ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
     # a call with loss=fn: the loss's value (its backward has run; None on a rank without the last stage)
     loss: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # the call's attention mask and its edits= as given: what a decomposition reruns the call with when this
+    # output lacks a value it reads (out.logit_attribution, out.residual_stack)
+    attention_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    edits: Mapping | None = field(default=None, repr=False, compare=False)
 
     def plot(self, name: str, tokens=None, **options):
         """A ``qgraph.Figure`` of a captured value, drawn as its layout says (``qgraph/plots/``): an
@@ -43,6 +48,38 @@ class Output:
         glob), SAE features the top ones per token. ``tokens`` (strings) label the token axes (default:
         the call's tokens, decoded when the model's folder has a tokenizer); ``batch=0`` picks the row."""
         return plot(self, name, tokens, **options)
+
+    def logit_attribution(self, tokens, against=None, *, positions=None, per: str = "head") -> LogitAttribution:
+        """Each component's direct contribution to the logit of ``tokens`` (or to ``tokens``' minus
+        ``against``'s), through the final norm with its scale frozen at this call's own (TransformerLens's
+        ``logit_attrs`` after ``apply_ln_to_stack``): a ``LogitAttribution`` whose ``attributions
+        [components, batch, positions]`` plus its ``bias`` terms sum to ``total``, the call's logit (difference).
+
+        ``tokens`` and ``against`` are ids: an int, one per batch row, or ``[batch, positions]`` (the next
+        tokens: ``ids[:, 1:]`` at ``positions=range(seq - 1)``). ``positions`` (default every one) picks
+        token positions. ``per="head"`` (default) splits each mixer into its heads (attention's gated heads
+        through ``o_proj``; DeltaNet's value heads, after the gated norm, through ``out_proj``), each
+        mixture-of-experts MLP into its routed experts and its gated shared expert, and each spliced SAE or
+        transcoder into its features (its decoder bias, skip path and error are bias terms);
+        ``per="component"`` keeps each block's mixer and MLP whole, ``per="block"`` each block. Labels:
+        ``embed``, ``layers.3.self_attn.head.2``, ``layers.0.linear_attn.head.5``, ``layers.1.mlp.expert.7``,
+        ``layers.1.mlp.shared_expert``, ``layers.2.mlp``, ``layers.1.layer_output.sae.feature.40``.
+
+        The values it reads are this output's where it captured them all (the call's edits in force);
+        otherwise the call is run again, with its tokens, mask and edits, through ``source.variant`` (a
+        call with images cannot be: capture the values named in the error). A remote instrument holds no
+        weights: decompose where they are (``qgraph/attribution/``)."""
+        return logit_attribution(self, tokens, against, positions=positions, per=per)
+
+    def residual_stack(self, name: str, *, per: str = "component", positions=None) -> ResidualStack:
+        """The components whose sum is the residual value ``name`` (``layers.3.layer_output``,
+        ``layer_mid``, ``layer_input``, or their TransformerLens names, ``blocks.3.hook_resid_post``), as
+        TransformerLens's ``decompose_resid`` / ``stack_head_results``: a ``ResidualStack`` whose ``stack
+        [components, batch, positions, hidden]`` plus its ``bias`` terms sum to ``value``. ``per`` as
+        ``logit_attribution``'s, ``"component"`` by default; at ``"head"`` a dictionary's features stay
+        one component (``layers.1.sae.features``: per feature they would be d_sae vectors a token).
+        What the final norm reads is ``layers[-1].layer_output``. Values as ``logit_attribution`` gets them."""
+        return residual_stack(self, name, per=per, positions=positions)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = canonical(name, self.blocks, self.aliases)

@@ -7,7 +7,7 @@ the recipes and pictures through the interface (``variant``, ``run_patches``).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -138,7 +138,14 @@ class LoadedProgram:
         values = {name: captured[name] for name in self.values if name in captured}
         watched = {name: (captured[name], ()) for name in self._watch} if watching else {}
         return Output(logits if self._logits else None, values, self.blocks, watched,
-                      aliases=aliases(self.family, self.config), source=self, input_ids=input_ids)
+                      aliases=aliases(self.family, self.config), source=self, input_ids=input_ids,
+                      attention_mask=attention_mask, edits=edits)
+
+    def weights(self) -> dict[str, Callable[[], torch.Tensor]]:
+        """``{export target: a function giving the tensor}`` of the weights its program reads
+        (``model.norm.weight``): what ``out.logit_attribution`` reads the projections and the head from."""
+        self._follow()
+        return dict(self._weights)
 
     @property
     def device(self) -> torch.device:
