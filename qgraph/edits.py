@@ -252,9 +252,11 @@ class Add(Region):
 
     @property
     def affine(self) -> bool:  # type: ignore[override]  # the mean norm depends on the value
+        """Whether it is an affine map of the value: not when ``relative`` (the mean norm depends on it)."""
         return not self.relative
 
     def needs(self) -> tuple[str, ...]:
+        """The values it reads: its ``Read``'s, and the call's mask when ``relative``."""
         return (*super().needs(), *((MASK,) if self.relative else ()))
 
     def change(self, region, scope):
@@ -313,9 +315,11 @@ class Edit(Region):
         self.reads = tuple(reads)
 
     def needs(self) -> tuple[str, ...]:
+        """The values named in ``reads`` (their standard names, once bound) and the call's mask."""
         return (*dict.fromkeys(self.names.get(name, name) for name in self.reads), MASK)
 
     def bind(self, resolve):
+        """A copy that knows the standard name of each value in ``reads`` (``fn`` still sees them as written)."""
         bound = dataclasses.replace(self)
         bound.names = {name: resolve(name, self) for name in self.reads}
         return bound
