@@ -33,8 +33,6 @@ from ..saes.transcoder import Transcoder
 from .parts import Experts, Linear, Whole
 
 PER = ("head", "component", "block")
-PROJECTIONS = {"self_attn": "o_proj", "linear_attn": "out_proj"}  # what each mixer's heads write through
-HEADS = {"self_attn": "num_heads", "linear_attn": "value_heads"}  # the layout dim counting them
 
 
 @dataclass
@@ -57,10 +55,11 @@ class Writer:
             skip = getattr(self.dictionary, "W_skip", None) is not None  # a transcoder's skip reads its input
             return [f"{self.label}.features"] + [f"{self.label}.error"] * (self.splice == "error") + \
                 [f"layers.{self.block}.{getattr(self.dictionary, 'reads', '')}"] * skip
+        heads = _heads(source, self.kind)
         if per != "head":
-            return [f"{self.label}.attention_output" if self.kind in PROJECTIONS else f"{self.label}.mlp_output"]
-        if self.kind in PROJECTIONS:
-            return [f"{self.label}.{PROJECTIONS[self.kind]}.input"]
+            return [f"{self.label}.attention_output" if self.kind != "mlp" else f"{self.label}.mlp_output"]
+        if heads is not None:
+            return [f"{self.label}.{heads[0]}.input"]
         if experts_of(source):
             return [f"{self.label}.{name}" for name in ("experts_neurons", "router_indices", "router_weights",
                                                          "shared_expert_output", "shared_expert_gate")]
@@ -73,7 +72,7 @@ class Writer:
         value = {name: values[name] for name in self.needs(per, source)}
         if self.kind == "dictionary":
             parts, bias = self._features(value)
-        elif self.kind in PROJECTIONS and per == "head":
+        elif _heads(source, self.kind) is not None and per == "head":
             parts, bias = self._heads(value, weights, source)
         elif self.kind == "mlp" and per == "head" and experts_of(source):
             parts, bias = self._experts(value, weights, source)
@@ -85,9 +84,10 @@ class Writer:
 
     def _heads(self, value: dict, weights, source):
         """A mixer's heads: what its output projection reads, one slice per head, through that slice."""
-        projection = f"{self.label}.{PROJECTIONS[self.kind]}"
+        module, dim = _heads(source, self.kind) or ("", "")
+        projection = f"{self.label}.{module}"
         read = value[f"{projection}.input"]
-        heads = source.family.dim(source.config, HEADS[self.kind])
+        heads = source.family.dim(source.config, dim)
         matrix = weights(f"{projection}.weight")  # [hidden, heads * head_dim]
         matrices = matrix.T.reshape(heads, -1, matrix.shape[0])
         bias = {f"{projection}.bias": weights(f"{projection}.bias").expand(*read.shape[:-1], -1)} \
@@ -98,11 +98,12 @@ class Writer:
     def _experts(self, value: dict, weights, source):
         """A mixture-of-experts MLP: each routed expert, and the shared expert through its sigmoid gate."""
         experts = experts_of(source) or 0
-        down = weights(f"{self.label}.experts.down_proj", rows=...)  # [experts, hidden, intermediate], as stored
+        down = weights(f"{self.label}.{source.family.experts_down}", rows=...)  # [experts, hidden, inner], as stored
         neurons = value[f"{self.label}.experts_neurons"]
         if down.dim() != 3 or down.shape[0] != experts or down.shape[2] != neurons.shape[-1]:
-            raise NotSupported(f"{self.label}.experts.down_proj has shape {tuple(down.shape)}, not [experts, hidden, "
-                               f"intermediate]: this experts layout is not split per expert; use per='component'")
+            raise NotSupported(f"{self.label}.{source.family.experts_down} has shape {tuple(down.shape)}, not "
+                               f"[experts, hidden, intermediate]: this experts layout is not split per expert; use "
+                               f"per='component'")
         routed = Experts([f"{self.label}.expert.{e}" for e in range(experts)], neurons,
                          value[f"{self.label}.router_indices"].long(), value[f"{self.label}.router_weights"], down)
         shared = torch.sigmoid(value[f"{self.label}.shared_expert_gate"]) * value[f"{self.label}.shared_expert_output"]
@@ -122,9 +123,16 @@ class Writer:
         return parts, bias
 
 
+def _heads(source, kind: str) -> tuple[str, str] | None:
+    """A mixer's (output projection, heads dim) as its family declares them (``Mixer.heads``); None for
+    what has no heads (the MLP, the embedding, a dictionary) or a mixer that declares none."""
+    return next((mixer.heads for mixer in source.family.mixers.values() if mixer.module == kind), None)
+
+
 def experts_of(source) -> int | None:
-    """The experts of a mixture-of-experts family's MLPs (on every block), None for a dense one."""
-    return source.family.dim(source.config, "num_experts")
+    """The experts of a mixture-of-experts family's MLPs (on every block), None for a dense one (or one
+    that does not declare its experts' down projection: ``Family.experts_down``)."""
+    return source.family.dim(source.config, "num_experts") if source.family.experts_down else None
 
 
 # -- the plan ----------------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ class Mixer:
     module: str  # the module a block of this kind carries, by its spec name ("linear_attn")
     title: str  # what diagrams and messages call it ("gated DeltaNet")
     memory: tuple[Memory, ...]  # what a decoding step carries, per block
+    # what its heads write to the stream through: (the output projection, by spec name below the mixer, and
+    # the layout dim counting the heads it reads), for per-head decompositions (qgraph.attribution)
+    heads: tuple[str, str] | None = None
 
     @property
     def recurrent(self) -> bool:
@@ -152,6 +155,9 @@ class Family:
     # an alias this family's blocks lack -> what to use instead ({i}: the block, or the glob asked), ending
     # the message that refuses it (the MoE block's neurons for the dense MLP's hook_post)
     alias_instead: dict[str, str] = field(default_factory=dict)
+    # the routed experts' down projection ([experts, hidden, inner]), by spec name below the MLP's host: each
+    # expert's write to the stream, for per-expert decompositions (qgraph.attribution); None for a dense MLP
+    experts_down: str | None = None
 
     def __post_init__(self):
         part = self.images

@@ -32,10 +32,12 @@ MODULE_RENAMES = (
 MIXERS = {
     "linear_attention": Mixer("linear_attn", "gated DeltaNet", (
         Memory("state", ("value_heads", "key_dim", "value_dim"), ("state_input", "state_output"), float32=True),
-        Memory("conv", ("conv_dim", "conv_context"), ("conv_state_input", "conv_state_output")))),
+        Memory("conv", ("conv_dim", "conv_context"), ("conv_state_input", "conv_state_output"))),
+        heads=("out_proj", "value_heads")),  # its value heads, through the gated norm (per head) and out_proj
     "full_attention": Mixer("self_attn", "gated attention", (
         Memory("keys", ("num_kv_heads", "past", "head_dim")),
-        Memory("values", ("num_kv_heads", "past", "head_dim")))),
+        Memory("values", ("num_kv_heads", "past", "head_dim"))),
+        heads=("o_proj", "num_heads")),  # its gated heads, through o_proj
 }
 # Where each kind of host lives: {i} runs over the text blocks (a mixer only on blocks that have it);
 # the vision tower's hosts are its image part's (qwen_vision.IMAGES).

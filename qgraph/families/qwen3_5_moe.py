@@ -22,4 +22,5 @@ QWEN3_5_MOE = register_family(replace(
     export_patches=qwen_moe.patches,
     forward_kwargs=qwen_moe.FORWARD_KWARGS,
     alias_instead=qwen_moe.ALIAS_INSTEAD,
+    experts_down=qwen_moe.EXPERTS_DOWN,
 ))

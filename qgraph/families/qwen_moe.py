@@ -40,6 +40,7 @@ DIMS: dict[str, DimSource] = {
     "expert_intermediate_size": "moe_intermediate_size",
     "shared_intermediate_size": "shared_expert_intermediate_size",
 }
+EXPERTS_DOWN = "experts.down_proj"  # the routed experts' down projection [experts hidden inner], below the MLP
 
 VALUES = (
     ValueSpec("router_logits", "mlp", "RouterLogits [batch seq num_experts]",
