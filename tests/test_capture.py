@@ -180,6 +180,7 @@ def test_another_setup_in_the_same_dir_is_refused(loaded, reference):
     assert again.skipped == again.shards  # same setup: nothing to do
 
 
+@pytest.mark.slow  # two torchrun ranks (python -m pytest -m slow)
 def test_torchrun_two_ranks_give_the_single_process_rows(loaded, checkpoint, tmp_path):
     model, tokenizer = loaded
     data = tmp_path / "data.jsonl"

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the site built by mkdocs in a subprocess and opened in Chromium (python -m pytest -m slow)
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

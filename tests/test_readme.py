@@ -230,6 +230,7 @@ def _serve_once(words: list[str], cwd: Path) -> tuple[int, str]:
     return (0 if process.returncode in (0, -signal.SIGTERM) else process.returncode), line + rest
 
 
+@pytest.mark.slow  # each command in a fresh process (python -m pytest -m slow)
 @pytest.mark.parametrize("heading, source", BASH)
 def test_bash_block_runs(tmp_path, cache_dir, heading, source):
     if "mkdocs build" in source:  # the docs site's build: tests/test_docs.py runs it (and opens the site)

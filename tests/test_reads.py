@@ -149,6 +149,7 @@ def test_relative_steering_is_nnsights_inline_form_per_prompt(sdpa_model, ig):
 def test_gradients_flow_through_a_read_as_through_hooks(sdpa_model, ig):
     ids = random_ids(1, 6, seed=7)
     loss = lambda logits: logits[:, -1].logsumexp(-1).sum()  # noqa: E731
+    sdpa_model.zero_grad(set_to_none=True)  # what an earlier test left on the session model
     ig(ids, edits={R3: qgraph.Add(qgraph.Read(R1), scale=0.5)}, loss=loss)
     got = {name: p.grad.clone() for name, p in sdpa_model.named_parameters() if p.grad is not None}
     sdpa_model.zero_grad(set_to_none=True)

@@ -225,6 +225,7 @@ def test_no_keys_means_loopback_only(capsys):
     assert len(err.splitlines()) == 1 and "--api-keys" in err and "127.0.0.1" in err
 
 
+@pytest.mark.slow  # a server process started and signalled (python -m pytest -m slow)
 def test_sigterm_ends_the_server_cleanly(checkpoint, tmp_path):
     process, url = start_server(checkpoint, tmp_path)
     port = int(url.rsplit(":", 1)[1])

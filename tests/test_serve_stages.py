@@ -18,6 +18,8 @@ import torch
 import qgraph
 from tests.serving import KEY
 
+pytestmark = pytest.mark.slow  # two torchrun ranks serving (python -m pytest -m slow)
+
 
 def _processes_naming(marker: str) -> list[int]:
     found = []

@@ -104,6 +104,7 @@ def ranks(checkpoint, tmp_path_factory) -> list[dict]:
     return [torch.load(folder / f"rank{r}.pt") for r in (0, 1)]
 
 
+@pytest.mark.slow  # two torchrun ranks (python -m pytest -m slow)
 def test_two_processes_under_torchrun(model, single, checkpoint, ranks):
     from transformers import AutoModelForCausalLM
     ids, mask = _inputs()
@@ -155,6 +156,7 @@ def test_two_processes_under_torchrun(model, single, checkpoint, ranks):
     _same(expected, None, forward, [f"layers.{i}.layer_output" for i in range(4)], atol=1e-5)
 
 
+@pytest.mark.slow  # two torchrun ranks (python -m pytest -m slow)
 def test_a_failure_on_one_rank_ends_every_rank_with_its_error(ranks):
     # (the call, the error rank 1 raised, its message, its cause, the most seconds either rank took); the worker
     # exits after 120 s left waiting, so a failure that leaves a rank waiting fails this test instead of hanging it

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the notebook run on a Jupyter kernel and opened in Chromium (python -m pytest -m slow)
+
 ROOT = Path(__file__).resolve().parent.parent
 TOUR = ROOT / "docs" / "tour.ipynb"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
