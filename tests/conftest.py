@@ -123,6 +123,13 @@ def sdpa_model(_sdpa_load):
 
 
 @pytest.fixture(scope="session")
+def hooks_model(checkpoint):
+    """A load of the tiny checkpoint that is never instrumented: the reference that forward hooks go on."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+
+
+@pytest.fixture(scope="session")
 def eager_model(checkpoint):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()

@@ -14,10 +14,9 @@ BLOCKS = 4
 
 
 @pytest.fixture(scope="module")
-def fresh(checkpoint):
+def fresh(hooks_model):
     """A model of its own for the hooks: the reference, never instrumented."""
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    return hooks_model
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,9 @@ def total_of(attribution):
 
 
 @pytest.fixture(scope="module")
-def hf(checkpoint):
+def hf(hooks_model):
     """A fresh load of the tiny checkpoint: the hooks go on it, never on the session's models."""
-    return AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    return hooks_model
 
 
 @pytest.fixture(scope="module")
