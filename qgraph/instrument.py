@@ -135,6 +135,7 @@ class InstrumentedModel:
         self._programs[self._key(self.exported.images)] = main.build(self.values, self.slots, self._logits,
                                                                      self.options)
         self.catalogue = main.catalogue  # as built: a decomposed block's pattern is now found
+        self._slots.catalogue = self.catalogue  # slots made per call read the catalogue as built, as before
         self._finish(self._programs[self._key(self.exported.images)])
 
     def _finish(self, program: Program, extra=()) -> None:
