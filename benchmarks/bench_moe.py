@@ -156,7 +156,7 @@ def meta_export(shape: str = "35b"):
     print(f"RSS after export: {rss_mib():.0f} MiB, peak RSS after export: {maxrss_mib():.0f} MiB "
           f"(+{maxrss_mib() - peak1:.0f} MiB over the peak before)")
     from qgraph.export import disk_cache
-    cached = list(disk_cache.directory().glob("*.pt2")) if disk_cache.directory().is_dir() else []
+    cached = list(disk_cache.directory().glob("*.json")) if disk_cache.directory().is_dir() else []
     print(f"disk cache: {len(cached)} file(s), {sum(f.stat().st_size for f in cached) / 2**20:.1f} MiB")
     return model
 

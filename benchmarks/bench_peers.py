@@ -114,7 +114,7 @@ def main():
     # -- instrument(): cold, cold from the disk cache, warm ---------------------------------------
     ig_layers, cold = timed(lambda: qgraph.instrument(model, values=LAYERS))
     export_seconds = ig_layers.exported.seconds
-    files = list(Path(cache_dir, "programs").glob("*.pt2"))
+    files = list(Path(cache_dir, "programs").glob("*.json"))
     file_mib = files[0].stat().st_size / 2**20 if files else float("nan")
     qgraph_export._CACHE.pop(model, None)  # as a new process would: only the disk cache knows the program
     ig_loaded, cold_disk = timed(lambda: qgraph.instrument(model, values=LAYERS))

@@ -72,6 +72,35 @@ def graph_structure(program):
             for node in nodes]
 
 
+def _described(value):
+    """A node's fake value as text: each tensor's sizes and strides (expressions), dtype and requires_grad."""
+    if isinstance(value, torch.Tensor):
+        return [str(s) for s in value.shape], [str(s) for s in value.stride()], value.dtype, value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return [_described(item) for item in value]
+    return str(value)
+
+
+def stored_round_trip(program) -> None:
+    """``program`` written in the disk cache's format and read back (``qgraph.export.stored``) has the same
+    nodes, module scopes, signature, ranges and node values (sizes as expressions)."""
+    import json
+    from qgraph.export import stored
+    data, held = stored.program_data(program)
+    back = stored.program_from_data(json.loads(json.dumps(data)), held)
+    assert graph_structure(back) == graph_structure(program)
+    assert [_described(n.meta.get("val")) for n in back.graph.nodes] == \
+        [_described(n.meta.get("val")) for n in program.graph.nodes]
+    assert [n.meta.get("nn_module_stack") for n in back.graph.nodes] == \
+        [{k: (path, kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}")
+          for k, (path, kind) in (n.meta.get("nn_module_stack") or {}).items()} or None
+         for n in program.graph.nodes]
+    assert back.graph_signature == program.graph_signature
+    assert str(back.range_constraints) == str(program.range_constraints)
+    assert back.constants.keys() == program.constants.keys()
+    assert all(torch.equal(back.constants[k], program.constants[k]) for k in program.constants)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _program_cache(tmp_path_factory):
     """Keep qgraph's caches out of the home dir, and the disk cache of exported programs off:

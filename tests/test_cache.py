@@ -2,17 +2,17 @@
 program instead of exporting, gets identical values, and a broken file falls back to exporting."""
 from __future__ import annotations
 
+import json
 import re
-import zipfile
 
 import pytest
 import torch
 
 import qgraph
-from qgraph.export import disk_cache as cache
+from qgraph.export import disk_cache as cache, stored
 from qgraph.kernels.ops import MARK_OP
 from qgraph.export.repeat import repeated_blocks
-from conftest import hf_logits, random_ids
+from conftest import hf_logits, random_ids, stored_round_trip
 
 VALUES = ["layers.*.layer_output", "layers.0.linear_attn.*", "layers.3.self_attn.attention_probabilities",
           "layers.2.mlp.down_proj.input"]
@@ -42,7 +42,7 @@ def test_second_model_object_loads_the_program_and_gives_identical_values(checkp
     ids = random_ids(2, 70, seed=5)
     first = qgraph.instrument(_load(checkpoint), values=VALUES, edits=["layers.1.layer_output"])
     assert disk_cache == [1] and not first.exported.from_cache
-    files = list(cache.directory().glob("*.pt2"))
+    files = list(cache.directory().glob("*.json"))
     assert [f.name for f in files] == [cache.path_for(first.model, False).name]
 
     second = qgraph.instrument(_load(checkpoint), values=VALUES, edits=["layers.1.layer_output"])
@@ -66,7 +66,8 @@ def test_second_model_object_loads_the_program_and_gives_identical_values(checkp
     # no weight was written: each state_dict entry is a placeholder of the right shape and dtype
     # with one element of storage (the program reads the model's own parameters at call time)
     # The file holds the seed export (qgraph.export.repeat): its layer list is the first block of each kind.
-    placeholders = torch.export.load(files[0]).state_dict
+    recorded = json.loads(files[0].read_text())
+    placeholders = stored.program_from_data(recorded["program"], {}).state_dict
     seed = repeated_blocks(first.model, first.family, images=False)[0].seed
     real_names = {re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{seed[int(m[1])]}.", name): placeholder
                   for name, placeholder in placeholders.items()}
@@ -96,11 +97,11 @@ def test_a_corrupt_file_falls_back_to_exporting_and_is_overwritten(checkpoint, d
     model = _load(checkpoint)
     path = cache.path_for(model, False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"not a pt2 archive")
+    path.write_bytes(b"not a program")
     with pytest.warns(UserWarning, match="ignoring the cached program"):
         ig = qgraph.instrument(model, values=["layers.0.layer_output"])
     assert disk_cache == [1] and not ig.exported.from_cache
-    assert zipfile.is_zipfile(path)  # overwritten by a good one (a .pt2 is a zip archive)
+    assert json.loads(path.read_bytes())["program"]["nodes"]  # overwritten by a good one
     ids = random_ids(1, 5)
     with torch.no_grad():
         torch.testing.assert_close(ig(ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
@@ -119,3 +120,9 @@ def test_the_cache_can_be_turned_off(sdpa_model, disk_cache, monkeypatch):
     assert cache.save(sdpa_model, False, program=None) is None
     assert cache.load(sdpa_model, False, ("input_ids", "attention_mask")) is None
     assert not cache.directory().exists()
+
+
+def test_the_cache_format_round_trips_the_program_node_for_node(ig):
+    """Every node, scope, value (sizes as expressions), the signature and ranges survive the file
+    (``qgraph.export.stored``; the MoE families and the image-text program: tests/test_moe.py)."""
+    stored_round_trip(ig.exported.program)

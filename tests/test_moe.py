@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 import qgraph
-from conftest import random_ids
+from conftest import random_ids, stored_round_trip
 from qgraph.testing import load_processor, tiny_qwen3_5_moe, tiny_qwen3_next
 
 FAMILIES = {"qwen3_5_moe": tiny_qwen3_5_moe, "qwen3_next": tiny_qwen3_next}
@@ -194,6 +194,10 @@ def test_gradients_equal_hf_autograd(family):
     assert mine.model.layers[1].mlp.experts.gate_up_proj.grad.abs().sum() > 0
 
 
+def test_the_cache_format_round_trips_the_moe_program(family):
+    stored_round_trip(family[2].exported.program)
+
+
 def test_the_block_diagram_draws_the_moe_block(family):
     from qgraph.render import diagram
     _, _, ig = family
@@ -329,6 +333,7 @@ def test_the_image_text_moe_model_with_images(tmp_path):
                                          add_generation_prompt=True, enable_thinking=False)
     inputs = processor(text=text, images=[image(48, 80, 2)])
     ig = qgraph.instrument(model, values=["vision.image_features", "layers.1.mlp.router_indices"])
+    stored_round_trip(ig.exported.program)  # the disk cache's format holds the image-text program too
     out = ig(**inputs)
     with torch.no_grad():
         torch.testing.assert_close(out.logits, model(**inputs).logits, rtol=0, atol=1e-5)

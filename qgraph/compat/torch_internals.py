@@ -127,10 +127,22 @@ def inductor_symbolic_strides_fix() -> None:
 # point and whose keywords have changed between releases (one ``verifier`` became ``verifiers``).
 def exported_program(root, graph: torch.fx.Graph, signature, state_dict: dict, range_constraints: dict,
                      module_call_graph: list, constants: dict, verifier) -> ExportedProgram:
-    """An ExportedProgram of ``graph`` (owned by ``root``, a GraphModule) with no example inputs."""
-    return ExportedProgram(root=root, graph=graph, graph_signature=signature, state_dict=state_dict,
-                           range_constraints=range_constraints, module_call_graph=module_call_graph,
-                           example_inputs=None, constants=constants, verifiers=[verifier])
+    """An ExportedProgram of ``graph`` (owned by ``root``, a GraphModule) with no example inputs. Its
+    graph module writes its code on first use (``torch_stored.lazy_graph_module``): qgraph's passes copy
+    the graph and never run it, and the constructor's ``torch.fx.GraphModule`` would write and compile
+    the code of every block (``_create_graph_module_for_export``, replaced while it runs, under the
+    tracing lock so no other thread's export sees it)."""
+    from torch.export import exported_program as module
+    from .torch_stored import lazy_graph_module
+    with _TRACING:
+        made = module._create_graph_module_for_export
+        module._create_graph_module_for_export = lazy_graph_module
+        try:
+            return ExportedProgram(root=root, graph=graph, graph_signature=signature, state_dict=state_dict,
+                                   range_constraints=range_constraints, module_call_graph=module_call_graph,
+                                   example_inputs=None, constants=constants, verifiers=[verifier])
+        finally:
+            module._create_graph_module_for_export = made
 
 
 # -- shallow twins of a model (qgraph.export.repeat) --------------------------------------------------------

@@ -22,23 +22,24 @@ temporary name and renamed, so a concurrent reader never sees half a file.
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import hashlib
 import json
-import logging
 import os
 import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import safetensors.torch
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from .. import compat
-from . import constants
+from . import constants, stored
 from .fingerprint import structure
 
 if TYPE_CHECKING:  # a type only: transformers is imported with the model
@@ -112,7 +113,7 @@ def key(model: PreTrainedModel, images: bool) -> str:
 
 
 def path_for(model: PreTrainedModel, images: bool) -> Path:
-    return directory() / f"{key(model, images)}.pt2"
+    return directory() / f"{key(model, images)}.json"
 
 
 def load(model: PreTrainedModel, images: bool, inputs: tuple[str, ...], finish=None):
@@ -125,14 +126,12 @@ def load(model: PreTrainedModel, images: bool, inputs: tuple[str, ...], finish=N
     if not path.is_file():
         return None
     try:
-        extra = {_READS: ""}
-        with _quiet_serde(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.export.load(path, extra_files=extra)
-        recorded = json.loads(extra[_READS])
+        recorded = json.loads(path.read_bytes())
         reads = frozenset(tuple(read) for read in recorded["reads"])
         if json.loads(json.dumps(constants.current(model, reads))) != recorded["constants"]:
             return None  # the same model under other baked-in values: export again
+        held = safetensors.torch.load(base64.b64decode(recorded["tensors"]))
+        program = stored.program_from_data(recorded["program"], held)
         if finish is not None:
             program = finish(program, reads)
         problem = ("it does not repeat into this model's blocks" if program is None
@@ -151,16 +150,15 @@ def save(model: PreTrainedModel, images: bool, program: ExportedProgram, reads=f
     if not usable():
         return None
     path = path_for(model, images)
-    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
     try:
+        data, held = stored.program_data(program)
+        recorded = {"reads": sorted(reads), "constants": constants.current(model, reads), "program": data,
+                    "tensors": base64.b64encode(safetensors.torch.save(held)).decode()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            # the placeholders share no storage with a "complete" tensor; torch warns about it
-            warnings.simplefilter("ignore")
-            recorded = {"reads": sorted(reads), "constants": constants.current(model, reads)}
-            torch.export.save(without_weights(program), temporary, extra_files={_READS: json.dumps(recorded)})
+        temporary.write_text(json.dumps(recorded))
         os.replace(temporary, path)
-    except Exception as error:  # a read-only or full disk costs the cache, not the export
+    except Exception as error:  # a read-only or full disk, or a program the format cannot hold, costs the cache
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
         problem = _one_line(f"{type(error).__name__}: {error}")
@@ -168,24 +166,6 @@ def save(model: PreTrainedModel, images: bool, program: ExportedProgram, reads=f
                       f"again next time", stacklevel=3)
         return None
     return path
-
-
-def without_weights(program: ExportedProgram, names=None) -> ExportedProgram:
-    """The same program whose state_dict holds storage-less placeholders of each tensor's shape and
-    dtype (one element, expanded) (of the ``names`` entries only, if given): what ``torch.export.save``
-    writes of it is the graph."""
-    state_dict = {name: _placeholder(tensor) if names is None or name in names else tensor
-                  for name, tensor in program.state_dict.items()}
-    return compat.exported_program(
-        program.graph_module, program.graph, program.graph_signature, state_dict, program.range_constraints,
-        program.module_call_graph, program.constants, program.verifier)
-
-
-def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
-    placeholder = torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
-    if isinstance(tensor, torch.nn.Parameter):
-        return torch.nn.Parameter(placeholder, requires_grad=False)
-    return placeholder
 
 
 def _mismatch(program: ExportedProgram, model: PreTrainedModel, inputs: tuple[str, ...]) -> str | None:
@@ -233,19 +213,3 @@ def _source_digest() -> str:
             digest.update(file.relative_to(package).as_posix().encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def _quiet_serde():
-    """Silence torch's loader notes (``Symbol u0 did not appear in the graph``: an unbacked size of the
-    export's trace that the graph no longer uses) and the traceback it logs for an unreadable file
-    (``load`` warns in one line instead)."""
-    loggers = [logging.getLogger(name) for name in ("torch._export.serde.serialize", "torch.export")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)

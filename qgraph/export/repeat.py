@@ -289,7 +289,7 @@ class _Repeater:
                 buffer = self.model.get_buffer(spec.target)
                 (state_dict if spec.persistent else constants)[spec.target] = buffer
         return compat.exported_program(
-            torch.fx.GraphModule(seed.graph_module, graph), graph, ExportGraphSignature(specs, output_specs),
+            compat.lazy_graph_module(seed.graph_module, graph), graph, ExportGraphSignature(specs, output_specs),
             state_dict, seed.range_constraints, module_call_graph, constants, seed.verifier)
 
 

@@ -19,10 +19,9 @@ the same qgraph reads; a new op enters by a line here, with its reason.
 """
 from __future__ import annotations
 
-import math
-import operator
 
-import torch
+
+from ..export.sizes import SIZE_FUNCTIONS
 
 _GROUPS = {
     "elementwise arithmetic, pure functions of their tensors": """
@@ -103,11 +102,4 @@ INPLACE = frozenset(("aten.copy_.default", "aten.detach_.default", "aten.index_p
 CONSTANT: dict[str, dict[int, object]] = {"aten.dropout.default": {2: False},
                                           "aten.scaled_dot_product_attention.default": {4: 0.0}}
 
-# the size arithmetic export writes between ops (on symbolic sizes, never on tensors)
-FUNCTIONS = {
-    **{f"operator.{name}": getattr(operator, name) for name in (
-        "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "eq", "ne", "lt",
-        "le", "gt", "ge", "and_", "or_", "not_")},
-    **{f"math.{name}": getattr(math, name) for name in ("floor", "ceil", "trunc")},
-    **{f"torch.{name}": getattr(torch, name) for name in ("sym_float", "sym_int", "sym_max", "sym_min", "sym_not")},
-}
+FUNCTIONS = SIZE_FUNCTIONS  # the size arithmetic export writes between ops (``export.sizes``)
