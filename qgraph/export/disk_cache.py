@@ -1,16 +1,16 @@
 """A disk cache of exported programs, shared across processes.
 
 ``export_model`` keeps one program per model object in memory; this module keeps them on disk too,
-in ``$QGRAPH_CACHE/programs`` (default ``~/.cache/qgraph/programs``), one ``torch.export.save``
-file per key. The key hashes what the program was specialised on: the model's config (as JSON,
+in ``$QGRAPH_CACHE/programs`` (default ``~/.cache/qgraph/programs``), one JSON file per key, in
+``export.stored``'s format (``torch.export.load`` of the same program took ten times as long). The key hashes what the program was specialised on: the model's config (as JSON,
 without its checkpoint path), class, dtype, device type, attention and experts implementations, the images
 flag, the torch, transformers and qgraph versions and the source of the qgraph modules that shape
 the export. Set ``QGRAPH_PROGRAM_CACHE=0`` to turn the disk cache off.
 
 No weight is written. A program reads the model's own parameters at call time (see
-``program._input_sources``), never ``ExportedProgram.state_dict``, so the file holds a program
-whose state_dict entries are placeholders of the right shape and dtype that all read one element
-(``torch.zeros(()).expand(shape)``): the 0.8B program is a few MB, not 3 GB. A loaded program is
+``program._input_sources``), never ``ExportedProgram.state_dict``, so the file holds each weight's
+shape and dtype, and the loaded program's state_dict entries are placeholders that all read one element
+(``torch.zeros(()).expand(shape)``): the file is under a MB, not 3 GB. A loaded program is
 therefore only for qgraph's passes; its ``.module()`` would compute with zeros.
 
 The file also records the plain values the export read (``qgraph.export.constants``) and their
