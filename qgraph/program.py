@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 from torch.export.graph_signature import InputKind
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
+from . import compat
 from .errors import InvalidArgument, InvalidState, InvalidType
 from .values.catalogue import Entry, build_catalogue
 from .values.dictionaries import dictionary_entries
@@ -44,7 +45,8 @@ class Program:
         graph.output(graph.graph_copy(exported.graph, {}))
         attributes = {node.target: getattr(exported.program.graph_module, node.target)
                       for node in graph.find_nodes(op="get_attr")}
-        self.module = GraphModule(attributes, graph)
+        # its code is written once, when ``build`` has run the passes (``make`` alone never runs it)
+        self.module = compat.lazy_graph_module(attributes, graph)
         self.module_names = [name for _, name in self.family.ported_modules(model)]
         self.catalogue: dict[str, Entry] = self._catalogue()
         # (placeholder name, function of the call's inputs, how to rebuild it after saving: data or None)
@@ -106,7 +108,7 @@ class Program:
         run_passes(self.module, build_passes(build), self.passes_run)
         self.tapped, self.returns_logits = build.tapped, logits
         self.derived = {name: self.catalogue[name] for name in values if self.catalogue[name].derived}
-        self.module.recompile()
+        compat.written(self.module)
         self.inputs = _input_sources(self.model, self.exported, self.weights) + \
             [source for _, source, _ in self.extra_inputs]
         return self

@@ -21,6 +21,6 @@ from .transformers_internals import (attn_implementation, attn_implementation_se
                                      experts_implementation, experts_implementation_run, export_patches,
                                      generation_config, generation_settings, kernels_bound, logits_processors,
                                      run_experts, vision_forward_kwargs, vision_inputs)
-from .torch_stored import lazy_graph_module  # noqa: F401
+from .torch_stored import lazy_graph_module, written  # noqa: F401
 from .torch_pipelining import pipeline_stage, pipelining_refusal  # noqa: F401
 from .versions import TESTED, check_versions  # noqa: F401

@@ -97,3 +97,12 @@ def lazy_graph_module(root, graph: torch.fx.Graph) -> torch.fx.GraphModule:
     and compiling a module's code costs about 0.1 s a module (``torch.fx._lazy_graph_module``, private)."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
     return _LazyGraphModule(root, graph)
+
+
+def written(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``module`` with its Python code written now (a lazy one's, ``lazy_graph_module``; a plain GraphModule's
+    again), so it runs, compiles and inspects as any GraphModule."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    module.recompile()
+    _LazyGraphModule.force_recompile(module)
+    return module
