@@ -5,7 +5,8 @@ in ``$QGRAPH_CACHE/programs`` (default ``~/.cache/qgraph/programs``), one JSON f
 ``export.stored``'s format (``torch.export.load`` of the same program took ten times as long). The
 key hashes what the program was specialised on: the model's config (as JSON, without its checkpoint
 path), class, dtype, device type, attention and experts implementations, the images flag, the torch,
-transformers and qgraph versions and the source of the qgraph modules that shape the export. Set ``QGRAPH_PROGRAM_CACHE=0`` to turn the disk cache off.
+transformers and qgraph versions and the source of the qgraph modules that shape the export. Set
+``QGRAPH_PROGRAM_CACHE=0`` to turn the disk cache off.
 
 No weight is written. A program reads the model's own parameters at call time (see
 ``program._input_sources``), never ``ExportedProgram.state_dict``, so the file holds each weight's
