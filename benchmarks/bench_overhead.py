@@ -1,0 +1,141 @@
+"""What one call adds over the plain forward: qgraph's fixed cost per call beside nnsight's (issue 56, item 2).
+
+    python benchmarks/bench_overhead.py [--rounds 40] [--tokens 16] [--big] [--big-tokens 4] [--big-rounds 15]
+
+In ONE process, interleaved (each round runs every callable once, in turn), under ``torch.no_grad()``
+(as a qgraph call runs) and with ``torch.set_num_threads(1)``:
+
+* the plain Hugging Face forward, ``model(input_ids=ids)``;
+* a qgraph call with no values (``qgraph.instrument(model)``), and one with every block output
+  (``values=["layers.*.layer_output"]``);
+* nnsight (``NNsight(model)``, as ``bench_peers.py`` drives it): an empty trace, and a trace saving every
+  block's output (``model.layers[i].output.save()``).
+
+Each figure is the median over rounds of (the callable's time - the plain forward's time in the same
+round): what a call adds over the plain forward, in milliseconds. Before timing, the values are
+compared: qgraph's logits equal the plain forward's (bit for bit), its block outputs nnsight's, and
+nnsight's logits the plain forward's. The tiny Qwen3.5 (``qgraph.testing.tiny_qwen3_5``: 4 blocks) at
+``--tokens`` tokens always; with ``--big`` the 0.8B shape too (``common.build_0_8b``: random weights, about
+3.5 GiB; check ``free -g`` first) at ``--big-tokens`` tokens, where the forward is long and the
+difference noisier. Prints a markdown table per model and the load average beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def load() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def paired(runs: dict, rounds: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds of each callable in each round, run in turn (a, b, c, a, b, c, ...) after a warm-up."""
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def runs_for(model, ids) -> tuple[dict, dict]:
+    """The callables to time, and what each returned once (for the checks)."""
+    import qgraph
+    from nnsight import NNsight
+
+    blocks = model.config.num_hidden_layers
+    plain = qgraph.instrument(model)
+    layers = qgraph.instrument(model, values=["layers.*.layer_output"])
+    wrapped = NNsight(model)
+
+    def nnsight_empty():
+        with wrapped.trace(input_ids=ids):
+            pass
+
+    def nnsight_blocks():
+        saved = []  # made outside the trace: nnsight runs the block's body in a frame of its own
+        with wrapped.trace(input_ids=ids):
+            for index in range(blocks):
+                saved.append(wrapped.model.layers[index].output.save())
+            saved.append(wrapped.output.save())
+        return saved[:-1], saved[-1]
+
+    runs = {
+        "plain HF forward": lambda: model(input_ids=ids),
+        "qgraph, no values": lambda: plain(ids),
+        "qgraph, every layer_output": lambda: layers(ids),
+        "nnsight, empty trace": nnsight_empty,
+        "nnsight, every block output": nnsight_blocks,
+    }
+    return runs, {name: run() for name, run in runs.items()}
+
+
+def check(results: dict, blocks: int) -> str:
+    """The values every timed callable returns agree: qgraph's logits are the plain forward's, its block
+    outputs nnsight's."""
+    plain = results["plain HF forward"].logits
+    saved, nnsight_logits = results["nnsight, every block output"]
+    nnsight_logits = getattr(nnsight_logits, "logits", nnsight_logits)
+    layers = results["qgraph, every layer_output"]
+    assert torch.equal(results["qgraph, no values"].logits, plain), "qgraph's logits differ from the plain forward's"
+    assert torch.equal(layers.logits, plain), "qgraph's logits (every layer_output) differ from the plain forward's"
+    assert torch.equal(nnsight_logits, plain), "nnsight's logits differ from the plain forward's"
+    worst = max((layers[f"layers.{i}.layer_output"] - (s[0] if isinstance(s, tuple) else s)).abs().max().item()
+                for i, s in enumerate(saved))
+    assert worst == 0.0, f"qgraph's block outputs differ from nnsight's by {worst}"
+    return "qgraph's logits == the plain forward's == nnsight's (bit for bit); every block output == nnsight's"
+
+
+def measure(name: str, model, tokens: int, rounds: int) -> str:
+    ids = torch.randint(0, min(200, model.config.vocab_size), (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        runs, results = runs_for(model, ids)
+        checked = check(results, model.config.num_hidden_layers)
+        del results
+        before = load()
+        times = paired(runs, rounds)
+        after = load()
+    plain = times["plain HF forward"]
+    lines = [f"### {name}, {tokens} tokens, batch 1, one thread ({rounds} paired rounds; load {before} -> {after})",
+             "", "| call | median ms | ms over plain (median of paired differences) | × plain |", "|---|---:|---:|---:|"]
+    for label, spent in times.items():
+        over = statistics.median(t - p for t, p in zip(spent, plain))
+        median = statistics.median(spent)
+        lines.append(f"| {label} | {median * 1e3:.2f} | {'' if spent is plain else f'{over * 1e3:+.2f}'} | "
+                     f"{median / statistics.median(plain):.3f} |")
+    lines += ["", f"Checks: {checked}.", ""]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--big", action="store_true", help="the 0.8B shape too (about 3.5 GiB)")
+    parser.add_argument("--big-tokens", type=int, default=4)
+    parser.add_argument("--big-rounds", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+    from qgraph.testing import tiny_qwen3_5
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5(tmp)).eval()
+    print(measure("tiny Qwen3.5 (4 blocks)", tiny, args.tokens, args.rounds))
+    if args.big:
+        from common import build_0_8b
+        print(measure("0.8B shape (24 blocks, random weights)", build_0_8b(), args.big_tokens, args.big_rounds))
+
+
+if __name__ == "__main__":
+    main()
