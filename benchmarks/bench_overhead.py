@@ -12,7 +12,8 @@ In ONE process, interleaved (each round runs every callable once, in turn), unde
   block's output (``model.layers[i].output.save()``).
 
 Each figure is the median over rounds of (the callable's time - the plain forward's time in the same
-round): what a call adds over the plain forward, in milliseconds. Before timing, the values are
+round): what a call adds over the plain forward, in milliseconds; by the wall clock, and by the thread's CPU
+time (``time.thread_time``: on a shared machine, other processes' turns on the core do not count). Before timing, the values are
 compared: qgraph's logits equal the plain forward's (bit for bit), its block outputs nnsight's, and
 nnsight's logits the plain forward's. The tiny Qwen3.5 (``qgraph.testing.tiny_qwen3_5``: 4 blocks) at
 ``--tokens`` tokens always; with ``--big`` the 0.8B shape too (``common.build_0_8b``: random weights, about
@@ -34,18 +35,21 @@ def load() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
-def paired(runs: dict, rounds: int, warmup: int = 3) -> dict[str, list[float]]:
-    """Seconds of each callable in each round, run in turn (a, b, c, a, b, c, ...) after a warm-up."""
+def paired(runs: dict, rounds: int, warmup: int = 3) -> tuple[dict, dict]:
+    """Seconds of each callable in each round, run in turn (a, b, c, a, b, c, ...) after a warm-up: by the
+    wall clock and by this thread's CPU time (which another process's turn on the core does not add to)."""
     for _ in range(warmup):
         for run in runs.values():
             run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             run()
-            times[name].append(time.perf_counter() - start)
-    return times
+            cpu[name].append(time.thread_time() - start_cpu)
+            wall[name].append(time.perf_counter() - start)
+    return wall, cpu
 
 
 def runs_for(model, ids) -> tuple[dict, dict]:
@@ -103,18 +107,23 @@ def measure(name: str, model, tokens: int, rounds: int) -> str:
         checked = check(results, model.config.num_hidden_layers)
         del results
         before = load()
-        times = paired(runs, rounds)
+        wall, cpu = paired(runs, rounds)
         after = load()
-    plain = times["plain HF forward"]
     lines = [f"### {name}, {tokens} tokens, batch 1, one thread ({rounds} paired rounds; load {before} -> {after})",
-             "", "| call | median ms | ms over plain (median of paired differences) | × plain |", "|---|---:|---:|---:|"]
-    for label, spent in times.items():
-        over = statistics.median(t - p for t, p in zip(spent, plain))
-        median = statistics.median(spent)
-        lines.append(f"| {label} | {median * 1e3:.2f} | {'' if spent is plain else f'{over * 1e3:+.2f}'} | "
-                     f"{median / statistics.median(plain):.3f} |")
+             "", "| call | median ms | ms over plain | ms over plain, CPU time | × plain |", "|---|---:|---:|---:|---:|"]
+    plain, plain_cpu = wall["plain HF forward"], cpu["plain HF forward"]
+    for label, spent in wall.items():
+        over = _over(spent, plain) if spent is not plain else ""
+        over_cpu = _over(cpu[label], plain_cpu) if spent is not plain else ""
+        lines.append(f"| {label} | {statistics.median(spent) * 1e3:.2f} | {over} | {over_cpu} | "
+                     f"{statistics.median(spent) / statistics.median(plain):.3f} |")
     lines += ["", f"Checks: {checked}.", ""]
     return "\n".join(lines)
+
+
+def _over(spent: list[float], plain: list[float]) -> str:
+    """The median of the paired differences (this call's time - the plain forward's in the same round), in ms."""
+    return f"{statistics.median(t - p for t, p in zip(spent, plain)) * 1e3:+.2f}"
 
 
 def main():

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import direct
 from ..errors import InvalidArgument, InvalidState, InvalidType, NotSupported, QgraphError, SavedProgramError
 from ..edits import EditError, Replace, Target, needs
 from ..families import FAMILIES
@@ -120,7 +121,7 @@ class LoadedProgram:
                     and arg.is_floating_point() else arg for source, arg in zip(self._sources, args)]
         with editing(self._edits(edits)):
             try:
-                results = list(self.module(*args))
+                results = list(direct.forward(self.module)(*args))  # each op at its entry point (qgraph.direct)
             except IndexError as error:  # an index its graph computes past a tensor's end: the file's doing
                 raise SavedProgramError(f"{self.path.name} indexes past the end of a tensor at this call "
                                         f"({str(error).splitlines()[0][:200]}): a program ig.save writes does not, so "
