@@ -1,6 +1,8 @@
 """What one call adds over the plain forward: qgraph's fixed cost per call beside nnsight's (issue 56, item 2).
 
-    python benchmarks/bench_overhead.py [--rounds 40] [--tokens 16] [--big] [--big-tokens 4] [--big-rounds 15]
+    PYTHONPATH=. python benchmarks/bench_overhead.py [--rounds 40] [--tokens 16] [--big] [--big-tokens 4] [--big-rounds 15]
+
+(``PYTHONPATH=.`` imports the qgraph of this checkout; without it, the installed one. The report names it.)
 
 In ONE process, interleaved (each round runs every callable once, in turn), under ``torch.no_grad()``
 (as a qgraph call runs) and with ``torch.set_num_threads(1)``:
@@ -23,10 +25,12 @@ difference noisier. Prints a markdown table per model and the load average besid
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -60,7 +64,9 @@ def runs_for(model, ids) -> tuple[dict, dict]:
     blocks = model.config.num_hidden_layers
     plain = qgraph.instrument(model)
     layers = qgraph.instrument(model, values=["layers.*.layer_output"])
-    wrapped = NNsight(model)
+    # nnsight wraps every module's forward in the model it is given (an instance attribute), which slows that
+    # model's plain forward too: it gets a twin of its own, sharing the parameters and buffers (no memory)
+    wrapped = NNsight(copy.deepcopy(model, memo={id(t): t for t in [*model.parameters(), *model.buffers()]}))
 
     def nnsight_empty():
         with wrapped.trace(input_ids=ids):
@@ -109,7 +115,9 @@ def measure(name: str, model, tokens: int, rounds: int) -> str:
         before = load()
         wall, cpu = paired(runs, rounds)
         after = load()
+    import qgraph
     lines = [f"### {name}, {tokens} tokens, batch 1, one thread ({rounds} paired rounds; load {before} -> {after})",
+             "", f"qgraph from `{Path(qgraph.__file__).parent}`; torch {torch.__version__}.",
              "", "| call | median ms | ms over plain | ms over plain, CPU time | × plain |", "|---|---:|---:|---:|---:|"]
     plain, plain_cpu = wall["plain HF forward"], cpu["plain HF forward"]
     for label, spent in wall.items():

@@ -117,6 +117,7 @@ class InstrumentedModel:
         self._reads = set(self.exported.reads)  # the values the programs baked in, read by every fingerprint
         self._watch = ModelWatch(self.model, self._reads)  # what refresh checks the model against
         self.family = self.exported.family
+        self._blocks = len(self.family.block_mixers(self.config))  # as built: a change the programs read rebuilds
         main = Program(self.model, self.exported, weights=self._weights, device=self._device)
         self.catalogue: dict[str, Entry] = main.catalogue
         self.saes = check_saes(self._sae_request, self.resolve, main.catalogue)
@@ -159,8 +160,9 @@ class InstrumentedModel:
 
     @property
     def blocks(self) -> int:
-        """The model's decoder blocks."""
-        return len(self.family.block_mixers(self.config))
+        """The model's decoder blocks (counted when the programs were built, as a saved or served door counts
+        them once)."""
+        return self._blocks
 
     @property
     def device(self) -> torch.device:

@@ -138,7 +138,8 @@ class Program:
         call's tensors; refused by name where a weight this process reads is still on ``meta``."""
         args = [source(inputs) for source in self.inputs]
         local = self.runner.local_inputs(len(args))
-        unloaded = next((i for i in local if isinstance(args[i], torch.Tensor) and args[i].is_meta), None)
+        meta = [isinstance(arg, torch.Tensor) and arg.is_meta for arg in args]  # one comprehension: every call checks
+        unloaded = next((i for i in local if meta[i]), None) if True in meta else None
         if unloaded is not None:
             raise InvalidState(f"{self.input_names[unloaded]} is on the meta device (the model was built without "
                                f"weights): load them with ig.load_weights(checkpoint) first")
