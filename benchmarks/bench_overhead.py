@@ -1,6 +1,7 @@
 """What one call adds over the plain forward: qgraph's fixed cost per call beside nnsight's (issue 56, item 2).
 
-    PYTHONPATH=. python benchmarks/bench_overhead.py [--rounds 40] [--tokens 16] [--big] [--big-tokens 4] [--big-rounds 15]
+    PYTHONPATH=. python benchmarks/bench_overhead.py [--rounds 40] [--tokens 16] [--big] [--big-tokens 4] \
+        [--big-rounds 15]
 
 (``PYTHONPATH=.`` imports the qgraph of this checkout; without it, the installed one. The report names it.)
 
@@ -14,8 +15,10 @@ In ONE process, interleaved (each round runs every callable once, in turn), unde
   block's output (``model.layers[i].output.save()``).
 
 Each figure is the median over rounds of (the callable's time - the plain forward's time in the same
-round): what a call adds over the plain forward, in milliseconds; by the wall clock, and by the thread's CPU
-time (``time.thread_time``: on a shared machine, other processes' turns on the core do not count). Before timing, the values are
+round): what a call adds over the plain forward, in milliseconds; by the wall clock, and by the thread's
+CPU time (``time.thread_time``: on a shared machine, other processes' turns on the core do not count).
+nnsight wraps every module's forward of the model it is given, which slows that model's plain forward as
+well, so it gets a twin of the model sharing its parameters and buffers. Before timing, the values are
 compared: qgraph's logits equal the plain forward's (bit for bit), its block outputs nnsight's, and
 nnsight's logits the plain forward's. The tiny Qwen3.5 (``qgraph.testing.tiny_qwen3_5``: 4 blocks) at
 ``--tokens`` tokens always; with ``--big`` the 0.8B shape too (``common.build_0_8b``: random weights, about
@@ -118,7 +121,8 @@ def measure(name: str, model, tokens: int, rounds: int) -> str:
     import qgraph
     lines = [f"### {name}, {tokens} tokens, batch 1, one thread ({rounds} paired rounds; load {before} -> {after})",
              "", f"qgraph from `{Path(qgraph.__file__).parent}`; torch {torch.__version__}.",
-             "", "| call | median ms | ms over plain | ms over plain, CPU time | × plain |", "|---|---:|---:|---:|---:|"]
+             "", "| call | median ms | ms over plain | ms over plain, CPU time | × plain |",
+             "|---|---:|---:|---:|---:|"]
     plain, plain_cpu = wall["plain HF forward"], cpu["plain HF forward"]
     for label, spent in wall.items():
         over = _over(spent, plain) if spent is not plain else ""

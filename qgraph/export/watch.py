@@ -27,11 +27,15 @@ from __future__ import annotations
 
 from itertools import chain, repeat
 from operator import attrgetter, methodcaller
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import constants
 from .fingerprint import fingerprint, implementations
+
+if TYPE_CHECKING:  # a type only: transformers is imported with the model
+    from transformers import PreTrainedModel
 
 _DICTS = attrgetter("_modules", "_parameters", "_buffers")
 _META = attrgetter("shape", "dtype", "device")
@@ -45,7 +49,7 @@ _WALKS = ("named_modules", "modules", "named_parameters", "named_buffers", "_nam
 class ModelWatch:
     """``model``'s fingerprint over ``reads`` (``fingerprint``), and whether it still holds."""
 
-    def __init__(self, model: torch.nn.Module, reads=()):
+    def __init__(self, model: PreTrainedModel, reads=()):
         self.model, self.reads = model, frozenset(reads)
         lists = _lists(model, self.reads)  # first: a change between the two fails the next check
         self.fingerprint = fingerprint(model, self.reads)
@@ -83,7 +87,7 @@ class _Lists:
         self.values: tuple = ()
 
 
-def _lists(model: torch.nn.Module, reads: frozenset) -> _Lists | None:
+def _lists(model: PreTrainedModel, reads: frozenset) -> _Lists | None:
     """The objects of ``model`` the fingerprint reads, and what they hold now; None if a class walks its own way."""
     modules = list(model.modules())
     walkers = set(map(type, modules))
@@ -104,7 +108,7 @@ def _lists(model: torch.nn.Module, reads: frozenset) -> _Lists | None:
     return lists
 
 
-def _now(model: torch.nn.Module, lists: _Lists) -> tuple:
+def _now(model: PreTrainedModel, lists: _Lists) -> tuple:
     """What the fingerprint is computed from, read now from the objects in ``lists``."""
     modules = lists.modules
     dicts = list(chain.from_iterable(map(_DICTS, modules)))
