@@ -23,7 +23,8 @@ compared: qgraph's logits equal the plain forward's (bit for bit), its block out
 nnsight's logits the plain forward's. The tiny Qwen3.5 (``qgraph.testing.tiny_qwen3_5``: 4 blocks) at
 ``--tokens`` tokens always; with ``--big`` the 0.8B shape too (``common.build_0_8b``: random weights, about
 3.5 GiB; check ``free -g`` first) at ``--big-tokens`` tokens, where the forward is long and the
-difference noisier. Prints a markdown table per model and the load average beside it.
+difference noisier. For the qgraph calls also the fixed cost alone: a call whose program's forward is taken
+away (``fixed_cost``). Prints a markdown table per model and the load average beside it.
 """
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def paired(runs: dict, rounds: int, warmup: int = 3) -> tuple[dict, dict]:
     return wall, cpu
 
 
-def runs_for(model, ids) -> tuple[dict, dict]:
-    """The callables to time, and what each returned once (for the checks)."""
+def runs_for(model, ids) -> tuple[dict, dict, dict]:
+    """The callables to time, what each returned once (for the checks), and the instruments by label."""
     import qgraph
     from nnsight import NNsight
 
@@ -90,7 +91,36 @@ def runs_for(model, ids) -> tuple[dict, dict]:
         "nnsight, empty trace": nnsight_empty,
         "nnsight, every block output": nnsight_blocks,
     }
-    return runs, {name: run() for name, run in runs.items()}
+    instruments = {"qgraph, no values": plain, "qgraph, every layer_output": layers}
+    return runs, {name: run() for name, run in runs.items()}, instruments
+
+
+class _Outputs(torch.nn.Module):
+    """Stands for a program's module: returns what the module returned once (its forward taken away)."""
+
+    def __init__(self, outputs):
+        super().__init__()
+        self.outputs = outputs
+
+    def forward(self, *args):
+        return self.outputs
+
+
+def fixed_cost(ig, ids, calls: int = 300) -> float:
+    """Median CPU seconds of a call of ``ig`` with its program's forward taken away: what the call does
+    around the forward (checks, inputs, arguments, outputs), measured apart from the forward's noise."""
+    program = ig.program_for(False)
+    module = program.module
+    program.module = _Outputs(module(*program.arguments({"input_ids": ids, "attention_mask": torch.ones_like(ids)})))
+    try:
+        spent = []
+        for _ in range(calls):
+            start = time.thread_time()
+            ig(ids)
+            spent.append(time.thread_time() - start)
+    finally:
+        program.module = module
+    return statistics.median(spent)
 
 
 def check(results: dict, blocks: int) -> str:
@@ -112,24 +142,27 @@ def check(results: dict, blocks: int) -> str:
 def measure(name: str, model, tokens: int, rounds: int) -> str:
     ids = torch.randint(0, min(200, model.config.vocab_size), (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        runs, results = runs_for(model, ids)
+        runs, results, instruments = runs_for(model, ids)
         checked = check(results, model.config.num_hidden_layers)
         del results
         before = load()
         wall, cpu = paired(runs, rounds)
+        fixed = {label: fixed_cost(ig, ids) for label, ig in instruments.items()}
         after = load()
     import qgraph
     lines = [f"### {name}, {tokens} tokens, batch 1, one thread ({rounds} paired rounds; load {before} -> {after})",
              "", f"qgraph from `{Path(qgraph.__file__).parent}`; torch {torch.__version__}.",
-             "", "| call | median ms | ms over plain | ms over plain, CPU time | × plain |",
-             "|---|---:|---:|---:|---:|"]
+             "", "| call | median ms | ms over plain | ms over plain, CPU time | × plain | fixed cost alone, ms |",
+             "|---|---:|---:|---:|---:|---:|"]
     plain, plain_cpu = wall["plain HF forward"], cpu["plain HF forward"]
     for label, spent in wall.items():
         over = _over(spent, plain) if spent is not plain else ""
         over_cpu = _over(cpu[label], plain_cpu) if spent is not plain else ""
+        alone = f"{fixed[label] * 1e3:.3f}" if label in fixed else ""
         lines.append(f"| {label} | {statistics.median(spent) * 1e3:.2f} | {over} | {over_cpu} | "
-                     f"{statistics.median(spent) / statistics.median(plain):.3f} |")
-    lines += ["", f"Checks: {checked}.", ""]
+                     f"{statistics.median(spent) / statistics.median(plain):.3f} | {alone} |")
+    lines += ["", f"Checks: {checked}. Fixed cost alone: the median CPU time of a qgraph call whose program's "
+              f"forward is taken away (it returns the outputs it returned once), over 300 calls.", ""]
     return "\n".join(lines)
 
 
