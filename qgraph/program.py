@@ -8,6 +8,7 @@ first pass alone, the rewrites that make on-request values (what a diagram draws
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -145,8 +146,9 @@ class Program:
         else:
             args = [source(inputs) for source in self.inputs]
         local = self.runner.local_inputs(len(args))
-        meta = [isinstance(arg, torch.Tensor) and arg.is_meta for arg in args]  # one comprehension: every call checks
-        unloaded = next((i for i in local if meta[i]), None) if True in meta else None
+        unloaded = None
+        if any(map(getattr, args, repeat("is_meta"), repeat(False))):  # one C-level pass: every call checks
+            unloaded = next((i for i in local if isinstance(args[i], torch.Tensor) and args[i].is_meta), None)
         if unloaded is not None:
             raise InvalidState(f"{self.input_names[unloaded]} is on the meta device (the model was built without "
                                f"weights): load them with ig.load_weights(checkpoint) first")
