@@ -3,9 +3,10 @@
 ``fingerprint(model, reads)`` (``qgraph.export.fingerprint``) walks the model: every module's path and
 class, every parameter's and buffer's name, shape, dtype and device (and which are one tensor), every
 module object, the attention and experts implementations, and the plain values the export read
-(``constants.current``). Built as tuples of strings, it costs far more than the rest of a call's fixed
-cost (0.6 ms on the tiny model, 3 ms on the 0.8B shape), so a call does not rebuild it. ``ModelWatch.unchanged()`` re-reads, with
-C-level maps over lists kept from the last walk, everything the fingerprint is computed from:
+(``constants.current``). Built as tuples of strings, it costs more than the rest of a call's fixed cost
+(0.6 ms on the tiny model, 3 ms on the 0.8B shape), so a call does not rebuild it. ``unchanged()``
+re-reads, with C-level maps over lists kept from the last walk, everything the fingerprint is computed
+from:
 
 - each module object the walk met (held here, so an id cannot be reused), its class (and the class's
   name), and the keys, in order, and the objects (by id) of its ``_modules``, ``_parameters`` and
@@ -20,10 +21,11 @@ C-level maps over lists kept from the last walk, everything the fingerprint is c
 If all of these are as they were, the fingerprint is the same one, so ``unchanged()`` never passes a
 model whose fingerprint changed. When it does not pass, ``holds()`` computes the fingerprint itself, as
 every call did before: a change it does not see (a parameter replaced by one like it) keeps the
-programs, and the lists are taken again. A module class that walks its children its own way
-(overriding ``named_modules``, ``named_parameters``, ...) makes no such lists: then every check is the
-whole fingerprint. Memory: a list of the model's module, parameter and buffer objects and one small
-tuple per object (no tensor data).
+programs, and the lists are taken again (a model changed at every call pays both). A module class that
+walks its children its own way (overriding ``named_modules``, ``named_parameters``, ...) makes no such
+lists: then every check is the whole fingerprint. Memory: lists of the model's module, parameter, buffer
+and config objects and of the plain values read, and one small tuple per tensor (no tensor data); a
+module replaced in the model stays held until the next call takes the lists again.
 """
 from __future__ import annotations
 
