@@ -16,7 +16,7 @@ from .compile import compile_options, compile_program
 from .edits import EditError, needs
 from .export import export_model
 from .families import family_for
-from .export.fingerprint import fingerprint
+from .export.watch import ModelWatch
 from .identity import model_identity, saes_identity
 from .inputs import image_keys, input_embedding, prepare, vision_given
 from .values.names import aliases, resolve
@@ -115,8 +115,9 @@ class InstrumentedModel:
         """Export (or reuse the export of) the model and build the program for the values and slots asked."""
         self.exported = export_model(self.model)
         self._reads = set(self.exported.reads)  # the values the programs baked in, read by every fingerprint
-        self._fingerprint = fingerprint(self.model, self._reads)
+        self._watch = ModelWatch(self.model, self._reads)  # what refresh checks the model against
         self.family = self.exported.family
+        self._blocks = len(self.family.block_mixers(self.config))  # as built: a change the programs read rebuilds
         main = Program(self.model, self.exported, weights=self._weights, device=self._device)
         self.catalogue: dict[str, Entry] = main.catalogue
         self.saes = check_saes(self._sae_request, self.resolve, main.catalogue)
@@ -159,8 +160,9 @@ class InstrumentedModel:
 
     @property
     def blocks(self) -> int:
-        """The model's decoder blocks."""
-        return len(self.family.block_mixers(self.config))
+        """The model's decoder blocks (counted when the programs were built, as a saved or served door counts
+        them once)."""
+        return self._blocks
 
     @property
     def device(self) -> torch.device:
@@ -203,7 +205,7 @@ class InstrumentedModel:
                 exported = export_model(self.model, images=images)
                 if not exported.reads <= self._reads:
                     self._reads |= exported.reads
-                    self._fingerprint = fingerprint(self.model, self._reads)
+                    self._watch = ModelWatch(self.model, self._reads)
                 program = self._program(exported)
                 present = program.present
                 slots = {name: self.slot(name, reads) for name, reads in key[1] if name in present}
@@ -316,10 +318,11 @@ class InstrumentedModel:
         """Rebuild the programs if the model changed since they were built (a replaced submodule,
         untied or retied weights, another dtype, device or attention implementation, or a plain value
         the program baked in: a norm's eps, an attention's scaling, a config field). Every call
-        does this first; it costs a walk over the model's modules and parameters."""
-        if fingerprint(self.model, self._reads) != self._fingerprint:
+        does this first: a cheap exact check of what the model's fingerprint is computed from
+        (``export.watch.ModelWatch``), the fingerprint itself where that check sees a difference."""
+        if not self._watch.holds():
             with self._lock:
-                if fingerprint(self.model, self._reads) != self._fingerprint:
+                if not self._watch.holds():
                     self._weights.clear()  # weights loaded for the model as it was (load_weights) would be stale
                     self._device = None
                     self._build()

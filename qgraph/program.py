@@ -8,6 +8,7 @@ first pass alone, the rewrites that make on-request values (what a diagram draws
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from .values.catalogue import Entry, build_catalogue
 from .values.dictionaries import dictionary_entries
 from .export import ExportedModel
 from .kernels.buffers import BufferPool, reusing
+from .model_reads import ModelReads
 from .values.locate import Found, Locator, OnRequest
 from .passes.base import Build, Request, run_passes
 from .passes.edit import EditSlot
@@ -55,6 +57,7 @@ class Program:
         self.passes_run: list[str] = []  # every pass run on this program, in order (for failures to name)
         self.buffers = BufferPool()  # big state buffers kept for the next call (kernels.buffers.BufferPool)
         self.runner = EAGER  # how it runs (qgraph.runners): eager, compiled or staged, chosen by its instrument
+        self.model_reads: ModelReads | None = None  # its first inputs, the model's tensors, read in one batch
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -111,6 +114,7 @@ class Program:
         compat.written(self.module)
         self.inputs = _input_sources(self.model, self.exported, self.weights) + \
             [source for _, source, _ in self.extra_inputs]
+        self.model_reads = _model_reads(self.model, self.exported)
         return self
 
     @property
@@ -138,9 +142,15 @@ class Program:
     def arguments(self, inputs: dict) -> list:
         """The program's arguments for prepared call inputs: the weights and buffers it reads, then the
         call's tensors; refused by name where a weight this process reads is still on ``meta``."""
-        args = [source(inputs) for source in self.inputs]
+        reads = self.model_reads
+        if reads is not None and not self.weights:  # the model's own tensors, in one batch (model_reads)
+            args = reads.read() + [source(inputs) for source in self.inputs[len(reads):]]
+        else:
+            args = [source(inputs) for source in self.inputs]
         local = self.runner.local_inputs(len(args))
-        unloaded = next((i for i in local if isinstance(args[i], torch.Tensor) and args[i].is_meta), None)
+        unloaded = None
+        if any(map(getattr, args, repeat("is_meta"), repeat(False))):  # one C-level pass: every call checks
+            unloaded = next((i for i in local if isinstance(args[i], torch.Tensor) and args[i].is_meta), None)
         if unloaded is not None:
             raise InvalidState(f"{self.input_names[unloaded]} is on the meta device (the model was built without "
                                f"weights): load them with ig.load_weights(checkpoint) first")
@@ -196,6 +206,19 @@ def _input_sources(model, exported: ExportedModel, weights: dict) -> list[InputS
         else:
             sources.append(_call_input(spec.arg.name))
     return sources
+
+
+def _model_reads(model, exported: ExportedModel) -> ModelReads | None:
+    """The program's leading inputs that are the model's parameters, then its buffers, as one batch read
+    (None where the inputs do not start so)."""
+    tensors = []
+    for spec in exported.program.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+            break
+        module_path, _, attribute = spec.target.rpartition(".")
+        tensors.append((model.get_submodule(module_path), attribute, spec.kind == InputKind.PARAMETER))
+    kinds = [parameter for _, _, parameter in tensors]
+    return ModelReads(tensors) if tensors and kinds == sorted(kinds, reverse=True) else None
 
 
 def _parameter(module: torch.nn.Module, attribute: str, target: str, weights: dict) -> InputSource:

@@ -2,7 +2,8 @@
 
 A ``Program`` (``qgraph.program``) is built once; how it runs is its ``runner``, one of
 
-- ``Eager``: the program's ``GraphModule`` itself (the default);
+- ``Eager``: the program's ``GraphModule``'s forward, each operator called at its C++ entry point
+  (``qgraph.direct``; the default);
 - ``Compiled``: the module under ``torch.compile`` (``qgraph.compile``), but a call with per-call
   edits, a watched gradient or a loss runs the eager module;
 - ``Staged``: the program cut into stages (``qgraph.distributed``), all in this process or one a rank.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import direct
 from .errors import InvalidArgument
 
 
@@ -32,13 +34,13 @@ def loss_value(loss, logits: torch.Tensor) -> torch.Tensor:
 
 
 class Eager:
-    """The program's module, called in this process."""
+    """The program's module, called in this process (its forward as ``direct.forward`` runs it)."""
 
     name = "eager"
     placement = None  # every input on the model's devices
 
     def module(self, program, eager: bool):
-        return program.module
+        return direct.forward(program.module)
 
     def local_inputs(self, count: int) -> range:
         """The program inputs this process feeds: all of them."""
@@ -69,7 +71,7 @@ class Compiled(Eager):
         self.compiled = compiled
 
     def module(self, program, eager: bool):
-        return program.module if eager else self.compiled
+        return direct.forward(program.module) if eager else self.compiled
 
     @property
     def called(self) -> bool:

@@ -184,7 +184,7 @@ def test_steer_per_call_equals_adding_by_hand(plain, small_ids):
     assert torch.equal(steered.logits, by_hand.logits)
 
 
-def _changed(value):
+def another_value(value):
     """Another value of the same kind (what a user might set)."""
     if isinstance(value, bool):
         return not value
@@ -216,7 +216,7 @@ def test_every_value_the_export_baked_in_is_part_of_the_fingerprint(fresh_model)
         owner = objects[path]
         value = getattr(owner, attribute)
         try:
-            setattr(owner, attribute, _changed(value))
+            setattr(owner, attribute, another_value(value))
         except (AttributeError, TypeError, ValueError):  # a property that refuses the value cannot go stale either
             continue
         try:

@@ -15,8 +15,8 @@ Callers import them from here.
 """
 from .torch_internals import (autograd_enabled, export, export_dims, exported_program, fake, fake_call,  # noqa: F401
                               fake_mode, hooked_modules, hooks_set_aside, inductor_symbolic_strides_fix, mark_dynamic,
-                              op_argument_names, op_schema, own_children, replace_child, shallow_twin, size_expression,
-                              size_hint, tracing)
+                              op_argument_names, op_entry, op_schema, own_children, replace_child, shallow_twin,
+                              size_expression, size_hint, tracing)
 from .transformers_internals import (attn_implementation, attn_implementation_set, computed_buffers,  # noqa: F401
                                      experts_implementation, experts_implementation_run, export_patches,
                                      generation_config, generation_settings, kernels_bound, logits_processors,

@@ -182,6 +182,20 @@ def op_argument_names(op) -> list[str]:
     return [argument.name for argument in op._schema.arguments]
 
 
+# ``OpOverload.__call__`` is ``return self._op(*args, **kwargs)`` (torch 2.10 to 2.14): ``_op`` is the
+# overload's C++ entry point, and calling it skips a Python frame per op (``qgraph.direct``). Where a
+# torch's ``__call__`` reads more than ``_op`` (or the overload is a subclass with a call of its own),
+# the overload itself is kept.
+_OVERLOAD = type(torch.ops.aten.add.Tensor)
+_PLAIN_CALL = _OVERLOAD.__call__.__code__.co_names == ("_op",)
+
+
+def op_entry(op):
+    """What calling the op overload ``op`` calls, with the same arguments: its C++ entry point where
+    torch's call does nothing more, else ``op`` itself."""
+    return op._op if _PLAIN_CALL and type(op) is _OVERLOAD else op
+
+
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Tell torch.compile that ``tensor``'s ``dim`` varies between calls (no recompile when it does)."""
     torch._dynamo.maybe_mark_dynamic(tensor, dim)

@@ -30,11 +30,18 @@ def structure(model: PreTrainedModel) -> tuple:
                        for name, p in model.named_parameters(remove_duplicate=False))
     buffers = tuple((name, tuple(b.shape), str(b.dtype), b.device.type) for name, b in model.named_buffers())
     modules = tuple((path, f"{type(m).__module__}.{type(m).__qualname__}") for path, m in model.named_modules())
+    attention, experts = implementations(model)
+    return attention, experts, modules, parameters, buffers
+
+
+def implementations(model: PreTrainedModel) -> tuple:
+    """``(attention, experts)``: the attention implementations of the model's config and its vision
+    config, and the experts implementations of its config and its text config."""
     config = model.config
     vision = getattr(config, "vision_config", None)
     attention = (compat.attn_implementation(config), compat.attn_implementation(vision))
     experts = (compat.experts_implementation(config), compat.experts_implementation(config.get_text_config()))
-    return attention, experts, modules, parameters, buffers
+    return attention, experts
 
 
 def fingerprint(model: PreTrainedModel, reads=()) -> tuple:

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import direct
 from ..errors import InvalidArgument, InvalidState, InvalidType, NotSupported, QgraphError, SavedProgramError
 from ..edits import EditError, Replace, Target, needs
 from ..families import FAMILIES
 from ..families.configs import config_of
-from ..export.fingerprint import fingerprint
+from ..export.watch import ModelWatch
 from ..identity import config_sha256, tensors_sha256
 from ..inputs import check_text
 from ..lens import LogitLens, logit_lens
@@ -74,17 +75,17 @@ class LoadedProgram:
 
     def _use(self, weights: dict) -> None:
         """Feed the program ``weights`` (``{name: function giving the tensor}``) and the call's inputs."""
-        seen = None if self._model is None else fingerprint(self._model)
+        seen = None if self._model is None else ModelWatch(self._model)
         self._sources = [weights[item["parameter"]] if "parameter" in item else item["input"] for item in self._inputs]
         self._anchor = next(iter(weights.values()), None)  # any weight: where they are
         self._weights = weights
-        self._fingerprint = seen
+        self._seen = seen  # the model as its weights were read
 
     def _follow(self) -> None:
         """Read the model's parameters again if it changed since they were read (a replaced submodule,
         untied weights, another dtype or device), as ``InstrumentedModel.refresh`` does; weights that
         no longer fit are refused by name."""
-        if self._model is not None and fingerprint(self._model) != self._fingerprint:
+        if self._seen is not None and not self._seen.holds():
             self._use(weights_of(self.path, self.meta, self._model))
 
     def work(self, batch: int = 1, length: int = 1) -> float:
@@ -120,7 +121,7 @@ class LoadedProgram:
                     and arg.is_floating_point() else arg for source, arg in zip(self._sources, args)]
         with editing(self._edits(edits)):
             try:
-                results = list(self.module(*args))
+                results = list(direct.forward(self.module)(*args))  # each op at its entry point (qgraph.direct)
             except IndexError as error:  # an index its graph computes past a tensor's end: the file's doing
                 raise SavedProgramError(f"{self.path.name} indexes past the end of a tensor at this call "
                                         f"({str(error).splitlines()[0][:200]}): a program ig.save writes does not, so "
