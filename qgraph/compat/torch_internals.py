@@ -12,6 +12,7 @@ from torch.export import ExportedProgram
 from torch.nn.modules import module as _module
 
 from ..errors import QgraphError
+from .torch_stored import lazy_graph_module
 
 
 # nn.Module keeps its hooks in these dicts, and torch the global module hooks in module-level dicts;
@@ -132,8 +133,7 @@ def exported_program(root, graph: torch.fx.Graph, signature, state_dict: dict, r
     the graph and never run it, and the constructor's ``torch.fx.GraphModule`` would write and compile
     the code of every block (``_create_graph_module_for_export``, replaced while it runs, under the
     tracing lock so no other thread's export sees it)."""
-    from torch.export import exported_program as module
-    from .torch_stored import lazy_graph_module
+    module = torch.export.exported_program
     with _TRACING:
         made = module._create_graph_module_for_export
         module._create_graph_module_for_export = lazy_graph_module

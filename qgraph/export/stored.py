@@ -167,7 +167,8 @@ def program_from_data(data: dict, constants: dict[str, torch.Tensor]) -> Exporte
         raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
     mode, symbols = stored_fake_mode({name: tuple(entry) for name, entry in data["symbols"].items()})
     reader = _Reader(mode, symbols, {name: entry[0] for name, entry in data["symbols"].items()})
-    graph, nodes = Graph(), {}
+    graph = Graph()
+    nodes: dict[str, Node] = {}
     for name, op, target, args, kwargs, meta in data["nodes"]:
         if op == "placeholder":
             node = graph.placeholder(target)
