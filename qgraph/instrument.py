@@ -24,6 +24,7 @@ from .output import Output, retain
 from .passes.edit import EditSlot, applying
 from .slots import Slots
 from .program import Program
+from .kernels import heap
 from .runners import Staged
 from .values.options import check_options
 from .values.support import annotated_tree
@@ -270,12 +271,15 @@ class InstrumentedModel:
         return self
 
     def release_buffers(self) -> None:
-        """Give back the memory kept from earlier calls' states. A program that captures states
-        keeps the memory of the states you have dropped and writes the next call's states there
-        (on CPU, fresh memory costs more to fill than the states cost to compute); tensors you
-        still hold are never reused. Deleting the instrumented model releases it too."""
+        """Give back the memory kept from earlier calls' states and values. A program that captures
+        states keeps the memory of the states you have dropped and writes the next call's states
+        there (on CPU, fresh memory costs more to fill than the states cost to compute); tensors you
+        still hold are never reused. Deleting the instrumented model releases the states' memory
+        too. The C heap the values grew is kept for the process's next call (``kernels.heap``):
+        this gives it back as well."""
         for program in self._programs.values():
             program.buffers.release()
+        heap.release()
 
     # -- running ---------------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -20,6 +20,7 @@ from .errors import InvalidArgument, InvalidState, InvalidType
 from .values.catalogue import Entry, build_catalogue
 from .values.dictionaries import dictionary_entries
 from .export import ExportedModel
+from .kernels import heap
 from .kernels.buffers import BufferPool, reusing
 from .model_reads import ModelReads
 from .values.locate import Found, Locator, OnRequest
@@ -177,6 +178,7 @@ class Program:
         watched = frozenset(i + self.returns_logits for i, name in enumerate(self.tapped) if name.endswith("#grad"))
         with reusing(self.buffers):  # states land in the memory of earlier calls' dropped states
             results, value = self.runner.run(self, args, loss, watched, eager)
+        heap.keep()  # the next call's values land in the memory these leave when dropped (kernels.heap)
         logits = results.pop(0) if self.returns_logits else None
         captured = dict(zip(self.tapped, results))
         return (logits, captured) if loss is None else (logits, captured, value)

@@ -1,0 +1,65 @@
+"""The C heap a call's values grew stays mapped for the next call, and ``release_buffers`` gives it back
+(qgraph/kernels/heap.py: glibc on Linux)."""
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+import qgraph
+from qgraph.kernels import heap
+
+pytestmark = pytest.mark.skipif(heap.size() == 0, reason="the heap is glibc's on Linux only")
+
+MIB = 1 << 20
+
+
+def _values(mib: int = 300) -> list[torch.Tensor]:
+    """``mib`` MiB in 1 MiB tensors, written: what a call's values take from the heap."""
+    return [torch.ones(MIB // 4) for _ in range(mib)]
+
+
+def _resident() -> int:
+    """The process's resident memory, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _faulted_mib(call) -> float:
+    """MiB of pages the kernel faulted in while ``call()`` ran."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    call()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 4096 / MIB
+
+
+def test_the_heap_values_grew_stays_for_the_next_values_until_released():
+    heap.release()  # glibc's trim threshold: 64 MiB, nothing kept
+    values = _values()
+    resident = _resident()
+    del values
+    assert _resident() < resident - 200 * MIB  # the control: glibc gives the dropped values' heap back
+
+    values = _values()
+    heap.keep()  # what a call does after it ran
+    assert heap.kept() == heap.size() >= 300 * MIB
+    resident = _resident()
+    del values
+    assert _resident() > resident - 10 * MIB  # kept
+    values = []
+    assert _faulted_mib(lambda: values.extend(_values())) < 30  # the next values land in pages already there
+    del values
+    heap.release()
+    assert heap.kept() == 0 and _resident() < resident - 200 * MIB
+
+
+def test_a_call_keeps_its_heap_and_release_buffers_gives_it_back(sdpa_model):
+    ig = qgraph.instrument(sdpa_model, values=["layers.*.layer_output"])
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    heap.release()
+    held = _values(100)  # the heap past glibc's own 64 MiB, as a big capture's values make it
+    out = ig(ids)
+    assert heap.kept() >= 100 * MIB and heap.kept() == heap.size()
+    del held, out
+    ig.release_buffers()
+    assert heap.kept() == 0
