@@ -14,7 +14,8 @@ direct effect on the target is that gradient dotted with what the source adds th
 ``activation * W_dec[feature]``, an error node's error vector, a token's embedding. Because the
 frozen model is linear in what the sources add, a target's input is exactly the sum of its row plus
 ``constants``: the encoder's bias (its pre-activation at 0) and every block's decoder bias ``b_dec``
-carried to it.
+carried to it. A prompt longer than ``segments.SEGMENT`` tokens runs in segments (``circuits.segments``),
+and the targets by position, so that each backward runs through the positions up to its targets' only.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import bisect
 import warnings
 
 import torch
+from torch.nn.functional import pad
 
 from ..errors import InvalidArgument, InvalidType
 from ..inputs import check_text, input_embedding
@@ -217,19 +219,18 @@ class _Run:
         to ``into`` (a ``rows.Rows``) pass by pass, at its rows ``at`` (one per target; by default those
         after its last), or returned in the order of ``targets``. The targets run by position, so that
         each pass runs through the segments up to its last target's, no further."""
-        active, seq = self.active(), self.seq
-        if into is not None:
-            at = list(range(into.count, into.count + len(targets))) if at is None else at
-        order = sorted(range(len(targets)), key=lambda i: self.position(*targets[i]))
-        parts = {"features": torch.zeros(len(targets), len(active)), "errors": torch.zeros(len(targets), self.blocks * seq),
-                 "embeddings": torch.zeros(len(targets), seq), "constants": torch.zeros(len(targets))} \
-            if into is None else {}
-        for start in range(0, len(targets), self.chunk):
+        active, seq, n = self.active(), self.seq, len(targets)
+        where = at if at is not None else [] if into is None else list(range(into.count, into.count + n))
+        order = sorted(range(n), key=lambda i: self.position(*targets[i]))
+        parts = {} if into is not None else {"features": torch.zeros(n, len(active)), "constants": torch.zeros(n),
+                                             "errors": torch.zeros(n, self.blocks * seq),
+                                             "embeddings": torch.zeros(n, seq)}
+        for start in range(0, n, self.chunk):
             picked = order[start:start + self.chunk]
             chunk = [targets[i] for i in picked]
             effects = {name: part.cpu() for name, part in self._effects(self._backward(chunk), chunk).items()}
             if into is not None:
-                into.put(effects, [at[i] for i in picked])
+                into.put(effects, [where[i] for i in picked])
             else:
                 for name, part in effects.items():
                     parts[name][picked] = part
@@ -243,9 +244,9 @@ class _Run:
         return bisect.bisect_right(self.starts, position) - 1
 
     def _backward(self, chunk) -> list[torch.Tensor]:
-        """The gradients at the embeddings and at every MLP output ``[targets, seq, width]``: one batched
+        """The gradients at the embeddings and at every MLP output ``[targets, end, width]``: one batched
         vector-Jacobian product, a direction per target, through the segments up to the last one a target
-        reads in (the gradients after it are zeros, never computed)."""
+        reads in, which ends at ``end`` (the gradients after it are zeros, never computed)."""
         cotangents: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (block or "final", segment) -> pair
 
         def direction(key, output) -> torch.Tensor:
@@ -277,27 +278,31 @@ class _Run:
             warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
             gradients = torch.func.vmap(backward)(*(at for _, at in cotangents.values()))
         sources = len(self.leaves[0])
-        end = self.starts[reach] if reach < len(self.starts) else self.seq
-        joined = [torch.cat([gradients[k * sources + source][:, 0] for k in range(reach)], dim=1)
-                  for source in range(sources)]
-        return [torch.nn.functional.pad(g.float(), (0, 0, 0, self.seq - end)) for g in joined]
+        return [(torch.cat([gradients[k * sources + source][:, 0] for k in range(reach)], dim=1) if reach > 1
+                 else gradients[source][:, 0]).float() for source in range(sources)]
 
     def _effects(self, gradients, chunk) -> dict[str, torch.Tensor]:
+        """The rows of ``chunk`` from its gradients (``_backward``'s, over positions 0..end: nothing after
+        reaches its targets, so a source there has no effect and none is computed)."""
         at_embeddings, at_outputs = gradients[0], gradients[1:]
+        rows, end, width = at_embeddings.shape
+        after = (0, self.seq - end)  # the zeros of the positions after end
         features = []
-        rows, width = at_embeddings.shape[0], at_embeddings.shape[2]
         step = max(1, GATHERED // (rows * width))  # the gradients at the features' positions, a part at a time
         for block in range(self.blocks):
-            mine = self._by_block[block]
-            activation = self.features[block][mine[:, 1], mine[:, 2]].float()
+            mine = self._by_block[block]  # by position
+            reached = mine[:int(torch.searchsorted(mine[:, 1].contiguous(), end))]
             effect = torch.zeros(rows, len(mine))
-            for written, decoder in self.transcoders.decoders(block, mine[:, 2]):  # [n, width] into block `written`
-                for start in range(0, len(mine), step):
-                    part = slice(start, start + step)
-                    effect[:, part] += torch.einsum("rnd,nd->rn", at_outputs[written][:, mine[part, 1]], decoder[part])
-            features.append(effect * activation)
-        errors = torch.cat([(at_outputs[block] * self.errors[block]).sum(-1) for block in range(self.blocks)], dim=1)
-        embeddings = (at_embeddings * self.embeddings).sum(-1)
+            for written, decoder in self.transcoders.decoders(block, reached[:, 2]):  # [n, width] into `written`
+                for start in range(0, len(reached), step):
+                    part = slice(start, min(start + step, len(reached)))
+                    gathered = at_outputs[written][:, reached[part, 1]]
+                    effect[:, part] += torch.einsum("rnd,nd->rn", gathered, decoder[part])
+            effect[:, :len(reached)] *= self.features[block][reached[:, 1], reached[:, 2]].float()
+            features.append(effect)
+        errors = torch.cat([pad((at_outputs[block] * self.errors[block][:end]).sum(-1), after)
+                            for block in range(self.blocks)], dim=1)
+        embeddings = pad((at_embeddings * self.embeddings[:end]).sum(-1), after)
         carried = sum((at_outputs[block].sum(1) @ self.transcoders.output_bias(block)) for block in range(self.blocks))
         encoder = torch.tensor([float(self.transcoders.encoder_constants(what[0])[what[2]]) if kind == "feature"
                                 else 0.0 for kind, what in chunk])

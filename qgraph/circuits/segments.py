@@ -61,7 +61,7 @@ def run_segments(program, ids: torch.Tensor, names: list[str], width: int, model
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
     ids = ids.to(device)
-    segments, logits, cache = [], None, None
+    segments, cache = [], None
     pieces = bounds(ids.shape[0])
     if len(pieces) > 1:
         cache = empty_cache(program.family, model.config, 1, parameter)
