@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's qgraph
 from bench_circuits import added_since, reset_peak, transcoders  # noqa: E402
 from common import build_0_8b  # noqa: E402
 

@@ -185,13 +185,15 @@ def _segmented(model, transcoders, **options):
 
 
 def _same_graph(cut, whole) -> None:
-    """``cut`` (run in segments, maybe with fewer features) is ``whole`` (one pass) on its nodes, within float32
-    rounding: its adjacency, node inputs and constants; and, with every feature, the nodes' influences."""
+    """``cut`` (run in segments, maybe with fewer features) is ``whole`` (one pass) on its nodes: the same
+    activations and node inputs (both from the one-pass forward), and within float32 rounding its adjacency
+    and constants (the backwards') and, with every feature, the nodes' influences."""
     index = {(n.kind, n.layer, n.position, n.feature): i for i, n in enumerate(whole.nodes)}
     mapped = torch.tensor([index[(n.kind, n.layer, n.position, n.feature)] for n in cut.nodes])
+    assert [n.activation for n in cut.nodes] == [whole.nodes[i].activation for i in mapped]
+    assert torch.equal(cut.node_inputs, whole.node_inputs[mapped])
     scale = float(whole.adjacency.abs().max())
     torch.testing.assert_close(cut.adjacency, whole.adjacency[mapped][:, mapped], rtol=0, atol=1e-5 * scale)
-    torch.testing.assert_close(cut.node_inputs, whole.node_inputs[mapped], rtol=1e-5, atol=1e-5 * scale)
     torch.testing.assert_close(cut.constants, whole.constants[mapped], rtol=1e-5, atol=1e-5 * scale)
     if len(cut.nodes) == len(whole.nodes):
         weights = torch.tensor([n.probability if n.kind == "logit" else 0.0 for n in whole.nodes])

@@ -30,9 +30,8 @@ from ..inputs import check_text, input_embedding
 from ..progress import progress
 from .graph import AttributionGraph, Node
 from .rows import OFFLOADS, Rows, feature_influence
-from .segments import cached, run_segments
+from .segments import forward, programs
 from .transcoders import transcoder_set
-from ..kernels.grad import keep_recomputation
 
 IN_FLIGHT = 0.25  # a batch's gradients and working memory, at most this part of what the forward keeps
 GATHERED = 1 << 22  # elements of gradients gathered at once (16 MiB of float32) to dot with decoder rows
@@ -83,37 +82,23 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     """The prompt ``ids`` ``[seq]`` run once through the replacement model: what its sources add, and
     ``rows(targets)``, their direct effects by backward passes of ``batch_size`` targets. ``counter``
     (``estimate.SavedBytes``) counts what autograd saves (and, for ``estimate``, keeps none of it)."""
-    from ..export import export_model  # lazy: keeps transformers out until this is used
     from ..families import family_for  # lazy: keeps transformers out until this is used
-    from ..passes.decode import carried  # lazy: keeps transformers out until this is used
     from ..passes.replacement import EMBEDDINGS, inject_name  # lazy: keeps transformers out until this is used
-    from ..program import Program  # lazy: keeps sympy, transformers out until this is used
 
-    family = family_for(model)
-    blocks = len(family.block_mixers(model.config))
+    blocks = len(family_for(model).block_mixers(model.config))
     transcoders = transcoder_set(transcoders, blocks, model)
-    # the parameters without their gradients: a backward reaches the sources only, and keeps nothing for weights
-    weights = {name: parameter.detach() for name, parameter in model.named_parameters()}
-    program = Program(model, export_model(model, images=False), weights=weights)
-    seq = ids.shape[0]
-    # a long prompt runs in segments (circuits.segments), each a cached step: a target's backward ends at its own
-    cache = "prompt" if cached(seq) else None
-    program.build(["layers.0.layer_input", "final_norm_output", *(f"layers.{i}.{transcoders.reads[i]}"
-                                                                  for i in range(blocks))],
-                  {}, True, replacement=transcoders.spliced, cache=cache,
-                  make=carried(family, model.config) if cache else ())
-    width = input_embedding(model).embedding_dim
+    seq, width = ids.shape[0], input_embedding(model).embedding_dim
+    reads = [f"layers.{i}.{transcoders.reads[i]}" for i in range(blocks)]
+    plain, stepped = programs(model, ["layers.0.layer_input", "final_norm_output", *reads], transcoders, seq)
     names = [EMBEDDINGS, *(inject_name(i) for i in range(blocks))]
     # lazy: qgraph.circuits.memory imports this module's package at import time (a cycle)
     from .memory import SavedBytes, in_flight, resident
     counter = counter or SavedBytes(keep=True)
-    counter.built = resident()  # the export (if this process had none) and the build are held from here
+    counter.built = resident()  # the export (if this process had none) and the builds are held from here
     counter.hold(model, transcoders)  # the weights autograd saves are held already
-    with torch.enable_grad(), keep_recomputation(), torch.autograd.graph.saved_tensors_hooks(counter.pack,
-                                                                                              counter.unpack):
-        # every batch of targets reuses one recomputed kernel
-        logits, segments = run_segments(program, ids, names, width, model)
-    run = _Run(transcoders, segments, names, logits, blocks, batch_size, model.get_output_embeddings().weight)
+    # a long prompt's graph runs in segments (circuits.segments): a target's backward ends at its own
+    logits, captured, segments = forward(model, ids, plain, stepped, names, width, counter)
+    run = _Run(transcoders, captured, segments, names, logits, blocks, batch_size, model.get_output_embeddings().weight)
     # the targets of a batch go through the vmapped backward a part at a time (directions, backward,
     # effects), so that what they hold in flight stays within IN_FLIGHT of what the forward keeps: memory
     # does not grow with batch_size
@@ -186,8 +171,10 @@ class _Run:
     """One run of the frozen program, in segments (``circuits.segments``): what the sources add, and the
     rows of targets by backward passes, each through the segments up to its targets' last."""
 
-    def __init__(self, transcoders, segments, names, logits, blocks, batch_size, unembedding):
-        self.transcoders, self.logits, self.blocks, self.batch = transcoders, logits.detach(), blocks, batch_size
+    def __init__(self, transcoders, captured, segments, names, logits, blocks, batch_size, unembedding):
+        # the last position's logits (a copy: the whole prompt's, [seq, vocab], are not kept)
+        self.transcoders, self.logits = transcoders, logits[:, -1:].detach().clone()
+        self.blocks, self.batch = blocks, batch_size
         self.starts, self.seq = [segment.start for segment in segments], segments[-1].end
         # a logit target's direction lies on the unembedding's input, the final norm's output (frozen: the
         # logits are linear in it), at the last position: W_U[token] - mean(W_U), never vocabulary-wide
@@ -195,12 +182,13 @@ class _Run:
         self._mean_unembedding = None
         self.chunk = batch_size  # targets at once under the vmapped backward (replacement_run sets it)
         self._active = self._by_block = None  # active(), and its rows block by block
-        # what each block's features read, one tensor (with its graph) per segment
+        # what each block's features read: one tensor (with its graph) per segment, and its values
         self.inputs = [[segment.captured[f"layers.{i}.{transcoders.reads[i]}"] for segment in segments]
                        for i in range(blocks)]
-        self.features = [_joined(segments, f"replacement.{i}.features") for i in range(blocks)]
-        self.errors = [_joined(segments, f"replacement.{i}.error").float() for i in range(blocks)]
-        self.embeddings = _joined(segments, "layers.0.layer_input").float()
+        self.reads = [captured[f"layers.{i}.{transcoders.reads[i]}"][0].detach() for i in range(blocks)]
+        self.features = [captured.pop(f"replacement.{i}.features")[0].detach() for i in range(blocks)]
+        self.errors = [captured.pop(f"replacement.{i}.error")[0].detach().float() for i in range(blocks)]
+        self.embeddings = captured["layers.0.layer_input"][0].detach().float()
         self.leaves = [[segment.leaves[name] for name in names] for segment in segments]  # per segment, as names
 
     def active(self) -> torch.Tensor:
@@ -315,18 +303,10 @@ class _Run:
             last = self.logits[0, -1].detach().float()
             return float(last[what] - last.mean())
         block, position, feature = what
-        segment = self._segment(position)
-        x = self.inputs[block][segment][0, position - self.starts[segment]].detach()
+        x = self.reads[block][position]
         encoder = self.transcoders.encoder(block)
         constant = self.transcoders.encoder_constants(block)[feature]
         return float(x.float() @ encoder[:, feature].float()) + float(constant)
-
-
-def _joined(segments, name: str) -> torch.Tensor:
-    """The value ``name`` over the whole prompt ``[seq, ...]``, without its graph: its segments joined, each
-    taken out of its segment's captured values (not held twice)."""
-    parts = [segment.captured.pop(name)[0].detach() for segment in segments]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _assemble(run, ids, active, done, logit_ids, probabilities, rows: Rows, tokenizer) -> AttributionGraph:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.grad import keep_recomputation
+
 SEGMENT = 64  # tokens a segment of the forward holds (the DeltaNet kernel's chunk)
 
 
@@ -51,18 +53,59 @@ def cached(seq: int) -> bool:
     return len(bounds(seq)) > 1
 
 
-def run_segments(program, ids: torch.Tensor, names: list[str], width: int, model) -> tuple[torch.Tensor, list[Segment]]:
-    """Run ``program`` (built with ``cache="prompt"`` where ``cached(len(ids))``) on the prompt ``ids``
-    ``[seq]`` segment by segment, with zeros (leaves that take gradients) at the program inputs
-    ``names``: the last segment's logits and every segment. Gradients flow between the segments
-    through the cache, so run it under ``torch.enable_grad()``."""
+def programs(model, values: list[str], transcoders, seq: int) -> tuple:
+    """The replacement model's program tapping ``values`` (``transcoders``: a ``TranscoderSet``), and, for a
+    ``seq``-token prompt run in segments, its cached step (else None)."""
+    from ..export import export_model  # lazy: keeps transformers out until this is used
+    from ..families import family_for  # lazy: keeps transformers out until this is used
+    from ..passes.decode import carried  # lazy: keeps transformers out until this is used
+    from ..program import Program  # lazy: keeps sympy, transformers out until this is used
+
+    exported = export_model(model, images=False)
+    # the parameters without their gradients: a backward reaches the sources only, and keeps nothing for weights
+    weights = {name: parameter.detach() for name, parameter in model.named_parameters()}
+
+    def build(**cache):
+        return Program(model, exported, weights=weights).build(values, {}, True, replacement=transcoders.spliced,
+                                                               **cache)
+    stepped = build(cache="prompt", make=carried(family_for(model), model.config)) if cached(seq) else None
+    return build(), stepped
+
+
+def forward(model, ids: torch.Tensor, plain, stepped, names: list[str], width: int, counter) -> tuple:
+    """The prompt ``ids`` ``[seq]`` through the replacement model: ``(logits, captured, segments)``. The
+    logits and the captured values (the graph's nodes and what its sources add) are always the one-pass
+    forward's (``plain``), so the graph is the one it was without segments: a segmented forward's values
+    differ in float32 rounding, enough to swap a TopK feature at a near-tie. The segments hold the graphs
+    the backwards run through: the one pass itself, or, where ``stepped`` (the cached step), the prompt
+    run in segments after a one-pass forward that keeps nothing for a backward. ``counter``
+    (``memory.SavedBytes``) sees what autograd saves for the backwards."""
+    seq = ids.shape[0]
+    if stepped is not None:
+        with torch.no_grad():
+            logits, (values,) = run_segments(plain, ids, [(0, seq)], names, width, model)
+    with torch.enable_grad(), keep_recomputation(), torch.autograd.graph.saved_tensors_hooks(counter.pack,
+                                                                                              counter.unpack):
+        # every batch of targets reuses one recomputed kernel
+        last, segments = run_segments(stepped or plain, ids, bounds(seq) if stepped else [(0, seq)], names, width,
+                                      model)
+    if stepped is None:
+        logits, values = last, segments[0]
+    return logits, values.captured, segments
+
+
+def run_segments(program, ids: torch.Tensor, pieces: list[tuple[int, int]], names: list[str], width: int,
+                 model) -> tuple[torch.Tensor, list[Segment]]:
+    """Run ``program`` (built with ``cache="prompt"`` where ``pieces`` are more than one) on the prompt ``ids``
+    ``[seq]``, a segment (``pieces``: their bounds) at a time, with zeros (leaves that take gradients) at the
+    program inputs ``names``: the last segment's logits and every segment. Gradients flow between the
+    segments through the cache."""
     # lazy: qgraph.generate keeps transformers out until this is used
     from ..generate import causal_mask, empty_cache, next_cache
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
     ids = ids.to(device)
     segments, cache = [], None
-    pieces = bounds(ids.shape[0])
     if len(pieces) > 1:
         cache = empty_cache(program.family, model.config, 1, parameter)
     for start, end in pieces:
