@@ -132,20 +132,29 @@ class Decoder:
                              cache="decode" if recurrent else "prompt", make=carried(ig.family, ig.config))
 
     def empty_cache(self, batch: int) -> dict[str, torch.Tensor]:
-        """The memory before the first step: no past keys and values, zero states and contexts."""
-        parameter = next(self.ig.model.parameters())
-        cache = {}
-        for host, mixer in self.memory:
-            for piece in mixer.memory:
-                sizes = [0 if dim == "past" else self.ig.family.dim(self.ig.config, dim) for dim in piece.dims]
-                cache[f"{host}.{piece.name}"] = torch.zeros(
-                    batch, *sizes, dtype=torch.float32 if piece.float32 else parameter.dtype, device=parameter.device)
-        return cache
+        return empty_cache(self.ig.family, self.ig.config, batch, next(self.ig.model.parameters()))
 
     def next_cache(self, captured: dict) -> dict[str, torch.Tensor]:
-        """The memory the next step reads, popped from a step's captured tensors."""
-        return {f"{host}.{piece.name}": captured.pop(f"{host}.cache_{piece.name}")
-                for host, mixer in self.memory for piece in mixer.memory}
+        return next_cache(self.memory, captured)
+
+
+def empty_cache(family, config, batch: int, parameter: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The memory before a cached program's first step (``passes.decode.OpenCache``): no past keys and
+    values, zero states and contexts; in ``parameter``'s dtype (the states in float32) and on its device."""
+    cache = {}
+    for host, mixer in family.memory_hosts(config):
+        for piece in mixer.memory:
+            sizes = [0 if dim == "past" else family.dim(config, dim) for dim in piece.dims]
+            cache[f"{host}.{piece.name}"] = torch.zeros(
+                batch, *sizes, dtype=torch.float32 if piece.float32 else parameter.dtype, device=parameter.device)
+    return cache
+
+
+def next_cache(memory, captured: dict) -> dict[str, torch.Tensor]:
+    """The memory the next step reads, popped from a step's captured tensors (``memory``: the family's
+    ``memory_hosts``)."""
+    return {f"{host}.{piece.name}": captured.pop(f"{host}.cache_{piece.name}")
+            for host, mixer in memory for piece in mixer.memory}
 
 
 def causal_mask(full_mask: torch.Tensor, new: int) -> torch.Tensor:

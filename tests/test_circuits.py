@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import qgraph
+from qgraph.circuits.influence import influence
 from qgraph.export import export_model
 from qgraph.passes.replacement import EMBEDDINGS, frozen, inject_name
 from qgraph.program import Program
@@ -26,6 +27,13 @@ def dense(sdpa_model, tmp_path_factory):
     """The tiny Qwen3.5 (DeltaNet blocks 0-2, attention block 3), skip transcoders, its graph."""
     transcoders = _transcoders(sdpa_model, tmp_path_factory.mktemp("tc"), skip=True)
     return sdpa_model, transcoders, qgraph.attribution_graph(sdpa_model, PROMPT, transcoders, batch_size=64)
+
+
+@pytest.fixture(scope="module")
+def few(dense):
+    """The dense model's graph with the 20 most influential features (batches of 8)."""
+    model, transcoders, _ = dense
+    return qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8)
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
@@ -167,6 +175,71 @@ def test_the_sparse_moe_families_trace_too(sparse, part):
         assert _complete(graph) < 1e-4
 
 
+def _segmented(model, transcoders, **options):
+    """The graph of PROMPT (7 tokens) run in segments of 3 tokens (``circuits.segments``; 64 in use): each
+    target's backward ends at its own segment."""
+    from qgraph.circuits import segments
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(segments, "SEGMENT", 3)
+        return qgraph.attribution_graph(model, PROMPT, transcoders, **options)
+
+
+def _same_graph(cut, whole) -> None:
+    """``cut`` (run in segments, maybe with fewer features) is ``whole`` (one pass) on its nodes: the same
+    activations and node inputs (both from the one-pass forward), and within float32 rounding its adjacency
+    and constants (the backwards') and, with every feature, the nodes' influences."""
+    index = {(n.kind, n.layer, n.position, n.feature): i for i, n in enumerate(whole.nodes)}
+    mapped = torch.tensor([index[(n.kind, n.layer, n.position, n.feature)] for n in cut.nodes])
+    assert [n.activation for n in cut.nodes] == [whole.nodes[i].activation for i in mapped]
+    assert torch.equal(cut.node_inputs, whole.node_inputs[mapped])
+    scale = float(whole.adjacency.abs().max())
+    torch.testing.assert_close(cut.adjacency, whole.adjacency[mapped][:, mapped], rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(cut.constants, whole.constants[mapped], rtol=1e-5, atol=1e-5 * scale)
+    if len(cut.nodes) == len(whole.nodes):
+        weights = torch.tensor([n.probability if n.kind == "logit" else 0.0 for n in whole.nodes])
+        torch.testing.assert_close(influence(cut.adjacency, weights), influence(whole.adjacency, weights),
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_a_prompt_run_in_segments_gives_the_one_pass_graph(dense, few):
+    """Every target's backward through the segments up to its own gives the graph of the whole-prompt
+    backward: the same features chosen in the same rounds, every edge within float32 rounding."""
+    model, transcoders, graph = dense
+    cut = _segmented(model, transcoders, max_feature_nodes=20, batch_size=8)
+    assert [n.node_id for n in cut.nodes] == [n.node_id for n in few.nodes]
+    _same_graph(cut, few)
+    _same_graph(cut, graph)
+
+
+def test_a_targets_backward_stops_at_its_own_segment(dense):
+    """A feature at position 1 (segment 0 of [0, 3), [3, 6), [6, 7)) reaches no node of a later segment; the
+    last position's logits reach every segment."""
+    from qgraph.circuits import attribute, segments
+    model, transcoders, _ = dense
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(segments, "SEGMENT", 3)
+        run = attribute.replacement_run(model, PROMPT, transcoders, 8)
+    reached = set()
+    for block, parts in enumerate(run.inputs):
+        assert len(parts) == 3
+        for segment, tensor in enumerate(parts):
+            tensor.grad_fn.register_prehook(lambda grads, key=(block, segment): reached.add(key))
+    active = run.active()
+    feature = active[(active[:, 0] == 3) & (active[:, 1] == 1)][0]
+    run.rows([("feature", tuple(feature.tolist()))])
+    assert reached == {(0, 0), (1, 0), (2, 0), (3, 0)}
+    reached.clear()
+    run.rows([("logit", 3)])
+    assert {segment for _, segment in reached} == {0, 1, 2}
+
+
+def test_the_sparse_moe_families_run_in_segments_too(sparse):
+    model, transcoders, graph = sparse
+    cut = _segmented(model, transcoders, max_feature_nodes=8, batch_size=4)
+    assert cut.count("feature") == 8
+    _same_graph(cut, graph)
+
+
 def test_a_pruned_graph_writes_circuit_tracers_json(dense, tmp_path):
     graph = dense[2].prune()
     path = graph.to_json(tmp_path / "graph.json", slug="tiny")
@@ -199,9 +272,8 @@ def test_every_node_of_a_whole_graph_has_its_own_id(dense, tmp_path):
     assert [n.node_id for n in models.Model.model_validate(data).nodes] == ids
 
 
-def test_fewer_feature_nodes_keep_the_most_influential(dense):
+def test_fewer_feature_nodes_keep_the_most_influential(dense, few):
     model, transcoders, graph = dense
-    few = qgraph.attribution_graph(model, PROMPT, transcoders, max_feature_nodes=20, batch_size=8)
     assert few.count("feature") == 20
     kept = {(n.layer, n.position, n.feature) for n in few.nodes if n.kind == "feature"}
     # the rows it computed are the full graph's rows for those features

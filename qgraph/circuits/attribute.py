@@ -14,21 +14,24 @@ direct effect on the target is that gradient dotted with what the source adds th
 ``activation * W_dec[feature]``, an error node's error vector, a token's embedding. Because the
 frozen model is linear in what the sources add, a target's input is exactly the sum of its row plus
 ``constants``: the encoder's bias (its pre-activation at 0) and every block's decoder bias ``b_dec``
-carried to it.
+carried to it. A prompt longer than ``segments.SEGMENT`` tokens runs in segments (``circuits.segments``),
+and the targets by position, so that each backward runs through the positions up to its targets' only.
 """
 from __future__ import annotations
 
+import bisect
 import warnings
 
 import torch
+from torch.nn.functional import pad
 
 from ..errors import InvalidArgument, InvalidType
 from ..inputs import check_text, input_embedding
 from ..progress import progress
 from .graph import AttributionGraph, Node
 from .rows import OFFLOADS, Rows, feature_influence
+from .segments import forward, programs
 from .transcoders import transcoder_set
-from ..kernels.grad import keep_recomputation
 
 IN_FLIGHT = 0.25  # a batch's gradients and working memory, at most this part of what the forward keeps
 GATHERED = 1 << 22  # elements of gradients gathered at once (16 MiB of float32) to dot with decoder rows
@@ -79,35 +82,23 @@ def replacement_run(model, ids: torch.Tensor, transcoders, batch_size: int, coun
     """The prompt ``ids`` ``[seq]`` run once through the replacement model: what its sources add, and
     ``rows(targets)``, their direct effects by backward passes of ``batch_size`` targets. ``counter``
     (``estimate.SavedBytes``) counts what autograd saves (and, for ``estimate``, keeps none of it)."""
-    from ..export import export_model  # lazy: keeps transformers out until this is used
     from ..families import family_for  # lazy: keeps transformers out until this is used
     from ..passes.replacement import EMBEDDINGS, inject_name  # lazy: keeps transformers out until this is used
-    from ..program import Program  # lazy: keeps sympy, transformers out until this is used
 
     blocks = len(family_for(model).block_mixers(model.config))
     transcoders = transcoder_set(transcoders, blocks, model)
-    # the parameters without their gradients: a backward reaches the sources only, and keeps nothing for weights
-    weights = {name: parameter.detach() for name, parameter in model.named_parameters()}
-    program = Program(model, export_model(model, images=False), weights=weights)
-    program.build(["layers.0.layer_input", "final_norm_output", *(f"layers.{i}.{transcoders.reads[i]}"
-                                                                  for i in range(blocks))],
-                  {}, True, replacement=transcoders.spliced)
-    seq, device = ids.shape[0], next(model.parameters()).device
-    ids = ids.to(device)
-    width = input_embedding(model).embedding_dim
-    dtype = next(model.parameters()).dtype
-    injects = {name: torch.zeros(1, seq, width, dtype=dtype, device=device, requires_grad=True)
-               for name in (EMBEDDINGS, *(inject_name(i) for i in range(blocks)))}
-    inputs = {"input_ids": ids[None], "attention_mask": torch.ones(1, seq, dtype=torch.long, device=device), **injects}
+    seq, width = ids.shape[0], input_embedding(model).embedding_dim
+    reads = [f"layers.{i}.{transcoders.reads[i]}" for i in range(blocks)]
+    plain, stepped = programs(model, ["layers.0.layer_input", "final_norm_output", *reads], transcoders, seq)
+    names = [EMBEDDINGS, *(inject_name(i) for i in range(blocks))]
     # lazy: qgraph.circuits.memory imports this module's package at import time (a cycle)
     from .memory import SavedBytes, in_flight, resident
     counter = counter or SavedBytes(keep=True)
-    counter.built = resident()  # the export (if this process had none) and the build are held from here
+    counter.built = resident()  # the export (if this process had none) and the builds are held from here
     counter.hold(model, transcoders)  # the weights autograd saves are held already
-    with torch.enable_grad(), keep_recomputation(), torch.autograd.graph.saved_tensors_hooks(counter.pack,
-                                                                                              counter.unpack):
-        logits, captured = program.run(inputs, eager=True)  # every batch of targets reuses one recomputed kernel
-    run = _Run(transcoders, captured, logits, injects, blocks, batch_size, model.get_output_embeddings().weight)
+    # a long prompt's graph runs in segments (circuits.segments): a target's backward ends at its own
+    logits, captured, segments = forward(model, ids, plain, stepped, names, width, counter)
+    run = _Run(transcoders, captured, segments, names, logits, blocks, batch_size, model.get_output_embeddings().weight)
     # the targets of a batch go through the vmapped backward a part at a time (directions, backward,
     # effects), so that what they hold in flight stays within IN_FLIGHT of what the forward keeps: memory
     # does not grow with batch_size
@@ -128,11 +119,16 @@ def _most_influential(run, active, rows: Rows, probabilities, limit: int, update
             score = feature_influence(rows, len(probabilities), probabilities, done, layers)
             score[done] = -1.0
             queue = score.topk(min(update_interval * run.batch, limit - len(done))).indices.tolist()
+            # the round's batches by position (each backward ends at its last target's segment), their rows
+            # written in the queue's order: the rankings read the same rows in the same order
+            order = sorted(range(len(queue)), key=lambda j: int(active[queue[j], 1]))
+            base = rows.count
             for start in range(0, len(queue), run.batch):
-                batch = queue[start:start + run.batch]
-                run.rows([("feature", tuple(active[i].tolist())) for i in batch], into=rows)
-                done += batch
+                batch = order[start:start + run.batch]
+                run.rows([("feature", tuple(active[queue[j]].tolist())) for j in batch], into=rows,
+                         at=[base + j for j in batch])
                 bar.update(len(batch))
+            done += queue
     return done
 
 
@@ -172,22 +168,28 @@ def salient_logits(last: torch.Tensor, max_n_logits: int, desired_logit_prob: fl
 
 
 class _Run:
-    """One run of the frozen program: what the sources add, and the rows of targets by backward passes."""
+    """One run of the frozen program, in segments (``circuits.segments``): what the sources add, and the
+    rows of targets by backward passes, each through the segments up to its targets' last."""
 
-    def __init__(self, transcoders, captured, logits, injects, blocks, batch_size, unembedding):
-        from ..passes.replacement import EMBEDDINGS, inject_name  # lazy: keeps transformers out until this is used
-        self.transcoders, self.logits, self.blocks, self.batch = transcoders, logits.detach(), blocks, batch_size
+    def __init__(self, transcoders, captured, segments, names, logits, blocks, batch_size, unembedding):
+        # the last position's logits (a copy: the whole prompt's, [seq, vocab], are not kept)
+        self.transcoders, self.logits = transcoders, logits[:, -1:].detach().clone()
+        self.blocks, self.batch = blocks, batch_size
+        self.starts, self.seq = [segment.start for segment in segments], segments[-1].end
         # a logit target's direction lies on the unembedding's input, the final norm's output (frozen: the
         # logits are linear in it), at the last position: W_U[token] - mean(W_U), never vocabulary-wide
-        self.final, self.unembedding = captured["final_norm_output"], unembedding.detach()
+        self.final, self.unembedding = segments[-1].captured["final_norm_output"], unembedding.detach()
         self._mean_unembedding = None
         self.chunk = batch_size  # targets at once under the vmapped backward (replacement_run sets it)
         self._active = self._by_block = None  # active(), and its rows block by block
-        self.inputs = [captured[f"layers.{i}.{transcoders.reads[i]}"] for i in range(blocks)]
-        self.features = [captured[f"replacement.{i}.features"][0].detach() for i in range(blocks)]
-        self.errors = [captured[f"replacement.{i}.error"][0].detach().float() for i in range(blocks)]
+        # what each block's features read: one tensor (with its graph) per segment, and its values
+        self.inputs = [[segment.captured[f"layers.{i}.{transcoders.reads[i]}"] for segment in segments]
+                       for i in range(blocks)]
+        self.reads = [captured[f"layers.{i}.{transcoders.reads[i]}"][0].detach() for i in range(blocks)]
+        self.features = [captured.pop(f"replacement.{i}.features")[0].detach() for i in range(blocks)]
+        self.errors = [captured.pop(f"replacement.{i}.error")[0].detach().float() for i in range(blocks)]
         self.embeddings = captured["layers.0.layer_input"][0].detach().float()
-        self.leaves = [injects[EMBEDDINGS], *(injects[inject_name(i)] for i in range(blocks))]
+        self.leaves = [[segment.leaves[name] for name in names] for segment in segments]  # per segment, as names
 
     def active(self) -> torch.Tensor:
         """``[n, 3]`` (block, position, feature) of every active feature, in that order (found once: the
@@ -199,74 +201,96 @@ class _Run:
             self._by_block = [self._active[self._active[:, 0] == block] for block in range(self.blocks)]
         return self._active
 
-    def rows(self, targets, into: Rows | None = None) -> dict[str, torch.Tensor] | None:
+    def rows(self, targets, into: Rows | None = None, at: list[int] | None = None) -> dict[str, torch.Tensor] | None:
         """For each target, its direct effects: from the active features ``[targets, features]``, the error
-        nodes ``[targets, blocks * seq]`` and the embeddings ``[targets, seq]``, and its constant; added
-        to ``into`` (a ``rows.Rows``) batch by batch, or returned."""
-        active, seq = self.active(), self.embeddings.shape[0]
-        parts = {"features": [torch.zeros(0, len(active))], "errors": [torch.zeros(0, self.blocks * seq)],
-                 "embeddings": [torch.zeros(0, seq)], "constants": [torch.zeros(0)]}
-        for start in range(0, len(targets), self.chunk):
-            chunk = targets[start:start + self.chunk]
+        nodes ``[targets, blocks * seq]`` and the embeddings ``[targets, seq]``, and its constant; written
+        to ``into`` (a ``rows.Rows``) pass by pass, at its rows ``at`` (one per target; by default those
+        after its last), or returned in the order of ``targets``. The targets run by position, so that
+        each pass runs through the segments up to its last target's, no further."""
+        active, seq, n = self.active(), self.seq, len(targets)
+        where = at if at is not None else [] if into is None else list(range(into.count, into.count + n))
+        order = sorted(range(n), key=lambda i: self.position(*targets[i]))
+        parts = {} if into is not None else {"features": torch.zeros(n, len(active)), "constants": torch.zeros(n),
+                                             "errors": torch.zeros(n, self.blocks * seq),
+                                             "embeddings": torch.zeros(n, seq)}
+        for start in range(0, n, self.chunk):
+            picked = order[start:start + self.chunk]
+            chunk = [targets[i] for i in picked]
             effects = {name: part.cpu() for name, part in self._effects(self._backward(chunk), chunk).items()}
             if into is not None:
-                into.add(effects)
+                into.put(effects, [where[i] for i in picked])
             else:
                 for name, part in effects.items():
-                    parts[name].append(part)
-        return None if into is not None else {name: torch.cat(part) for name, part in parts.items()}
+                    parts[name][picked] = part
+        return parts or None
+
+    def position(self, kind, what) -> int:
+        """Where a target reads: a feature's position, a logit's the last."""
+        return self.seq - 1 if kind == "logit" else what[1]
+
+    def _segment(self, position: int) -> int:
+        return bisect.bisect_right(self.starts, position) - 1
 
     def _backward(self, chunk) -> list[torch.Tensor]:
-        """The gradients at the embeddings and at every MLP output ``[targets, seq, width]``: one batched
-        vector-Jacobian product, a direction per target."""
-        outputs, directions = [], []
-        by_block: dict[int, list[tuple[int, int, int]]] = {}  # block -> (row, position, feature)
-        logit_rows = []
+        """The gradients at the embeddings and at every MLP output ``[targets, end, width]``: one batched
+        vector-Jacobian product, a direction per target, through the segments up to the last one a target
+        reads in, which ends at ``end`` (the gradients after it are zeros, never computed)."""
+        cotangents: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (block or "final", segment) -> pair
+
+        def direction(key, output) -> torch.Tensor:
+            if key not in cotangents:
+                cotangents[key] = (output, output.new_zeros(len(chunk), *output.shape))
+            return cotangents[key][1]
+
+        last = len(self.starts) - 1
         for row, (kind, what) in enumerate(chunk):
             if kind == "logit":
-                logit_rows.append((row, what))
+                if self._mean_unembedding is None:
+                    self._mean_unembedding = self.unembedding.float().mean(0)
+                at = direction(("final", last), self.final)
+                at[row, 0, -1] = (self.unembedding[what].float() - self._mean_unembedding).to(at.dtype)
             else:
-                by_block.setdefault(what[0], []).append((row, what[1], what[2]))
-        if logit_rows:
-            if self._mean_unembedding is None:
-                self._mean_unembedding = self.unembedding.float().mean(0)
-            direction = self.final.new_zeros(len(chunk), *self.final.shape)
-            for row, token in logit_rows:
-                direction[row, 0, -1] = (self.unembedding[token].float() - self._mean_unembedding).to(direction.dtype)
-            outputs.append(self.final)
-            directions.append(direction)
-        for block, wanted in by_block.items():
-            direction = self.inputs[block].new_zeros(len(chunk), *self.inputs[block].shape)
-            encoder = self.transcoders.encoder(block)
-            for row, position, feature in wanted:
-                direction[row, 0, position] = encoder[:, feature].to(direction.dtype)
-            outputs.append(self.inputs[block])
-            directions.append(direction)
-        def backward(*cotangents):
-            gradients = torch.autograd.grad(outputs, self.leaves, cotangents, retain_graph=True, allow_unused=True)
-            return tuple(torch.zeros_like(leaf) if g is None else g for leaf, g in zip(self.leaves, gradients))
+                block, position, feature = what
+                segment = self._segment(position)
+                at = direction((block, segment), self.inputs[block][segment])
+                at[row, 0, position - self.starts[segment]] = self.transcoders.encoder(block)[:, feature].to(at.dtype)
+        reach = 1 + max(segment for _, segment in cotangents)
+        leaves = [leaf for segment in self.leaves[:reach] for leaf in segment]
+        outputs = [output for output, _ in cotangents.values()]
+
+        def backward(*directions):
+            gradients = torch.autograd.grad(outputs, leaves, directions, retain_graph=True, allow_unused=True)
+            return tuple(torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, gradients))
 
         with warnings.catch_warnings():  # an aten backward without a batching rule (sdpa's) loops: say nothing
             warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
-            gradients = torch.func.vmap(backward)(*directions)
-        return [g[:, 0].float() for g in gradients]
+            gradients = torch.func.vmap(backward)(*(at for _, at in cotangents.values()))
+        sources = len(self.leaves[0])
+        return [(torch.cat([gradients[k * sources + source][:, 0] for k in range(reach)], dim=1) if reach > 1
+                 else gradients[source][:, 0]).float() for source in range(sources)]
 
     def _effects(self, gradients, chunk) -> dict[str, torch.Tensor]:
+        """The rows of ``chunk`` from its gradients (``_backward``'s, over positions 0..end: nothing after
+        reaches its targets, so a source there has no effect and none is computed)."""
         at_embeddings, at_outputs = gradients[0], gradients[1:]
+        rows, end, width = at_embeddings.shape
+        after = (0, self.seq - end)  # the zeros of the positions after end
         features = []
-        rows, width = at_embeddings.shape[0], at_embeddings.shape[2]
         step = max(1, GATHERED // (rows * width))  # the gradients at the features' positions, a part at a time
         for block in range(self.blocks):
-            mine = self._by_block[block]
-            activation = self.features[block][mine[:, 1], mine[:, 2]].float()
+            mine = self._by_block[block]  # by position
+            reached = mine[:int(torch.searchsorted(mine[:, 1].contiguous(), end))]
             effect = torch.zeros(rows, len(mine))
-            for written, decoder in self.transcoders.decoders(block, mine[:, 2]):  # [n, width] into block `written`
-                for start in range(0, len(mine), step):
-                    part = slice(start, start + step)
-                    effect[:, part] += torch.einsum("rnd,nd->rn", at_outputs[written][:, mine[part, 1]], decoder[part])
-            features.append(effect * activation)
-        errors = torch.cat([(at_outputs[block] * self.errors[block]).sum(-1) for block in range(self.blocks)], dim=1)
-        embeddings = (at_embeddings * self.embeddings).sum(-1)
+            for written, decoder in self.transcoders.decoders(block, reached[:, 2]):  # [n, width] into `written`
+                for start in range(0, len(reached), step):
+                    part = slice(start, min(start + step, len(reached)))
+                    gathered = at_outputs[written][:, reached[part, 1]]
+                    effect[:, part] += torch.einsum("rnd,nd->rn", gathered, decoder[part])
+            effect[:, :len(reached)] *= self.features[block][reached[:, 1], reached[:, 2]].float()
+            features.append(effect)
+        errors = torch.cat([pad((at_outputs[block] * self.errors[block][:end]).sum(-1), after)
+                            for block in range(self.blocks)], dim=1)
+        embeddings = pad((at_embeddings * self.embeddings[:end]).sum(-1), after)
         carried = sum((at_outputs[block].sum(1) @ self.transcoders.output_bias(block)) for block in range(self.blocks))
         encoder = torch.tensor([float(self.transcoders.encoder_constants(what[0])[what[2]]) if kind == "feature"
                                 else 0.0 for kind, what in chunk])
@@ -279,7 +303,7 @@ class _Run:
             last = self.logits[0, -1].detach().float()
             return float(last[what] - last.mean())
         block, position, feature = what
-        x = self.inputs[block][0, position].detach()
+        x = self.reads[block][position]
         encoder = self.transcoders.encoder(block)
         constant = self.transcoders.encoder_constants(block)[feature]
         return float(x.float() @ encoder[:, feature].float()) + float(constant)

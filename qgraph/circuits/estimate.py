@@ -90,7 +90,8 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
     kept = active if max_feature_nodes is None else min(max_feature_nodes, active)
     seq, blocks = ids.shape[0], run.blocks
     width = input_embedding(model).embedding_dim
-    outputs = storage_bytes([run.logits, *run.features, *run.errors, run.embeddings, *run.inputs], counter.seen)
+    outputs = storage_bytes([run.logits, *run.features, *run.errors, run.embeddings,
+                             *(part for block in run.inputs for part in block)], counter.seen)
     forward = counter.bytes + outputs
     chunk = run.chunk
     del run

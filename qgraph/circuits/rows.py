@@ -23,7 +23,7 @@ READ = 1 << 22  # floats read from the store at once (16 MiB): the working memor
 
 class Rows:
     """Up to ``capacity`` rows: ``features [n, active]``, ``errors [n, blocks * seq]``, ``embeddings
-    [n, seq]``, ``constants [n]``, float32, appended in the order computed."""
+    [n, seq]``, ``constants [n]``, float32, each written at its row (``put``)."""
 
     def __init__(self, capacity: int, features: int, errors: int, embeddings: int, offload: str | None = None):
         if offload not in OFFLOADS:
@@ -41,13 +41,13 @@ class Rows:
         self.constants, self.magnitude = torch.zeros(capacity), torch.zeros(capacity)
         self.count = 0
 
-    def add(self, part: dict[str, torch.Tensor]) -> None:
-        n = len(part["constants"])
-        at = slice(self.count, self.count + n)
-        self.features[at], self.errors[at] = part["features"], part["errors"]
-        self.embeddings[at], self.constants[at] = part["embeddings"], part["constants"]
-        self.magnitude[at] = sum(part[name].abs().sum(1) for name in ("features", "errors", "embeddings"))
-        self.count += n
+    def put(self, part: dict[str, torch.Tensor], at: list[int]) -> None:
+        """Write ``part``'s rows at rows ``at`` (one each); ``count`` is then past the last row written."""
+        where = torch.tensor(at, dtype=torch.long)
+        self.features[where], self.errors[where] = part["features"], part["errors"]
+        self.embeddings[where], self.constants[where] = part["embeddings"], part["constants"]
+        self.magnitude[where] = sum(part[name].abs().sum(1) for name in ("features", "errors", "embeddings"))
+        self.count = max(self.count, max(at, default=-1) + 1)
 
     def columns(self, rows: list[int], columns: torch.Tensor) -> torch.Tensor:
         """``features[rows][:, columns]``, gathered element by element (no copy of a whole row)."""
