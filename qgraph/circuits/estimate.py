@@ -1,9 +1,10 @@
 """``qgraph.circuits.estimate``: what an attribution graph will hold and how many backward passes it
 takes, before it runs.
 
-It runs the replacement model's forward once (as ``attribute.replacement_run`` does, at batch 1) with a
+It runs the replacement model's forward as ``attribute.replacement_run`` does (at batch 1; for a prompt run
+in segments, the one-pass forward of the values then the segments', ``circuits.segments``) with a
 ``saved_tensors_hooks`` that counts what autograd would keep for the backwards and keeps none of it,
-so it costs one forward's time and no more than one forward's live activations. That forward also
+so it costs the call's forward time and no more than one forward's live activations. The one-pass forward also
 gives the exact counts the rest follows from: the active features (the columns of every row), the
 logit targets, the kept features. ``bytes`` is what the estimate and the call add together to the
 process as it was before the estimate: the peak RSS the call reaches over that. Its parts:
@@ -67,7 +68,7 @@ def estimate(model_or_ig, input_ids, transcoders, *, max_n_logits: int = 10, des
              max_feature_nodes: int | None = None, batch_size: int = 32, update_interval: int = 4,
              offload: str | None = None) -> Estimate:
     """The memory ``attribution_graph`` with these arguments will add and the backward passes it will
-    take (see the module's docstring for how), from one forward that keeps nothing."""
+    take (see the module's docstring for how), from the forward it runs, which keeps nothing."""
     from ..instrument import InstrumentedModel  # lazy: keeps safetensors, sympy, transformers out until this is used
     # lazy: qgraph.circuits.attribute imports this module's package at import time (a cycle)
     from .attribute import check_attribution_options, checked_prompt, salient_logits, replacement_run
