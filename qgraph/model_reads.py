@@ -31,8 +31,8 @@ def _plain(pair: tuple[type, str]) -> bool:
     """Whether an instance of ``cls`` answers ``getattr(instance, name)`` from ``Module.__getattr__``
     (when its ``__dict__`` lacks the name)."""
     cls, name = pair
-    return (cls.__getattribute__ is object.__getattribute__ and cls.__getattr__ is torch.nn.Module.__getattr__
-            and not hasattr(cls, name))
+    return (cls.__getattribute__ is object.__getattribute__
+            and getattr(cls, "__getattr__", None) is torch.nn.Module.__getattr__ and not hasattr(cls, name))
 
 
 class ModelReads:
