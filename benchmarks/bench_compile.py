@@ -138,8 +138,9 @@ def first_call(blocks: int | None, way: str, directory: str) -> dict:
                 logits_vs_hf=against_hf)
 
 
-def steady(blocks: int | None, ways: list[str], repeats: int, directory: str) -> dict:
+def steady(blocks: int | None, ways: list[str], repeats: int, directory: str, threads: int) -> dict:
     import torch
+    torch.set_num_threads(threads)
 
     from common import interleaved
     model = build(blocks, directory)
@@ -172,6 +173,7 @@ def main() -> None:
     parser.add_argument("--big-whole", action="store_true")
     parser.add_argument("--steady", default="4", help="depths to time calls at (tiny; 'big' for the 0.8B shape)")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads for the timed calls")
     parser.add_argument("--ways", default="whole,regional")
     parser.add_argument("--child", nargs="*")
     parser.add_argument("--dir")
@@ -180,7 +182,7 @@ def main() -> None:
         kind, blocks, *ways = options.child
         depth = None if blocks == "big" else int(blocks)
         result = first_call(depth, ways[0], options.dir) if kind == "first" else \
-            steady(depth, ways, options.repeats, options.dir)
+            steady(depth, ways, options.repeats, options.dir, options.threads)
         print(json.dumps(result))
         return
     import torch
@@ -194,7 +196,7 @@ def main() -> None:
             print(json.dumps(result), f"load {load()}", flush=True)
     for blocks in [b for b in options.steady.split(",") if b]:
         ways = ["eager", *(w for w in options.ways.split(",") if blocks != "big" or w != "whole" or options.big_whole)]
-        result = child(["steady", blocks, *ways, "--repeats", str(options.repeats)])
+        result = child(["steady", blocks, *ways, "--repeats", str(options.repeats), "--threads", str(options.threads)])
         print(f"steady ms, {blocks} blocks:", json.dumps(result), f"load {load()}", flush=True)
 
 

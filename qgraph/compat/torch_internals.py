@@ -202,9 +202,9 @@ def op_argument_names(op) -> list[str]:
     return [argument.name for argument in op._schema.arguments]
 
 
-def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
-    """Tell torch.compile that ``tensor``'s ``dim`` varies between calls (no recompile when it does)."""
-    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+def mark_dynamic(tensor: torch.Tensor, dims: list[int]) -> None:
+    """Tell torch.compile that ``tensor``'s ``dims`` vary between calls (no recompile when they do)."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dims)
 
 
 
