@@ -1,4 +1,5 @@
-"""Compiled captures: values under torch.compile equal the eager program's; no recompile per length."""
+"""Compiled captures: values under torch.compile equal the eager program's; each kind of block compiles once, and
+no length recompiles."""
 from __future__ import annotations
 
 import pytest
@@ -20,21 +21,45 @@ def _max_difference(compiled, eager) -> float:
     return worst
 
 
-def test_compiled_values_equal_eager_for_two_lengths_without_recompiling(sdpa_model):
-    # inductor (the default); one DeltaNet block keeps the C++ kernels few, and it runs the
-    # delta-rule custom op and the conv, past the kernel's 64-token chunk at the second length
-    values = ["layers.0.layer_output", "layers.0.linear_attn.attention_head_outputs",
-              "layers.0.linear_attn.state_output", "layers.0.linear_attn.decays"]
-    eager = qgraph.instrument(sdpa_model, values=values, logits=False)
-    compiled = qgraph.instrument(sdpa_model, values=values, logits=False, compile=True)
+@pytest.fixture(scope="module")
+def regional(sdpa_model):
+    """The tiny model (3 DeltaNet blocks, 1 attention) eager and under inductor (the default): every block's
+    output, the DeltaNet's inner values (the delta-rule custom op, the conv) at every DeltaNet block, so the
+    three are alike, and the logits; compiled once for the module."""
+    values = ["layers.*.layer_output", "layers.*.linear_attn.attention_head_outputs",
+              "layers.*.linear_attn.state_output", "layers.*.linear_attn.decays"]
+    return (qgraph.instrument(sdpa_model, values=values),
+            qgraph.instrument(sdpa_model, values=values, compile=True))
+
+
+def test_each_kind_of_block_compiles_once_and_serves_every_length(regional):
+    eager, compiled = regional
+    regions = compiled.program_for(False).runner.compiled.regions
+    # what precedes the blocks, the 3 DeltaNet blocks (one group), the attention block, the final norm and head
+    assert len(regions) == 6 and regions.group == [0, 1, 1, 1, 2, 3]
     graphs = counters["stats"]["unique_graphs"]
     with torch.no_grad():
-        for seq in (7, 70):
-            ids = random_ids(2, seq, seed=seq)
+        # past the kernel's 64-token chunk at the second length; then another batch and length
+        for batch, seq in ((2, 7), (2, 70), (3, 33)):
+            ids = random_ids(batch, seq, seed=seq)
             assert _max_difference(compiled(ids), eager(ids)) <= 1e-5
-        assert counters["stats"]["unique_graphs"] - graphs == 1  # one graph served both lengths
-        ids = random_ids(3, 33, seed=3)  # a third length and another batch: still no recompile
-        assert _max_difference(compiled(ids), eager(ids)) <= 1e-5
+            assert counters["stats"]["unique_graphs"] - graphs == 4  # one graph per group, for every call
+
+
+def test_the_conv_backward_under_grad_compiles_one_graph_for_every_length():
+    # the DeltaNet's causal conv: inductor's lowering of its backward fixed the length (qgraph.compat fixes it),
+    # so every new length under grad mode compiled again
+    from qgraph.compat import inductor_symbolic_strides_fix
+    inductor_symbolic_strides_fix()
+    conv = torch.nn.Conv1d(8, 8, 4, groups=8, padding=3, bias=False)
+    compiled = torch.compile(lambda x: torch.nn.functional.silu(conv(x)[..., :x.shape[-1]]), fullgraph=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for seq in (5, 12, 9):
+        x = torch.randn(2, 8, seq, requires_grad=True)
+        torch._dynamo.maybe_mark_dynamic(x, 2)
+        compiled(x).square().sum().backward()
+        want = torch.autograd.grad(torch.nn.functional.silu(conv(x)[..., :seq]).square().sum(), x)[0]
+        torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] - graphs == 1
 
 

@@ -95,7 +95,8 @@ def autograd_enabled():
 
 # -- torch.compile with grad enabled (qgraph.compile) --------------------------------------------
 def inductor_symbolic_strides_fix() -> None:
-    """Let inductor order symbolic strides with the graph's shape env (pytorch/pytorch#185510).
+    """Let inductor order symbolic strides with the graph's shape env (pytorch/pytorch#185510), and lower
+    the conv's backward without specialising the length (``_conv_backward_keeps_sizes_symbolic``).
 
     With grad enabled, the forward graph returns the activations the backward reads, some of them
     views with symbolic strides (``64 * seq`` and ``64``); the inductor of torch 2.13 and 2.14 sorts those
@@ -106,19 +107,50 @@ def inductor_symbolic_strides_fix() -> None:
     from torch._inductor.virtualized import V
 
     original = ir.get_fill_order
-    if getattr(original, "qgraph_fix", False):
+    if not getattr(original, "qgraph_fix", False):
+        def get_fill_order(seq, shape_env=None):
+            if shape_env is None and not all(isinstance(s, int) or getattr(s, "is_Integer", False) for s in seq):
+                try:
+                    shape_env = V.graph.sizevars.shape_env
+                except (AttributeError, AssertionError):
+                    pass  # no graph being lowered: as before
+            return original(seq, shape_env)
+
+        get_fill_order.qgraph_fix = True  # type: ignore[attr-defined]  # a marker on the function: patched once
+        ir.get_fill_order = get_fill_order
+    _conv_backward_keeps_sizes_symbolic()
+
+
+def _conv_backward_keeps_sizes_symbolic() -> None:
+    """Let inductor lower ``convolution_backward`` without fixing the sequence length.
+
+    With grad enabled, the backward of the DeltaNet's causal conv is compiled with the forward, and the
+    lowering of torch 2.13 orders the gradient's strides (``[channels * seq, seq, 1]``) through
+    ``sizevars.guard_int_seq``, which specialises ``seq`` to the length of the first call: every new
+    length compiled again (past dynamo's cache limit, eagerly). The strides are ordered as they are,
+    symbolically (``get_fill_order`` above), and only sizes that are numbers are made ints.
+    """
+    from torch._inductor.lowering import lowerings
+    from torch._inductor.virtualized import V
+
+    target = torch.ops.aten.convolution_backward.default
+    original = lowerings.get(target)
+    if original is None or getattr(original, "qgraph_fix", False):
         return
 
-    def get_fill_order(seq, shape_env=None):
-        if shape_env is None and not all(isinstance(s, int) or getattr(s, "is_Integer", False) for s in seq):
-            try:
-                shape_env = V.graph.sizevars.shape_env
-            except (AttributeError, AssertionError):
-                pass  # no graph being lowered: as before
-        return original(seq, shape_env)
+    def ints_where_static(seq):
+        return [int(size) if isinstance(size, int) or getattr(size, "is_Integer", False) else size for size in seq]
 
-    get_fill_order.qgraph_fix = True  # type: ignore[attr-defined]  # a marker on the function: patched once
-    ir.get_fill_order = get_fill_order
+    def convolution_backward(*args, **kwargs):
+        sizevars = V.graph.sizevars
+        sizevars.guard_int_seq = ints_where_static  # the instance's, for this lowering only
+        try:
+            return original(*args, **kwargs)
+        finally:
+            del sizevars.guard_int_seq
+
+    convolution_backward.qgraph_fix = True  # type: ignore[attr-defined]  # a marker on the function: patched once
+    lowerings[target] = convolution_backward
 
 
 # -- building programs (qgraph.export.repeat, qgraph.export.disk_cache) ------------------------------------------------
@@ -196,9 +228,9 @@ def op_entry(op):
     return op._op if _PLAIN_CALL and type(op) is _OVERLOAD else op
 
 
-def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
-    """Tell torch.compile that ``tensor``'s ``dim`` varies between calls (no recompile when it does)."""
-    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+def mark_dynamic(tensor: torch.Tensor, dims: list[int]) -> None:
+    """Tell torch.compile that ``tensor``'s ``dims`` vary between calls (no recompile when they do)."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dims)
 
 
 

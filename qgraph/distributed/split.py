@@ -76,10 +76,21 @@ def pick(produced, index):
 def split(module: GraphModule, block_of, cuts: list[int]) -> Plan:
     """Cut ``module`` (a built program, left as it is) into ``len(cuts) + 1`` stages; ``block_of(node)`` is
     the block a node's scope names (None outside the blocks)."""
+    def stage_of(node: Node) -> int | None:
+        block = block_of(node)
+        return None if block is None else sum(block >= cut for cut in cuts)
+    return split_by(module, stage_of, len(cuts) + 1)
+
+
+def split_by(module: GraphModule, stage_of, count: int) -> Plan:
+    """Cut ``module`` (left as it is) into ``count`` stages; ``stage_of(node)`` is the stage a node's scope
+    puts it in, or None for a node that goes with its inputs (or, reading program inputs only, with its
+    first reader). ``stage_of`` is asked about ``module``'s own nodes."""
     graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(module.graph, {}))
+    copies: dict[Node, Node] = {}
+    graph.output(graph.graph_copy(module.graph, copies))
     module = GraphModule(module, graph)  # the same attributes and submodules, a graph of its own
-    stage_of_block = lambda block: sum(block >= cut for cut in cuts)  # noqa: E731
+    original = {copy: node for node, copy in copies.items()}
     stage: dict[Node, int] = {}
     free: list[Node] = []
     sizes: list[Node] = []
@@ -89,12 +100,12 @@ def split(module: GraphModule, block_of, cuts: list[int]) -> Plan:
         if node.target is SYM_SIZE and node.args[0].op == "placeholder":
             sizes.append(node)
             continue
-        block = block_of(node)
+        own = stage_of(original[node])
         inputs = [stage[n] for n in node.all_input_nodes if n in stage]
-        if block is None and not inputs:  # reads program inputs only (or other such nodes)
+        if own is None and not inputs:  # reads program inputs only (or other such nodes)
             free.append(node)
             continue
-        stage[node] = max(inputs + ([stage_of_block(block)] if block is not None else []))
+        stage[node] = max(inputs + ([own] if own is not None else []))
     for node in reversed(free):  # at its first reader (its free readers come later, so are placed)
         readers = [stage[user] for user in node.users if user in stage]
         if not readers:  # a check on a parameter: where the parameter is read
@@ -103,7 +114,7 @@ def split(module: GraphModule, block_of, cuts: list[int]) -> Plan:
     for node in sizes:
         _size_in_each_stage(graph, node, stage)
     split_gm = split_module(module, module, lambda node: stage[node])
-    return _plan(split_gm, len(cuts) + 1)
+    return _plan(split_gm, count)
 
 
 def _size_in_each_stage(graph: torch.fx.Graph, node: Node, stage: dict[Node, int]) -> None:
