@@ -54,7 +54,7 @@ def regions_of(module: GraphModule, block_lists, model_paths: set[str]) -> Regio
             first = position if first is None else first
             last = position
     before = any(scopes[node] == "" for node in nodes[:first]) if first is not None else True
-    after = first is not None and any(scopes[node] == "" for node in nodes[last + 1:])
+    after = last is not None and any(scopes[node] == "" for node in nodes[last + 1:])
     index = {node: position for position, node in enumerate(nodes)}
     offset = int(before)
 
@@ -64,13 +64,14 @@ def regions_of(module: GraphModule, block_lists, model_paths: set[str]) -> Regio
             return order[scope] + offset
         if scope == "" and (first is None or index[node] < first):
             return 0
-        if scope == "" and index[node] > last:
+        if scope == "" and last is not None and index[node] > last:
             return offset + len(order)
         return None  # no module's scope, or one between the blocks: with its inputs
 
     plan = split_by(module, stage_of, offset + len(order) + int(after))
     groups: dict[tuple, int] = {}
-    group, modules = [], []
+    group: list[int] = []
+    modules: list[GraphModule] = []
     for stage in plan.modules:
         key = structure(stage)
         if key not in groups:
@@ -115,11 +116,11 @@ def structure(module: GraphModule) -> tuple:
             return ("object", id(value))
         return (type(value).__name__, value)
 
-    key = []
+    key: list[tuple] = []
     for node in module.graph.nodes:
         if node.op == "placeholder":
             value = node.meta.get("val")
-            target = (str(value.dtype), tuple(str(size) for size in value.shape), value.device.type) \
+            target: object = (str(value.dtype), tuple(str(size) for size in value.shape), value.device.type) \
                 if isinstance(value, torch.Tensor) else type(value).__name__
         elif node.op in ("call_module", "get_attr"):
             target = ("object", id(attrgetter(node.target)(module)))
