@@ -45,7 +45,8 @@ class CompiledProgram:
         plan = self.regions.plan
         count = len(module.graph.find_nodes(op="placeholder"))
         slot: dict[tuple[int, int], int] = {}  # (region, output) -> its index in a call's list of tensors
-        self.steps: list[list] = []  # per region: (compiled module, what it reads, its dynamic dims, bare, what to drop after)
+        # per region: (compiled module, what it reads, its dynamic dims, bare, what to drop after)
+        self.steps: list[list] = []
         for index, stage in enumerate(plan.modules):
             reads = [source[1] if source[0] == "input" else slot[source[1], source[2] or 0]
                      for source in plan.inputs[index]]
