@@ -11,7 +11,8 @@ when they are dropped, so the next call faults it in again) and one as shipped. 
 the median wall time, page faults (MiB faulted in) and system time of both runs, its ratio, the
 resident memory after the values are dropped (what the kept heap costs) and the peak, and a digest
 (sha256) of every value and of the logits; the parent checks that every process's values are the
-same bit for bit and that qgraph's logits equal the plain forward's.
+same bit for bit (the logits differ from the plain forward's by float rounding: asking for the
+attention's scores and probabilities computes the attention as matmul and softmax, not sdpa).
 
 The experts op: a small MoE shape (``bench_moe.config_small``: hidden 512, 8 blocks, 32 experts,
 top-4), 128 tokens, HF's forward with its default experts implementation (grouped_mm) against
@@ -61,48 +62,51 @@ def digest(tensors: dict) -> str:
 
 
 def timed_calls(runs: dict, repeats: int) -> dict:
-    """Each run in turn after a warm-up, ``repeats`` times: median wall seconds, MiB of page faults and
-    system seconds per call. Each call's result is dropped before the next call."""
+    """Each run in turn after a warm-up, ``repeats`` times; per run the medians of: wall seconds, CPU
+    seconds (this process's, user + system), MiB of pages faulted in, and system seconds. Each call's
+    result is dropped before the next call."""
     for run in runs.values():
         run()
     samples: dict = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            before, start, cpu = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.process_time()
             run()
-            seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
-            samples[name].append((seconds, (after.ru_minflt - before.ru_minflt) * 4 / 1024,
+            seconds, cpu, after = time.perf_counter() - start, time.process_time() - cpu, \
+                resource.getrusage(resource.RUSAGE_SELF)
+            samples[name].append((seconds, cpu, (after.ru_minflt - before.ru_minflt) * 4 / 1024,
                                   after.ru_stime - before.ru_stime))
-    return {name: [statistics.median(sample[i] for sample in values) for i in range(3)]
-            for name, values in samples.items()}
+    return {name: {key: statistics.median(sample[i] for sample in values)
+                   for i, key in enumerate(("wall", "cpu", "faults", "system"))} for name, values in samples.items()}
 
 
-def child_values(tokens: int, repeats: int) -> dict:
+def child_values(tokens: int, repeats: int, blocks: int = 24) -> dict:
+    """plain HF, qgraph every layer_output, qgraph every standard value, interleaved (as bench_peers.py)."""
     import qgraph
-    from common import build_0_8b
-    model = build_0_8b()
+    from common import build_0_8b, qwen3_5_0_8b_config
+    model = build_0_8b(num_hidden_layers=blocks, layer_types=qwen3_5_0_8b_config().layer_types[:blocks])
     ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
-    ig = qgraph.instrument(model, values=STANDARD)
+    layers = qgraph.instrument(model, values=["layers.*.layer_output"])
+    every = qgraph.instrument(model, values=STANDARD)
     with torch.no_grad():
         plain = model(input_ids=ids).logits
-        out = ig(ids)
+        out = every(ids)
+        distinct = {t.untyped_storage().data_ptr(): t for t in out.values.values() if isinstance(t, torch.Tensor)}
         report = {"qgraph": qgraph.__file__, "values": len(out.values),
                   "digest": digest({**out.values, "logits": out.logits}),
-                  "logits equal plain": torch.equal(out.logits, plain),
-                  "MiB returned": sum(t.untyped_storage().nbytes() for t in
-                                      {t.untyped_storage().data_ptr(): t for t in out.values.values()
-                                       if isinstance(t, torch.Tensor)}.values()) / 2**20}
-        del out, plain
+                  "logits vs plain": (out.logits.double() - plain.double()).abs().max().item(),
+                  "MiB returned": sum(t.untyped_storage().nbytes() for t in distinct.values()) / 2**20}
+        del out, plain, distinct
         report["load before"] = load()
-        times = timed_calls({"plain": lambda: model(input_ids=ids), "qgraph": lambda: ig(ids)}, repeats)
+        report["times"] = timed_calls({"plain": lambda: model(input_ids=ids), "layers": lambda: layers(ids),
+                                       "qgraph": lambda: every(ids)}, repeats)
         report["load after"] = load()
     report["rss after dropping (MiB)"], report["peak rss (MiB)"] = status_mib("VmRSS"), status_mib("VmHWM")
-    report["times"] = times
-    report["ratio"] = times["qgraph"][0] / times["plain"][0]
     return report
 
 
-def child_experts(tokens: int, repeats: int) -> dict:
+def child_experts(tokens: int, repeats: int, blocks: int = 0) -> dict:
+    """HF's forward (its default experts implementation) and qgraph with no values, interleaved."""
     import qgraph
     from bench_moe import config_small
     from transformers import Qwen3_5MoeForCausalLM
@@ -114,29 +118,35 @@ def child_experts(tokens: int, repeats: int) -> dict:
         report = {"qgraph": qgraph.__file__, "implementation": model.config._experts_implementation,
                   "logits equal HF": torch.equal(ig(ids).logits, model(input_ids=ids).logits),
                   "load before": load()}
-        times = timed_calls({"plain": lambda: model(input_ids=ids), "qgraph": lambda: ig(ids)}, repeats)
+        report["times"] = timed_calls({"plain": lambda: model(input_ids=ids), "qgraph": lambda: ig(ids)}, repeats)
         report["load after"] = load()
-    report["times"] = times
-    report["ratio"] = times["qgraph"][0] / times["plain"][0]
     return report
 
 
 def spawn(part: str, args, env: dict) -> dict:
     """One fresh child process for ``part``; its JSON report."""
-    command = [sys.executable, __file__, "--child", part, "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    command = [sys.executable, __file__, "--child", part, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+               "--threads", str(args.threads), "--blocks", str(args.blocks)]
     done = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{part} child failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def ratio(report: dict, key: str, run: str = "qgraph") -> float:
+    return report["times"][run][key] / report["times"]["plain"][key]
+
+
 def row(label: str, report: dict) -> str:
-    (plain, plain_faults, plain_sys), (ours, faults, sys_seconds) = report["times"]["plain"], report["times"]["qgraph"]
-    memory = (f" | {report['rss after dropping (MiB)']:.0f} | {report['peak rss (MiB)']:.0f}"
-              if "peak rss (MiB)" in report else "")
-    return (f"| {label} | {plain * 1e3:.0f} | {ours * 1e3:.0f} | **{report['ratio']:.3f}** | "
-            f"{plain_faults:.0f} / {faults:.0f} | {plain_sys:.2f} / {sys_seconds:.2f}{memory} | "
-            f"{report['load before']} → {report['load after']} |")
+    plain, ours = report["times"]["plain"], report["times"]["qgraph"]
+    cells = [label, f"{plain['wall'] * 1e3:.0f}", f"{ours['wall'] * 1e3:.0f}", f"**{ratio(report, 'wall'):.3f}**",
+             f"{ratio(report, 'cpu'):.3f}"]
+    if "layers" in report["times"]:
+        cells.append(f"{ratio(report, 'wall', 'layers'):.3f}")
+    cells += [f"{plain['faults']:.0f} / {ours['faults']:.0f}", f"{plain['system']:.2f} / {ours['system']:.2f}"]
+    if "peak rss (MiB)" in report:
+        cells += [f"{report['rss after dropping (MiB)']:.0f}", f"{report['peak rss (MiB)']:.0f}"]
+    return "| " + " | ".join(cells + [f"{report['load before']} → {report['load after']}"]) + " |"
 
 
 def main() -> None:
@@ -145,10 +155,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--part", choices=["values", "experts", "both"], default="both")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads in each child")
+    parser.add_argument("--blocks", type=int, default=24, help="blocks of the 0.8B shape (fewer: a smoke test)")
     parser.add_argument("--child", choices=["values", "experts"])
     args = parser.parse_args()
     if args.child:
-        print(json.dumps((child_values if args.child == "values" else child_experts)(args.tokens, args.repeats)))
+        torch.set_num_threads(args.threads)
+        child = child_values if args.child == "values" else child_experts
+        print(json.dumps(child(args.tokens, args.repeats, args.blocks)))
         return
     os.environ.setdefault("QGRAPH_PROGRAM_CACHE", "0")  # each child exports afresh: no user cache touched
     modes = {"heap trimmed (QGRAPH_KEEP_HEAP=0, as before)": {"QGRAPH_KEEP_HEAP": "0"}, "heap kept": {}}
@@ -156,28 +170,31 @@ def main() -> None:
     digests = set()
     print(f"load average at start: {load()}")
     if args.part in ("values", "both"):
-        print("| every standard value | plain ms | qgraph ms | × plain | faults MiB per call, plain / qgraph | "
-              "system s per call, plain / qgraph | RSS after dropping, MiB | peak RSS, MiB | load before → after |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        print("| every standard value | plain ms | qgraph ms | × plain | × plain, CPU time | every layer_output "
+              "× plain | faults MiB per call, plain / qgraph | system s per call, plain / qgraph | "
+              "RSS after dropping, MiB | peak RSS, MiB | load before → after |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for round_ in range(args.rounds):
             order = list(modes.items()) if round_ % 2 == 0 else list(modes.items())[::-1]
             for label, env in order:
                 report = spawn("values", args, env)
                 digests.add(report["digest"])
-                assert report["logits equal plain"], "qgraph's logits differ from the plain forward's"
-                ratios.setdefault(label, []).append(report["ratio"])
+                ratios.setdefault(label, []).append(ratio(report, "wall"))
+                ratios.setdefault(f"{label}, CPU time", []).append(ratio(report, "cpu"))
                 print(row(f"round {round_ + 1}, {label}", report), flush=True)
         assert len(digests) == 1, f"the values differ between processes: {digests}"
         print(f"values: {report['values']}, {report['MiB returned']:.0f} MiB of distinct storage; every process's "
-              f"values and logits equal bit for bit (sha256 {digests.pop()[:16]}…)")
+              f"values and logits equal bit for bit (sha256 {digests.pop()[:16]}…); logits vs the plain forward's "
+              f"{report['logits vs plain']:.1e} (the attention decomposed for its scores: float rounding)")
     if args.part in ("experts", "both"):
-        print("| experts op | HF ms | qgraph ms | × HF | faults MiB per call, HF / qgraph | "
+        print("| experts op | HF ms | qgraph ms | × HF | × HF, CPU time | faults MiB per call, HF / qgraph | "
               "system s per call, HF / qgraph | load before → after |")
-        print("|---|---:|---:|---:|---:|---:|---|")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
         for round_ in range(args.rounds):
             report = spawn("experts", args, {})
             assert report["logits equal HF"], "qgraph's logits differ from HF's"
-            ratios.setdefault(f"experts ({report['implementation']})", []).append(report["ratio"])
+            ratios.setdefault(f"experts ({report['implementation']})", []).append(ratio(report, "wall"))
+            ratios.setdefault(f"experts ({report['implementation']}), CPU time", []).append(ratio(report, "cpu"))
             print(row(f"round {round_ + 1}", report), flush=True)
     for label, values in ratios.items():
         print(f"{label}: median {statistics.median(values):.3f} over {len(values)} rounds "
