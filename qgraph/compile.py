@@ -1,28 +1,43 @@
-"""Compiled captures: an instrumented program run under ``torch.compile``.
+"""Compiled captures: an instrumented program run under ``torch.compile``, one block of each kind at a time.
 
-``qgraph.instrument(model, values, compile=True)`` or ``ig.compile()`` wraps each program's
-GraphModule (the image-text and the text-only one) in ``torch.compile(fullgraph=True)``:
+``qgraph.instrument(model, values, compile=True)`` or ``ig.compile()`` compiles each program (the
+image-text and the text-only one) by regions, as torch's regional compilation does for a model's
+repeated modules: the program is cut at block boundaries (``qgraph.regions``: what precedes the blocks,
+each block, what follows them), the regions that compute alike (blocks of one kind that tap and edit the
+same values) share one ``GraphModule``, and each such group is one ``torch.compile(fullgraph=True)``,
+called with each of its regions' tensors (parameters are inputs like activations). So the first call
+compiles one block of each kind, whatever the depth: 4 graphs for a Qwen3.5 program (what precedes the
+blocks, a DeltaNet block, an attention block, the final norm and head), where one graph of the whole
+program grew with every block (``benchmarks/bench_compile.py``: the figures by depth).
 
-* **Dynamic batch and sequence.** The program's inputs whose exported shapes are symbolic (the
-  batch and sequence dims of ``input_ids`` and ``attention_mask``; the patch and image dims of the
-  image inputs) are marked dynamic on every call, so one compiled graph serves every prompt length;
-  the parameters stay static, which keeps compile time down and the kernels specialised on the
-  model's sizes. As everywhere in ``torch.compile``, a dim of size 1 is specialised on first sight,
-  so a batch of one and then a batch of two compile twice, and then never again.
+* **Dynamic batch and sequence.** The regions' inputs whose exported shapes are symbolic (the batch and
+  sequence dims of the activations, ``input_ids`` and ``attention_mask``; the patch and image dims of
+  the image inputs) are marked dynamic on every call, so one compiled graph per group serves every
+  prompt length, under ``no_grad`` and under grad mode alike (``compat.inductor_symbolic_strides_fix``
+  keeps inductor from fixing the length where it lowers the conv's backward); the parameters stay static,
+  which keeps the kernels specialised on the model's sizes. As everywhere in ``torch.compile``, a dim of
+  size 1 is specialised on first sight, so a batch of one (or a one-token prompt) after larger ones
+  compiles once more, and then never again.
 * **Custom ops** (the delta-rule kernels, the packed vision attention) are single opaque nodes with
   fake kernels: the compiler calls them as they are.
-* **Edit slots.** A declared slot with no edit is traced as the identity; edits fixed at
-  ``instrument`` time are traced into the graph. A call that gives per-call edits
-  (``ig(ids, edits={...})``) runs the eager program instead, so an edit (a Python function or a
-  tensor that changes call to call) never triggers a recompile, and no compiled graph is invalidated.
-* The first call compiles (about a minute on CPU for the 0.8B shape with a cold inductor cache;
-  seconds when inductor's on-disk cache has the kernels); later calls reuse it. Values equal the
-  eager program's to float rounding (≤ 1e-5).
+* **Edit slots and taps.** A region returns the values asked of it beside what later regions read. A
+  declared slot with no edit is traced as the identity; edits fixed at ``instrument`` time are traced
+  into the graph (a block with a slot is a group of its own: a slot is its own module). A call that
+  gives per-call edits (``ig(ids, edits={...})``) runs the eager program instead, so an edit (a Python
+  function or a tensor that changes call to call) never triggers a recompile.
+* The first call compiles (tens of seconds on CPU with a cold inductor cache, about the same for 4
+  blocks as for 24; seconds when inductor's on-disk cache has the graphs); later calls reuse it. Values
+  equal the eager program's to float rounding (≤ 1e-5). A call pays one compiled call per region (a
+  dynamo guard check and inductor's wrapper, some tens of microseconds each), and no fusion crosses a
+  block boundary.
 
 ``compile=`` and ``ig.compile(**options)`` take ``torch.compile`` options (``backend=``, ``mode=``,
-...); ``fullgraph=True`` is the default.
+...), given to each group's compile; ``fullgraph=True`` is the default.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +45,19 @@ from .compat import inductor_symbolic_strides_fix, mark_dynamic
 from .errors import InvalidType
 from .regions import regions_of
 from .runners import Compiled
+
+
+@dataclass
+class Step:
+    """One region of a call: the compiled module of its group, the positions (in the call's list of tensors:
+    the program's inputs, then each region's outputs) it reads, its inputs' dynamic dims, whether it returns
+    one tensor bare, and the positions no later region nor the program's outputs read once it has run."""
+
+    compiled: Callable
+    reads: list[int]
+    dynamic: list[tuple[int, list[int]]]
+    bare: bool
+    drop: list[int] = field(default_factory=list)
 
 
 class CompiledProgram:
@@ -44,22 +72,23 @@ class CompiledProgram:
         compiled = [torch.compile(group.forward, **self.options) for group in self.regions.modules]
         plan = self.regions.plan
         count = len(module.graph.find_nodes(op="placeholder"))
-        slot: dict[tuple[int, int], int] = {}  # (region, output) -> its index in a call's list of tensors
-        # per region: (compiled module, what it reads, its dynamic dims, bare, what to drop after)
-        self.steps: list[list] = []
+        slot: dict[tuple[int, int], int] = {}  # (region, output) -> its position in a call's list of tensors
+
+        def position(source: tuple) -> int:
+            return source[1] if source[0] == "input" else slot[source[1], source[2] or 0]
+
+        self.steps: list[Step] = []
         for index, stage in enumerate(plan.modules):
-            reads = [source[1] if source[0] == "input" else slot[source[1], source[2] or 0]
-                     for source in plan.inputs[index]]
+            reads = [position(source) for source in plan.inputs[index]]
             for output in range(len(plan.readers[index])):
                 slot[index, output] = count + len(slot)
             bare = not isinstance(stage.graph.output_node().args[0], (tuple, list))
-            self.steps.append([compiled[self.regions.group[index]], reads, _dynamic_dims(stage), bare, []])
-        self.outputs = [source[1] if source[0] == "input" else slot[source[1], source[2] or 0]
-                        for source in plan.outputs]
+            self.steps.append(Step(compiled[self.regions.group[index]], reads, _dynamic_dims(stage), bare))
+        self.outputs = [position(source) for source in plan.outputs]
         kept = set(self.outputs)
-        for (index, output), position in slot.items():  # a region's output is dropped after its last reader
-            if position not in kept:
-                self.steps[max(plan.readers[index][output], default=index)][4].append(position)
+        for (index, output), at in slot.items():  # a region's output is dropped after its last reader
+            if at not in kept:
+                self.steps[max(plan.readers[index][output], default=index)].drop.append(at)
 
     def __call__(self, *args):
         if getattr(self, "_called", False):
@@ -72,18 +101,18 @@ class CompiledProgram:
 
     def _run(self, args) -> tuple:
         tensors = list(args)
-        for compiled, reads, dynamic, bare, drop in self.steps:
-            inputs = [tensors[position] for position in reads]
-            for position, dims in dynamic:
-                mark_dynamic(inputs[position], dims)
-            produced = compiled(*inputs)
-            if bare:
+        for step in self.steps:
+            inputs = [tensors[at] for at in step.reads]
+            for at, dims in step.dynamic:
+                mark_dynamic(inputs[at], dims)
+            produced = step.compiled(*inputs)
+            if step.bare:
                 tensors.append(produced)
             else:
                 tensors.extend(produced)
-            for position in drop:
-                tensors[position] = None
-        return tuple(tensors[position] for position in self.outputs)
+            for at in step.drop:
+                tensors[at] = None
+        return tuple(tensors[at] for at in self.outputs)
 
 
 def _dynamic_dims(module: torch.fx.GraphModule) -> list[tuple[int, list[int]]]:

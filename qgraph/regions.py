@@ -44,31 +44,28 @@ def regions_of(module: GraphModule, block_lists, model_paths: set[str]) -> Regio
     lists (``model.layers``), ``model_paths`` the paths of all its modules (what counts as a scope)."""
     block = re.compile("^(?:" + "|".join(map(re.escape, block_lists)) + r")\.\d+(?=\.|$)") if block_lists else None
     nodes = [node for node in module.graph.nodes if node.op not in ("placeholder", "output")]
-    scopes = {node: _scope(node, block, model_paths) for node in nodes}
-    order: dict[str, int] = {}  # each block's path, in the order its nodes start
-    first = last = None
-    for position, node in enumerate(nodes):
-        scope = scopes[node]
-        if scope not in (None, ""):
-            order.setdefault(scope, len(order))
-            first = position if first is None else first
-            last = position
-    before = any(scopes[node] == "" for node in nodes[:first]) if first is not None else True
-    after = last is not None and any(scopes[node] == "" for node in nodes[last + 1:])
     index = {node: position for position, node in enumerate(nodes)}
-    offset = int(before)
+    scopes = {node: _scope(node, block, model_paths) for node in nodes}
+    inside = [index[node] for node in nodes if scopes[node]]  # the positions of the blocks' nodes
+    first, last = (inside[0], inside[-1]) if inside else (len(nodes), len(nodes))
+    order: dict[str, int] = {}  # each block's path, in the order its nodes start
+    for scope in scopes.values():
+        if scope:
+            order.setdefault(scope, len(order))
+    offset = int(any(scopes[node] == "" for node in nodes[:first]))  # a region before the blocks
+    after = any(scopes[node] == "" for node in nodes[last + 1:])  # and one after them
 
     def stage_of(node: Node) -> int | None:
-        scope = scopes.get(node)
+        scope = scopes[node]
         if scope:
             return order[scope] + offset
-        if scope == "" and (first is None or index[node] < first):
+        if scope == "" and index[node] < first:
             return 0
-        if scope == "" and last is not None and index[node] > last:
+        if scope == "" and index[node] > last:
             return offset + len(order)
-        return None  # no module's scope, or one between the blocks: with its inputs
+        return None  # no module's scope (a node the passes added), or one between blocks: with its inputs
 
-    plan = split_by(module, stage_of, offset + len(order) + int(after))
+    plan = split_by(module, stage_of, max(1, offset + len(order) + int(after)))
     groups: dict[tuple, int] = {}
     group: list[int] = []
     modules: list[GraphModule] = []
@@ -116,11 +113,12 @@ def structure(module: GraphModule) -> tuple:
             return ("object", id(value))
         return (type(value).__name__, value)
 
-    key: list[tuple] = []
+    key = []
     for node in module.graph.nodes:
+        target: object
         if node.op == "placeholder":
             value = node.meta.get("val")
-            target: object = (str(value.dtype), tuple(str(size) for size in value.shape), value.device.type) \
+            target = (str(value.dtype), tuple(str(size) for size in value.shape), value.device.type) \
                 if isinstance(value, torch.Tensor) else type(value).__name__
         elif node.op in ("call_module", "get_attr"):
             target = ("object", id(attrgetter(node.target)(module)))

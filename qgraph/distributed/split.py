@@ -11,6 +11,9 @@ input (a ``sym_size`` of ``input_ids``, say) is computed again in every stage th
 tensors cross stages: a stage's sizes follow the inputs it is given (a pipeline sends fewer messages,
 and a patching sweep can run a stage on a larger batch than the stages before it ran on).
 
+``split`` cuts before given blocks; ``split_by`` takes each node's stage from a function of its scope
+(``qgraph.regions`` cuts before and after every block that way, for ``compile=True``).
+
 ``Plan`` says, for each stage, where each of its inputs comes from (a program input, or an output
 of an earlier stage) and which later stages and program outputs read each of its outputs: what a
 pipeline sends and keeps.
