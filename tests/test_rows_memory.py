@@ -13,7 +13,8 @@ import torch
 from qgraph.circuits.rows import READ, Rows
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
-pytestmark = pytest.mark.skipif(not os.access(CLEAR_REFS, os.W_OK), reason="the peak RSS is reset and read in /proc (Linux)")
+pytestmark = pytest.mark.skipif(not os.access(CLEAR_REFS, os.W_OK),
+                                reason="the peak RSS is reset and read in /proc (Linux)")
 
 
 def _status(field: str) -> int:
@@ -36,10 +37,11 @@ def store(request):
     """300 rows of 60,000 active features (72 MB), random, in memory or in a file."""
     generator = torch.Generator().manual_seed(0)
     rows = Rows(300, 60_000, 40, 8, request.param)
-    for _ in range(3):
-        rows.add({"features": torch.randn(100, 60_000, generator=generator),
+    for part in range(3):
+        rows.put({"features": torch.randn(100, 60_000, generator=generator),
                   "errors": torch.randn(100, 40, generator=generator),
-                  "embeddings": torch.randn(100, 8, generator=generator), "constants": torch.zeros(100)})
+                  "embeddings": torch.randn(100, 8, generator=generator), "constants": torch.zeros(100)},
+                 list(range(100 * part, 100 * part + 100)))
     yield rows
     rows.close()
 

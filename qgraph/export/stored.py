@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 from .. import compat
 from ..compat.torch_stored import (example_of, size_functions, stored_fake_mode, sym_int, symbol_range,
                                    training_verifier, value_range)
-from ..errors import NotSupported
+from ..errors import NotSupported, SavedProgramError
 from .sizes import SIZE_FUNCTIONS
 
 FORMAT = 1
@@ -164,7 +164,8 @@ def _name(value) -> str:
 def program_from_data(data: dict, constants: dict[str, torch.Tensor]) -> ExportedProgram:
     """The program ``program_data`` wrote (with the constants stored beside it)."""
     if data.get("format") != FORMAT:
-        raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
+        raise SavedProgramError(f"a cached program of format {data.get('format')!r}, not {FORMAT}: "
+                                "it is exported again")
     mode, symbols = stored_fake_mode({name: tuple(entry) for name, entry in data["symbols"].items()})
     reader = _Reader(mode, symbols, {name: entry[0] for name, entry in data["symbols"].items()})
     graph = Graph()
@@ -268,7 +269,7 @@ def _target(name: str):
     namespace, op, overload = name.removeprefix("torch.ops.").split(".")
     found = getattr(getattr(getattr(torch.ops, namespace), op), overload)
     if not isinstance(found, _OP):
-        raise ValueError(f"{name} is not an op")
+        raise SavedProgramError(f"{name} in a cached program is not an op: the file is exported again")
     return found
 
 
