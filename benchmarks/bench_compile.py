@@ -1,6 +1,7 @@
 """The first compiled call by model depth, whole-graph against regional compilation (issue 56, item 3).
 
-    python benchmarks/bench_compile.py [--blocks 4,8,16] [--big] [--steady 4] [--repeats 15]
+    python benchmarks/bench_compile.py [--blocks 4,8,16] [--big] [--steady 4] [--repeats 15] [--threads 1]
+                                       [--compile-threads N] [--ways whole,regional]
 
 ``compile=True`` used to wrap the whole program in one ``torch.compile`` (``whole`` here: that code, kept in
 this file); it now compiles each group of alike regions once (``regional``: ``qgraph.compile``). For each
@@ -10,23 +11,29 @@ way runs in a fresh process with a fresh, empty inductor cache (``TORCHINDUCTOR_
 new temporary directory; dynamo's in-memory caches start empty in a fresh process), and reports:
 
 - the first call's seconds (batch 2, 16 tokens, every block's output and the logits, no_grad), the compile
-  included; ``instrument()`` before it is not counted;
+  included; ``instrument()`` before it is not counted; and its CPU seconds, the C++ compiler's included
+  (``--compile-threads 1``, ``TORCHINDUCTOR_COMPILE_THREADS=1``: inductor runs the compiler from this
+  process, so its time is counted; with more, its worker processes' time is not), a figure that depends
+  less on what else the machine runs than the wall time;
 - the largest difference from the eager program over every value and the logits, relative to the value's
   largest magnitude, and the logits' against the Hugging Face forward;
 - the graphs dynamo compiled on the first call, and the ones it compiled after it for calls of other
   lengths and batches (batch 2 at 40 tokens, batch 3 at 9, batch 1 at 16 after batch 2), and then under
   grad mode (batch 1 at 12 tokens, then 30): 0 is no recompile (grad mode itself is guarded, so its
-  first call compiles its own graphs).
+  first call compiles its own graphs);
+- the process's peak resident memory (the model, the eager program's calls and the compile).
 
-``--steady B`` then times calls (batch 1, 16 tokens; ``--big``: 128 tokens) in one process, eager, whole
-and regional interleaved, medians of ``--repeats`` after a warm-up. The whole-graph compile of the 0.8B
-shape takes minutes, so ``--big`` runs the regional way alone unless ``--big-whole``.
+``--steady B`` then times calls (batch 1, 16 tokens; ``big``: the 0.8B shape at 128 tokens) in one process
+on ``--threads`` threads, eager, whole and regional interleaved (each compiled first, not timed), medians of
+``--repeats`` after a warm-up. The whole-graph first call of the 0.8B shape takes minutes, so ``--big``
+measures the regional one alone unless ``--big-whole``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -107,6 +114,12 @@ def relative_difference(got, want) -> float:
     return max(((a.double() - b.double()).abs().max() / b.double().abs().max()).item() for a, b in pairs)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children waited for (the compiler runs inductor starts)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def first_call(blocks: int | None, way: str, directory: str) -> dict:
     """One fresh process's figures (see the module's docstring)."""
     import torch
@@ -116,9 +129,9 @@ def first_call(blocks: int | None, way: str, directory: str) -> dict:
     graphs = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
     ids = ids_of(model, 2, 16)
     with torch.no_grad():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         out = ig(ids)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
         first = graphs()
         difference = relative_difference(out, eager(ids))
         hf = model(input_ids=ids).logits
@@ -133,9 +146,10 @@ def first_call(blocks: int | None, way: str, directory: str) -> dict:
         later = ids_of(model, batch, seq)
         difference = max(difference, relative_difference(ig(later), eager(later)))
         grad_graphs.append(graphs() - before)
-    return dict(way=way, blocks=blocks or "0.8B", first_call_s=round(seconds, 1), graphs=first,
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # KiB on Linux
+    return dict(way=way, blocks=blocks or "0.8B", first_call_s=round(seconds, 1), cpu_s=round(cpu, 1), graphs=first,
                 later_graphs=later_graphs, grad_graphs=grad_graphs, max_relative_difference=difference,
-                logits_vs_hf=against_hf)
+                logits_vs_hf=against_hf, peak_rss_mib=peak)
 
 
 def steady(blocks: int | None, ways: list[str], repeats: int, directory: str, threads: int) -> dict:
@@ -155,10 +169,12 @@ def steady(blocks: int | None, ways: list[str], repeats: int, directory: str, th
     return {way: round(seconds * 1000, 2) for way, seconds in times.items()}
 
 
-def child(arguments: list[str]) -> dict:
+def child(arguments: list[str], compile_threads: int | None) -> dict:
     """Run this file in a fresh process with an empty inductor cache; its last line is the result."""
     with tempfile.TemporaryDirectory(prefix="bench-compile-") as directory:
         environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor")}
+        if compile_threads:
+            environment["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads)
         done = subprocess.run([sys.executable, __file__, "--child", *arguments, "--dir", directory],
                               env=environment, capture_output=True, text=True)
         if done.returncode:
@@ -174,6 +190,8 @@ def main() -> None:
     parser.add_argument("--steady", default="4", help="depths to time calls at (tiny; 'big' for the 0.8B shape)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads for the timed calls")
+    parser.add_argument("--compile-threads", type=int, default=None,
+                        help="inductor's compile workers (1: the compiler's CPU time is counted; default: torch's)")
     parser.add_argument("--ways", default="whole,regional")
     parser.add_argument("--child", nargs="*")
     parser.add_argument("--dir")
@@ -192,11 +210,12 @@ def main() -> None:
         for way in options.ways.split(","):
             if blocks == "big" and way == "whole" and not options.big_whole:
                 continue
-            result = child(["first", blocks, way])
+            result = child(["first", blocks, way], options.compile_threads)
             print(json.dumps(result), f"load {load()}", flush=True)
     for blocks in [b for b in options.steady.split(",") if b]:
-        ways = ["eager", *(w for w in options.ways.split(",") if blocks != "big" or w != "whole" or options.big_whole)]
-        result = child(["steady", blocks, *ways, "--repeats", str(options.repeats), "--threads", str(options.threads)])
+        ways = ["eager", *options.ways.split(",")]
+        result = child(["steady", blocks, *ways, "--repeats", str(options.repeats), "--threads", str(options.threads)],
+                       options.compile_threads)
         print(f"steady ms, {blocks} blocks:", json.dumps(result), f"load {load()}", flush=True)
 
 

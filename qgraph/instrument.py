@@ -261,9 +261,9 @@ class InstrumentedModel:
 
     def compile(self, **options) -> InstrumentedModel:
         """Run the program(s) under ``torch.compile`` (``fullgraph=True`` unless ``options`` say
-        otherwise); returns self. The first call compiles; the batch and sequence dims are dynamic,
-        so a new prompt length does not recompile. A call with per-call edits runs the eager program
-        (see ``qgraph.compile``)."""
+        otherwise), one block of each kind compiled and reused for the blocks that repeat; returns self.
+        The first call compiles; the batch and sequence dims are dynamic, so a new prompt length does not
+        recompile. A call with per-call edits runs the eager program (see ``qgraph.compile``)."""
         self._compile = options
         for (_, slots), program in self._programs.items():
             if slots == self._slots.main:

@@ -11,9 +11,10 @@ A node is in a block when its module scope (``nn_module_stack``) lies in one of 
 lists (``Family.repeated_blocks``: the text blocks, the vision blocks). A node in some other module's
 scope (the embedding, the rotary, the masks; the final norm, the lm_head) belongs to the region before
 the first block or the one after the last; what the passes added (taps, edit slots) goes with what it
-reads, as in ``split``. Two regions are alike when their graphs are: the same ops in the same order on
-the same operands, the same constants and the same module objects (an edit slot is its own), and
-inputs of the same dtypes and shapes (``structure``).
+reads, as in ``split``, and so does a node in another module's scope between two blocks. Two regions
+are alike when their graphs are: the same ops in the same order on the same operands, the same constants
+(small tensors by value) and the same module objects (an edit slot is its own), and inputs of the same
+dtypes and shapes (``structure``).
 """
 from __future__ import annotations
 
@@ -120,9 +121,19 @@ def structure(module: GraphModule) -> tuple:
             value = node.meta.get("val")
             target = (str(value.dtype), tuple(str(size) for size in value.shape), value.device.type) \
                 if isinstance(value, torch.Tensor) else type(value).__name__
-        elif node.op in ("call_module", "get_attr"):
-            target = ("object", id(attrgetter(node.target)(module)))
+        elif node.op == "get_attr":
+            target = _constant(attrgetter(node.target)(module))
+        elif node.op == "call_module":
+            target = ("object", id(module.get_submodule(node.target)))
         else:
             target = plain(node.target)
         key.append((node.op, target, plain(node.args), plain(dict(node.kwargs))))
     return tuple(key)
+
+
+def _constant(value) -> tuple:
+    """A constant of a region (a lifted tensor, say), by value where it is small (each block's copy of one
+    scalar is alike), else by identity."""
+    if isinstance(value, torch.Tensor) and value.numel() <= 16 and value.device.type != "meta":
+        return ("tensor", str(value.dtype), tuple(value.shape), tuple(value.flatten().tolist()))
+    return ("object", id(value))
