@@ -2,8 +2,8 @@
 segments up to p's (``qgraph.circuits.segments``) against the one-pass forward's backward over every
 position (today's, ``SEGMENT`` set past the prompt's length), on the 0.8B shape.
 
-    python benchmarks/bench_targets.py --tokens 128 --repeats 3
-    python benchmarks/bench_targets.py --tokens 512 --repeats 3 --positions 8
+    python benchmarks/bench_targets.py --tokens 128 --repeats 5 --threads 1
+    python benchmarks/bench_targets.py --tokens 512 --repeats 3 --positions 8 --threads 1 --graph 8
 
 The 0.8B shape (24 blocks, hidden 1024, vocab 248320), random weights, float32, random TopK transcoders at
 every block (8192 features, k = 32: the same active features at every position), one process. Both runs
@@ -67,13 +67,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--graph", type=int, default=0, help="then a graph of this many features each way, compared")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads (1 on a shared machine: its ratios are the work's, not the contention's)")
     args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     model = build_0_8b()
     text = model.config
     tcs = transcoders(text.hidden_size, text.num_hidden_layers, 8 * text.hidden_size, 32)
     ids = torch.randint(0, text.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(1))
-    result: dict = {"tokens": args.tokens, "segment": segments.SEGMENT, "load_start": os.getloadavg()}
+    result: dict = {"tokens": args.tokens, "segment": segments.SEGMENT, "threads": args.threads,
+                    "load_start": os.getloadavg()}
     with torch.no_grad():
         hf_last = model(ids[None]).logits[0, -1].float()
     runs, default = {}, segments.SEGMENT

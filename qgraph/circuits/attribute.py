@@ -172,9 +172,8 @@ class _Run:
     rows of targets by backward passes, each through the segments up to its targets' last."""
 
     def __init__(self, transcoders, captured, segments, names, logits, blocks, batch_size, unembedding):
-        # the last position's logits (a copy: the whole prompt's, [seq, vocab], are not kept)
-        self.transcoders, self.logits = transcoders, logits[:, -1:].detach().clone()
-        self.blocks, self.batch = blocks, batch_size
+        # the last position's logits [1, 1, vocab] (the whole prompt's are not kept)
+        self.transcoders, self.logits, self.blocks, self.batch = transcoders, logits, blocks, batch_size
         self.starts, self.seq = [segment.start for segment in segments], segments[-1].end
         # a logit target's direction lies on the unembedding's input, the final norm's output (frozen: the
         # logits are linear in it), at the last position: W_U[token] - mean(W_U), never vocabulary-wide

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InternalError
 from ..kernels.grad import keep_recomputation
 
 SEGMENT = 64  # tokens a segment of the forward holds (the DeltaNet kernel's chunk)
@@ -65,41 +66,51 @@ def programs(model, values: list[str], transcoders, seq: int) -> tuple:
     # the parameters without their gradients: a backward reaches the sources only, and keeps nothing for weights
     weights = {name: parameter.detach() for name, parameter in model.named_parameters()}
 
-    def build(**cache):
-        return Program(model, exported, weights=weights).build(values, {}, True, replacement=transcoders.spliced,
+    def build(logits: bool, **cache):
+        return Program(model, exported, weights=weights).build(values, {}, logits, replacement=transcoders.spliced,
                                                                **cache)
-    stepped = build(cache="prompt", make=carried(family_for(model), model.config)) if cached(seq) else None
-    return build(), stepped
+    # the segments' logits are never read (a logit target's direction lies on the final norm's output)
+    stepped = build(False, cache="prompt", make=carried(family_for(model), model.config)) if cached(seq) else None
+    return build(True), stepped
 
 
 def forward(model, ids: torch.Tensor, plain, stepped, names: list[str], width: int, counter) -> tuple:
-    """The prompt ``ids`` ``[seq]`` through the replacement model: ``(logits, captured, segments)``. The
-    logits and the captured values (the graph's nodes and what its sources add) are always the one-pass
-    forward's (``plain``), so the graph is the one it was without segments: a segmented forward's values
-    differ in float32 rounding, enough to swap a TopK feature at a near-tie. The segments hold the graphs
-    the backwards run through: the one pass itself, or, where ``stepped`` (the cached step), the prompt
-    run in segments after a one-pass forward that keeps nothing for a backward. ``counter``
-    (``memory.SavedBytes``) sees what autograd saves for the backwards."""
+    """The prompt ``ids`` ``[seq]`` through the replacement model: ``(logits, captured, segments)``, the
+    logits the last position's ``[1, 1, vocab]``. The logits and the captured values (the graph's nodes
+    and what its sources add) are always the one-pass forward's (``plain``), so the graph is the one it
+    was without segments: a segmented forward's values differ in float32 rounding, enough to swap a TopK
+    feature at a near-tie. The segments hold the graphs the backwards run through: the one pass itself,
+    or, where ``stepped`` (the cached step), the prompt run in segments after a one-pass forward that
+    keeps nothing for a backward. ``counter`` (``memory.SavedBytes``) sees what autograd saves for the
+    backwards."""
     seq = ids.shape[0]
     if stepped is not None:
         with torch.no_grad():
-            logits, (values,) = run_segments(plain, ids, [(0, seq)], names, width, model)
+            logits, (whole,) = run_segments(plain, ids, [(0, seq)], names, width, model)
+        logits, values = _last(logits), whole.captured  # the whole prompt's logits are not kept
     with torch.enable_grad(), keep_recomputation(), torch.autograd.graph.saved_tensors_hooks(counter.pack,
                                                                                               counter.unpack):
         # every batch of targets reuses one recomputed kernel
         last, segments = run_segments(stepped or plain, ids, bounds(seq) if stepped else [(0, seq)], names, width,
                                       model)
     if stepped is None:
-        logits, values = last, segments[0]
-    return logits, values.captured, segments
+        logits, values = _last(last), segments[0].captured
+    return logits, values, segments
+
+
+def _last(logits: torch.Tensor | None) -> torch.Tensor:
+    """The last position's logits, a copy (the whole prompt's are not kept)."""
+    if logits is None:
+        raise InternalError("the replacement model's one-pass program returns its logits")
+    return logits[:, -1:].detach().clone()
 
 
 def run_segments(program, ids: torch.Tensor, pieces: list[tuple[int, int]], names: list[str], width: int,
-                 model) -> tuple[torch.Tensor, list[Segment]]:
+                 model) -> tuple[torch.Tensor | None, list[Segment]]:
     """Run ``program`` (built with ``cache="prompt"`` where ``pieces`` are more than one) on the prompt ``ids``
     ``[seq]``, a segment (``pieces``: their bounds) at a time, with zeros (leaves that take gradients) at the
-    program inputs ``names``: the last segment's logits and every segment. Gradients flow between the
-    segments through the cache."""
+    program inputs ``names``: the last segment's logits (None without) and every segment. Gradients flow
+    between the segments through the cache."""
     # lazy: qgraph.generate keeps transformers out until this is used
     from ..generate import causal_mask, empty_cache, next_cache
     parameter = next(model.parameters())
