@@ -16,7 +16,6 @@ import argparse
 import linecache
 import os
 import sys
-import time
 from pathlib import Path
 
 from .errors import InternalError, QgraphError, UsageError
@@ -55,20 +54,25 @@ def build_parser() -> Parser:
                                 "checkpoint dir, text or image-text.")
     parser.add_argument("--version", action="version", version=f"qgraph {version()}")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    demo = commands.add_parser("demo", help="instrument a checkpoint and print its values for a prompt",
-                               description="Instrument a checkpoint, print its support table, its annotated "
-                                           "module tree and statistics of every captured value for a prompt.",
+    demo = commands.add_parser("demo", help="one screen: a checkpoint's values for a prompt and an edit's effect",
+                               description="Instrument a checkpoint and print, on one screen, what it loaded, "
+                                           "statistics of the values captured for a prompt, one edit (a head "
+                                           "zeroed) and its effect on the logits, and where to go next.",
                                formatter_class=HelpFormatter)
-    add_model_arguments(demo, attn_default="eager")
+    add_model_arguments(demo)
     demo.add_argument("--prompt", default="The Eiffel Tower is in the city of", help="the text to run")
-    demo.add_argument("--values", nargs="+", default=["layers.*.layer_output", "layers.*.*.*", "next_token_probs"],
-                      help="names or globs of the values to capture")
+    demo.add_argument("--values", nargs="+",
+                      help="names or globs of the values to capture (default: the residual stream at up to 4 "
+                           "blocks, the first DeltaNet block's decays, the last attention block's pattern, "
+                           "next_token_probs)")
+    demo.add_argument("--table", action="store_true", help="also print the support table: every standard value")
+    demo.add_argument("--tree", action="store_true", help="also print the module tree annotated with every value")
     demo.set_defaults(handler=run_demo)
     support = commands.add_parser("support", help="print the value table: every value, its layout, shape and blocks",
                                   description="Print every standard value of a checkpoint with its layout, shape "
                                               "and per-block availability (qgraph.support(model)).",
                                   formatter_class=HelpFormatter)
-    add_model_arguments(support, attn_default="sdpa")
+    add_model_arguments(support)
     support.set_defaults(handler=run_support)
     add_render_command(commands)
     check = commands.add_parser("check", help="check a saved program (.qgraph) as qgraph.load does, reading no weights",
@@ -91,6 +95,7 @@ def build_parser() -> Parser:
                     "call it with qgraph.remote(url, api_key). Prints 'qgraph serve: listening on http://HOST:PORT' "
                     "when ready; SIGTERM ends it cleanly.", formatter_class=HelpFormatter)
     add_serve_arguments(serve)
+    add_attention_argument(serve)  # here, not in serve/cli.py: every command loads attention alike
     serve.set_defaults(handler=run_serve)
     return parser
 
@@ -115,13 +120,21 @@ def run_check(args) -> int:
     return 0
 
 
-def add_model_arguments(parser, attn_default: str) -> None:
+def add_model_arguments(parser) -> None:
     """``--model`` and ``--attn-implementation``, shared by the subcommands."""
     parser.add_argument("--model", metavar="PATH",
                         help="a local checkpoint dir, text or image-text (default: the embedded tiny Qwen3.5, "
                              "built on first use)")
-    parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default=attn_default,
-                        help="how transformers loads attention (attn_implementation)")
+    add_attention_argument(parser)
+
+
+def add_attention_argument(parser) -> None:
+    """``--attn-implementation``: by default none is asked, so transformers picks (sdpa), as for
+    ``from_pretrained(path)``, the load ``qgraph.instrument`` gets in every example: the command line and
+    the library run one attention implementation, chosen in one place."""
+    parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS,
+                        help="how transformers loads attention (attn_implementation; default: from_pretrained's "
+                             "own, sdpa, the load qgraph.instrument gets in every example)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,14 +232,15 @@ def is_image_text(path: Path) -> bool:
     return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
 
 
-def load_model(path: Path, attn_implementation: str):
+def load_model(path: Path, attn_implementation: str | None = None):
     """The checkpoint's model in eval mode: ``AutoModelForImageTextToText`` for an image-text
-    checkpoint, ``AutoModelForCausalLM`` otherwise."""
+    checkpoint, ``AutoModelForCausalLM`` otherwise; ``attn_implementation`` None: transformers' choice."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     quiet_transformers()
     loader = AutoModelForImageTextToText if is_image_text(path) else AutoModelForCausalLM
-    return loader.from_pretrained(path, attn_implementation=attn_implementation).eval()
+    chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    return loader.from_pretrained(path, **chosen).eval()
 
 
 def print_table(table) -> None:
@@ -245,88 +259,35 @@ def run_support(args) -> int:
     path = checkpoint_path(args.model)
     model = load_model(path, args.attn_implementation)
     table = qgraph.support(model)
-    print(f"checkpoint: {path} ({type(model).__name__}, attn_implementation={args.attn_implementation})")
+    from .compat import attn_implementation  # lazy: keeps torch out until this is used
+    print(f"checkpoint: {path} ({type(model).__name__}, attn_implementation={attn_implementation(model.config)})")
     print_table(table.to_rich())
     print(f"\n{table.footer()}")
     return 0
 
 
 def run_demo(args) -> int:
-    """``qgraph demo``: instrument a checkpoint and print what it captured for a prompt."""
+    """``qgraph demo``: one screen on a checkpoint (qgraph/demo.py), then the long forms asked for."""
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give some text to run (or leave --prompt out for the default)")
     path = checkpoint_path(args.model)
-    import torch
     from transformers import AutoTokenizer
 
-
+    from .demo import Demo  # lazy: keeps torch out until this is used
     from .progress import progress  # lazy: keeps tqdm out until this is used
-    print(f"checkpoint: {path}")
-    tokenizer = AutoTokenizer.from_pretrained(path)
     model = load_model(path, args.attn_implementation)
-
-    start = time.perf_counter()
-    # qgraph.instrument is the function at run time (qgraph/__init__.py's _Package); mypy sees the submodule
-    instrumented = qgraph.instrument(model, values=args.values)  # type: ignore[operator]
-    seconds = time.perf_counter() - start
-    print(f"instrument(): {seconds:.1f} s, {len(instrumented.graph.nodes)} graph nodes, "
-          f"{len(instrumented.values)} values\n")
-    print("== support table ==")
-    table = qgraph.SupportTable(instrumented.catalogue, instrumented.family, model.config)
-    print_table(table.to_rich())
-    print(f"\n{table.footer()}")
-    print("\n== annotated module tree (* = captured) ==")
-    print(instrumented.tree())
-
-    inputs = tokenizer(args.prompt, return_tensors="pt")
-    with torch.no_grad(), progress("running the prompt"):
-        out = instrumented(**inputs)
-    print(f"\n== captured for {args.prompt!r} ({inputs['input_ids'].shape[1]} tokens) ==")
-    print_table(value_table(out.values))
-    probabilities = (out["next_token_probs"][0] if "next_token_probs" in out.values
-                     else out.logits[0, -1].float().softmax(-1))
-    top = probabilities.topk(5)
-    tokens = [tokenizer.decode([i]) for i in top.indices.tolist()]
-    print("\nnext token:", ", ".join(f"{t!r} {p:.3f}" for t, p in zip(tokens, top.values.tolist())))
+    demo = Demo(model, AutoTokenizer.from_pretrained(path), path, args.values, embedded=args.model is None)
+    with progress("running the prompt"):
+        print("\n".join(demo.lines(args.prompt)))
+    if args.table:
+        print("\n== support table ==")
+        table = qgraph.SupportTable(demo.ig.catalogue, demo.ig.family, model.config)
+        print_table(table.to_rich())
+        print(f"\n{table.footer()}")
+    if args.tree:
+        print("\n== annotated module tree (* = captured) ==")
+        print(demo.ig.tree())
     return 0
-
-
-def value_table(values: dict):
-    """A rich table of captured values: shape, how many entries are masked (-inf, NaN or the dtype's
-    lowest value, as attention masks write), and mean, std and max |x| over the other entries; a value
-    that is not a tensor (``input_size``, a ``torch.Size``) shows as it is, ``value (1, 9)``."""
-    import torch
-
-    # lazy: keeps sympy, torch, transformers out until this is used
-    from .values.support import add_text_row, plain_table
-    table = plain_table("value", "shape", "masked", "mean", "std", "max |x|")
-    for column in table.columns[2:]:
-        column.justify = "right"
-    for name, value in values.items():
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-            shapes = ", ".join(str(tuple(v.shape)) for v in value)  # per-image patterns: a list of tensors
-            add_text_row(table, name, f"[{shapes}]", "", "", "", "")
-            continue
-        if not isinstance(value, torch.Tensor):  # a plain value (input_size, a torch.Size): shown as it is
-            shown = str(tuple(value)) if isinstance(value, torch.Size) else str(value)
-            add_text_row(table, name, f"value {shown}", "", "", "", "")
-            continue
-        add_text_row(table, name, str(tuple(value.shape)), *value_statistics(value))
-    return table
-
-
-def value_statistics(value) -> tuple[str, str, str, str]:
-    """(masked count, mean, std, max |x|) of a tensor as text; the statistics skip the masked entries."""
-    import torch
-    x = value.detach().float() if value.is_floating_point() else value.detach().double()
-    masked = ~x.isfinite()
-    if value.is_floating_point():
-        masked |= value.detach() <= torch.finfo(value.dtype).min
-    kept = x[~masked].double()
-    if kept.numel() == 0:
-        return str(int(masked.sum())), "-", "-", "-"
-    std = kept.std().item() if kept.numel() > 1 else 0.0
-    return (str(int(masked.sum())), f"{kept.mean().item():.4f}", f"{std:.4f}", f"{kept.abs().max().item():.4f}")
 
 
 def add_render_command(subparsers) -> None:
@@ -335,7 +296,7 @@ def add_render_command(subparsers) -> None:
         "render", help="draw a block (every value on it) or the model, as svg, png, pdf or dot",
         description="Draw a block or the model from the exported graph; the --out extension picks the format.",
         formatter_class=HelpFormatter)
-    add_model_arguments(render, attn_default="sdpa")
+    add_model_arguments(render)
     render.add_argument("--what", choices=WHAT, default="block",
                         help="a text block, the model, or a vision block (image-text checkpoints)")
     render.add_argument("--block", type=int, default=None,

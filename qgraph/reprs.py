@@ -1,9 +1,10 @@
 """Short reprs for terminals and notebooks: a header line and a table, never tensor data.
 
 Every repr here is a ``Summary`` (a title, column names, rows, notes) shown two ways: ``text()`` is
-``repr(x)`` (a value captured at several blocks with one shape and dtype is one row,
-``layers.{0-2}.linear_attn.decays``) and ``html()`` is ``x._repr_html_()``, what Jupyter shows: a
-self-contained table (inline styles, no stylesheet, script or font to fetch) with a row per value.
+``repr(x)`` (with ``merge``, a value captured at several blocks with one shape and dtype is one row,
+``layers.{0-2}.linear_attn.decays``, and a note under the table says so, only where it shows such a
+row) and ``html()`` is ``x._repr_html_()``, what Jupyter shows: a self-contained table (inline
+styles, no stylesheet, script or font to fetch) with a row per value.
 The functions below build the summaries of an ``Output``, an ``InstrumentedModel``, a
 ``SupportTable``, a ``GenerateOutput`` and a loaded capture (``qgraph.load_capture``).
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 TEXT_ROWS = 50  # rows a text repr shows before "... N more"
 _BLOCK = re.compile(r"^((?:vision\.)?layers)\.(\d+)(?=\.|$)")
+_GROUP = re.compile(r"^(?:vision\.)?layers\.\{([\d,-]+)\}")  # a row ``merged`` made of several blocks' rows
 
 
 @dataclass
@@ -26,10 +28,12 @@ class Summary:
     columns: tuple[str, ...] = ()
     rows: list[tuple] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    text_rows: list[tuple] | None = None  # what the text shows instead of ``rows`` (values merged across blocks)
+    text_rows: list[tuple] | None = None  # what the text shows instead of ``rows`` (shorter cells)
+    merge: bool = False  # the text shows rows alike but for their block index as one (``merged``)
 
     def text(self) -> str:
-        rows = [tuple(str(cell) for cell in row) for row in (self.rows if self.text_rows is None else self.text_rows)]
+        rows = self.rows if self.text_rows is None else self.text_rows
+        rows = [tuple(str(cell) for cell in row) for row in (merged(rows) if self.merge else rows)]
         shown = rows[:TEXT_ROWS]
         table = ([tuple(self.columns)] if self.columns else []) + shown
         lines = [self.title]
@@ -39,7 +43,7 @@ class Summary:
                       for row in table]
         if len(rows) > len(shown):
             lines.append(f"  ... {len(rows) - len(shown)} more")
-        return "\n".join(lines + self.notes)
+        return "\n".join(lines + self.notes + group_note(shown))
 
     def html(self) -> str:
         cell = "padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:nowrap"
@@ -99,6 +103,15 @@ def merged(rows) -> list[tuple]:
     return out
 
 
+def group_note(rows) -> list[str]:
+    """The note that explains the first of ``rows`` that stands for several blocks (none where no row does)."""
+    for name, *_ in rows:
+        found = _GROUP.match(name)
+        if found:
+            return [f"({name}: one row for blocks {found.group(1)}, alike in every other column)"]
+    return []
+
+
 def names_text(names, limit: int = 160) -> str:
     """Names merged across blocks, joined, cut at about ``limit`` characters."""
     parts = [row[0] for row in merged((name,) for name in names)]
@@ -122,9 +135,6 @@ def _size(count: float) -> str:
     return f"{count:.1f} GB"
 
 
-_MERGED = "(layers.{0-2}.x: one row for blocks 0 to 2, whose x have one shape and dtype)"
-
-
 # -- what each class shows ---------------------------------------------------------------------------------
 def output(out) -> Summary:
     """``Output``: the logits, and a row per value (name, shape, dtype)."""
@@ -133,9 +143,7 @@ def output(out) -> Summary:
     logits = "no logits" if out.logits is None else f"logits {shape(out.logits)} {dtype(out.logits)}"
     title = (f"Output: {logits}, {len(rows)} values" + (f" on {', '.join(devices)}" if devices else "")
              + (f", {len(out.watched)} with gradients (out.grad(name))" if out.watched else ""))
-    text_rows = merged(rows)
-    notes = [_MERGED] if len(text_rows) < len(rows) else []
-    return Summary(title, ("value", "shape", "dtype"), rows, notes, text_rows)
+    return Summary(title, ("value", "shape", "dtype"), rows, merge=True)
 
 
 def instrumented(ig) -> Summary:
@@ -173,10 +181,8 @@ def generated(gen) -> Summary:
     title = (f"GenerateOutput: sequences {shape(gen.sequences)} ({gen.sequences.shape[1] - new} prompt + {new} new "
              f"tokens), {len(gen.steps)} steps (0: the prompt pass, k: the pass over new token k), "
              f"{len(rows)} values per step")
-    text_rows = merged(rows)
     notes = ["out.steps[k][name] reads one; out.stacked(name) stacks one over the steps"]
-    return Summary(title, ("value", "step 0", "steps 1+", "dtype"), rows,
-                   notes + ([_MERGED] if len(text_rows) < len(rows) else []), text_rows)
+    return Summary(title, ("value", "step 0", "steps 1+", "dtype"), rows, notes, merge=True)
 
 
 def capture(cap) -> Summary:
@@ -186,7 +192,5 @@ def capture(cap) -> Summary:
     title = (f"Capture at {cap.out}: {len(cap)} rows of {identity.get('context', '?')} tokens "
              f"({manifest.get('tokens', 0)} real), {len(rows)} values, {_count(len(manifest['shards']), 'shard')} "
              f"({_size(manifest.get('bytes', 0))}), from {identity.get('model', {}).get('class', '?')}")
-    text_rows = merged(rows)
     notes = ["cap[i][name] reads a row; cap.values(name) one value over every row"]
-    return Summary(title, ("value", "layout", "dtype"), rows,
-                   notes + ([_MERGED] if len(text_rows) < len(rows) else []), text_rows)
+    return Summary(title, ("value", "layout", "dtype"), rows, notes, merge=True)

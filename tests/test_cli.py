@@ -1,5 +1,5 @@
 """The ``qgraph`` command line: subcommands, --version, --help, one-line errors, the support table,
-the demo's statistics of masked scores, image-text checkpoints, and the progress helper."""
+the demo's statistics of masked scores (tests/test_demo.py: the demo's screen), image-text checkpoints, and the progress helper."""
 from __future__ import annotations
 
 import math
@@ -15,6 +15,7 @@ import torch
 
 from qgraph import cli
 from qgraph.cli import main
+from qgraph.demo import value_statistics, value_table
 from qgraph.progress import enabled, progress
 from qgraph.testing import tiny_qwen3_5_vl
 
@@ -57,11 +58,15 @@ def test_version(capsys):
     assert status == 0 and out.strip() == f"qgraph {version('qgraph')}"
 
 
+ATTENTION = "default: from_pretrained's own, sdpa, the load qgraph.instrument gets in every example"
+
+
 @pytest.mark.parametrize("command, shown", [
-    ("demo", ["--attn-implementation {eager,sdpa}", "(default: eager)", "(default: The Eiffel Tower"]),
-    ("support", ["--attn-implementation {eager,sdpa}", "(default: sdpa)"]),
+    ("demo", ["--attn-implementation {eager,sdpa}", ATTENTION, "(default: The Eiffel Tower", "--table", "--tree"]),
+    ("support", ["--attn-implementation {eager,sdpa}", ATTENTION]),
     ("render", ["--what {block,model,vision_block}", "(default: block)", "--detail {modules,ops}",
-                "(default: modules)", "(default: sdpa)"]),
+                "(default: modules)", ATTENTION]),
+    ("serve", ["--attn-implementation {eager,sdpa}", ATTENTION]),
 ])
 def test_help_shows_choices_and_defaults(capsys, command, shown):
     status, out, _ = run(capsys, command, "--help")
@@ -165,7 +170,7 @@ def test_demo_counts_masked_scores(capsys):
     status, out, _ = run(capsys, "demo", "--prompt", prompt, "--values", "layers.3.self_attn.attention_scores",
                          "layers.3.self_attn.attention_probabilities", "layers.0.layer_output")
     assert status == 0
-    values = out[out.index("== captured for"):]
+    values = out[out.index("\ncaptured for"):]
     assert "inf" not in values.lower() and "nan" not in values.lower()
     header = next(line for line in values.splitlines() if line.startswith("value"))
     assert header.split() == ["value", "shape", "masked", "mean", "std", "max", "|x|"]
@@ -182,7 +187,8 @@ def test_demo_counts_masked_scores(capsys):
     masked, mean = probabilities.split()[-4:-2]
     assert masked == "0"  # nothing masked: the masked keys have probability 0
     assert float(mean) == pytest.approx(1 / tokens, abs=5e-5)  # each row of `tokens` entries sums to 1
-    next_tokens = values.split("\nnext token: ")[1].split(", ")  # from the logits: next_token_probs not asked for
+    # from the logits: next_token_probs not asked for
+    next_tokens = values.split("\nnext token: ")[1].splitlines()[0].split(", ")
     assert len(next_tokens) == 5 and 0 < float(next_tokens[0].rsplit(" ", 1)[1]) <= 1
 
 
@@ -190,14 +196,14 @@ def test_demo_shows_a_plain_value_as_it_is(capsys):
     """``input_size`` (a torch.Size, as ``--values '**'`` captures it) is a row with its value, not a traceback."""
     status, out, err = run(capsys, "demo", "--prompt", "Hi there", "--values", "input_size", "layers.0.layer_output")
     assert status == 0 and "Traceback" not in err
-    values = out[out.index("== captured for"):]
+    values = out[out.index("\ncaptured for"):]
     tokens = int(values.split("(")[1].split(" tokens")[0])
     assert tokens == len("Hi there")  # the tiny tokenizer: one token per byte
     row = next(line for line in values.splitlines() if line.startswith("input_size "))
     assert row.split()[1:] == ["value", "(1,", f"{tokens})"]
     stream = next(line for line in values.splitlines() if line.startswith("layers.0.layer_output "))
     assert f"(1, {tokens}, 64)" in stream
-    table = cli.value_table({"input_size": torch.Size([2, 7]), "x": torch.ones(2, 3)})
+    table = value_table({"input_size": torch.Size([2, 7]), "x": torch.ones(2, 3)})
     assert [cell.plain for cell in table.columns[1].cells] == ["value (2, 7)", "(2, 3)"]
 
 
@@ -211,10 +217,10 @@ def test_hook_post_on_a_moe_checkpoint_is_one_line_with_the_way_out(capsys, spar
 def test_value_statistics_skip_masked_entries():
     low = torch.finfo(torch.float32).min
     x = torch.tensor([1.0, 3.0, -float("inf"), low, float("nan"), -2.0])
-    assert cli.value_statistics(x) == ("3", f"{2 / 3:.4f}", f"{torch.tensor([1.0, 3, -2]).std().item():.4f}",
+    assert value_statistics(x) == ("3", f"{2 / 3:.4f}", f"{torch.tensor([1.0, 3, -2]).std().item():.4f}",
                                        "3.0000")
-    assert cli.value_statistics(torch.full((2,), -float("inf"))) == ("2", "-", "-", "-")
-    assert cli.value_statistics(torch.tensor([5, 7])) == ("0", "6.0000", f"{math.sqrt(2):.4f}", "7.0000")
+    assert value_statistics(torch.full((2,), -float("inf"))) == ("2", "-", "-", "-")
+    assert value_statistics(torch.tensor([5, 7])) == ("0", "6.0000", f"{math.sqrt(2):.4f}", "7.0000")
 
 
 @pytest.fixture(scope="module")

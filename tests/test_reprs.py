@@ -13,6 +13,7 @@ import torch
 import qgraph
 from qgraph.capture import capture, load_capture
 from qgraph.output import Output
+from qgraph.reprs import TEXT_ROWS
 
 
 def _expand(name: str) -> list[str]:
@@ -71,12 +72,29 @@ def test_output_repr_is_short_and_names_every_value(standard):
     assert rows == {name: _spelled(value) for name, value in standard.values.items()}
     assert "layers.{0-3}.layer_output" in text and "layers.{0-2}.linear_attn.decays" in text  # one row per value kind
     assert re.search(r"^  layers\.3\.self_attn\.attention_probabilities +\[2 4 70 70\] +float32$", text, re.M)
+    first = next(line.split()[0] for line in text.splitlines() if "{" in line)  # the note names the first group
+    assert text.splitlines()[-1] == f"({first}: one row for blocks {first.split('{')[1].split('}')[0]}, alike in " \
+                                    f"every other column)"
 
 
 def test_output_repr_with_module_ports_is_cut_short(out):
     text = repr(out)
     assert len(out.values) > 200
     assert len(text.splitlines()) < 60 and re.search(r"^  \.\.\. \d+ more$", text, re.M)
+
+
+def test_the_group_note_is_there_only_where_rows_are_grouped():
+    grouped = Output(None, {**{f"layers.{i}.x": torch.ones(2) for i in (0, 1, 2, 5)}, "final": torch.zeros(3)}, 6)
+    lines = repr(grouped).splitlines()
+    assert lines[2:] == ["  layers.{0-2,5}.x  [2]    float32", "  final             [3]    float32",
+                         "(layers.{0-2,5}.x: one row for blocks 0-2,5, alike in every other column)"]
+    assert "one row for" not in grouped._repr_html_()  # the HTML has a row per value: nothing grouped there
+    alone = Output(None, {"layers.1.x": torch.ones(2), "layers.2.x": torch.ones(3), "final": torch.zeros(2)}, 3)
+    assert "one row for" not in repr(alone) and "{" not in repr(alone)  # shapes differ: nothing grouped
+    assert repr(alone).splitlines()[-1] == "  final       [2]    float32"
+    past = {**{f"v{i}": torch.zeros(1) for i in range(TEXT_ROWS)}, **{f"layers.{i}.x": torch.ones(2) for i in range(3)}}
+    text = repr(Output(None, past, 3))  # the grouped row is past the rows shown: no note for what is not there
+    assert text.splitlines()[-1] == "  ... 1 more" and "one row for" not in text
 
 
 def test_output_html_is_a_table_with_a_row_per_value(standard):

@@ -37,8 +37,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stages", type=_positive, default=1, metavar="N",
                         help="split the model into N pipeline stages, one per process of "
                              "'torchrun --nproc_per_node N qgraph serve MODEL --stages N' (rank 0 serves HTTP)")
-    parser.add_argument("--attn-implementation", default="sdpa", choices=["eager", "sdpa"],
-                        help="how transformers loads attention")
 
 
 def _positive(text: str) -> int:
