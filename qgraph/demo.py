@@ -10,12 +10,12 @@ Every number printed is computed here from the calls shown; tests/test_demo.py r
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import torch
 
 from .compat import attn_implementation
 from .edits import Zero
+from .errors import InternalError
 from .families import family_for
 from .instrument import InstrumentedModel, instrument
 from .reprs import blocks_text
@@ -57,8 +57,9 @@ def edited_value(kinds: list[str], catalogue) -> str | None:
 
 
 class Demo:
-    """The demo of one loaded model: ``instrument`` it (``values`` None: ``default_values``) with a slot at
-    the edited value, then ``lines(prompt)`` runs the prompt plain and edited and says what came out."""
+    """The demo of one loaded model: ``instrument`` it (``values`` None: ``default_values``), then
+    ``lines(prompt)`` runs the prompt, plain and with the edit, and says what came out. ``embedded``: the
+    model is the embedded tiny checkpoint (random weights, which the screen says)."""
 
     def __init__(self, model, tokenizer, path, values=None, embedded: bool = False):
         self.model, self.tokenizer, self.path, self.embedded = model, tokenizer, path, embedded
@@ -73,15 +74,14 @@ class Demo:
         inputs = self.tokenizer(prompt, return_tensors="pt")
         with torch.no_grad():
             out = self.ig(**inputs)
-            edited = self.ig(**inputs, edits={self.edited: Zero(heads=[HEAD])}) if self.edited else None
         tokens = inputs["input_ids"].shape[1]
         lines = [*self.loaded(), "", f"captured for {prompt!r} ({tokens} tokens):"]
         lines += plain_text(value_table(out.values)).splitlines()
         top = probabilities(out).topk(5)
         lines.append("next token: " + ", ".join(f"{self.token(i)!r} {p:.3f}"
                                                 for i, p in zip(top.indices.tolist(), top.values.tolist())))
-        if edited is not None:
-            lines += ["", *self.edit_effect(out.logits[0, -1], edited.logits[0, -1])]
+        if self.edited is not None:
+            lines += ["", *self.edit_effect(self.edited, inputs, last_logits(out))]
         block = last_attention(self.kinds)
         block = 0 if block is None else block
         lines += ["", "next:", *(f"  {command.format(block=block):<42}{what.format(block=block)}"
@@ -91,7 +91,7 @@ class Demo:
     def loaded(self) -> list[str]:
         """What was loaded: the checkpoint, its blocks and kinds, its attention, the instrument."""
         config = self.model.config.get_text_config()
-        where = {kind: [block for block, k in enumerate(self.kinds) if k == kind] for kind in Counter(self.kinds)}
+        where = {kind: [block for block, k in enumerate(self.kinds) if k == kind] for kind in dict.fromkeys(self.kinds)}
         blocks = ", ".join(f"{blocks_text(indices)} {kind}" + (f" ({MIXERS[kind]})" if kind in MIXERS else "")
                            for kind, indices in where.items())
         attention = attn_implementation(self.model.config)
@@ -104,16 +104,18 @@ class Demo:
                       "  edits, not what a trained model knows. --model PATH runs a real checkpoint."]
         return lines + [f"qgraph.instrument(model, values=[...]): {self.seconds:.1f} s, {len(self.ig.values)} values"]
 
-    def edit_effect(self, logits: torch.Tensor, edited: torch.Tensor) -> list[str]:
-        """The edit, as code, and how it moves the last position's next-token logits."""
-        heads = self.ig.catalogue[self.edited].shape[2]
-        block = self.edited.split(".")[1]
+    def edit_effect(self, name: str, inputs, logits: torch.Tensor) -> list[str]:
+        """Zero head ``HEAD`` of the value ``name``: the edit, as code, and how it moves ``logits``, the
+        last position's next-token logits."""
+        with torch.no_grad():
+            edited = last_logits(self.ig(**inputs, edits={name: Zero(heads=[HEAD])}))
+        heads, block = self.ig.catalogue[name].shape[2], name.split(".")[1]
         top = int(logits.argmax())
         change = edited - logits
         largest = int(change.abs().argmax())
         after = int(edited.argmax())
         return [f"edit: zero head {HEAD} of block {block}'s attention ({heads} heads), at every position:",
-                f"  ig(**inputs, edits={{{self.edited!r}: qgraph.Zero(heads=[{HEAD}])}})",
+                f"  ig(**inputs, edits={{{name!r}: qgraph.Zero(heads=[{HEAD}])}})",
                 f"  last position: logit of {self.token(top)!r} {logits[top]:.4f} -> {edited[top]:.4f} "
                 f"({change[top]:+.4f}); top token after: {self.token(after)!r}",
                 f"  largest logit change: {change[largest]:+.4f} (of {self.token(largest)!r}), over "
@@ -121,6 +123,13 @@ class Demo:
 
     def token(self, index: int) -> str:
         return self.tokenizer.decode([index])
+
+
+def last_logits(out) -> torch.Tensor:
+    """The first prompt's next-token logits (at its last position)."""
+    if out.logits is None:
+        raise InternalError("the demo's instrument returned no logits; it is built with logits=True")
+    return out.logits[0, -1]
 
 
 def probabilities(out) -> torch.Tensor:
