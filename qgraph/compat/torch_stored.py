@@ -1,11 +1,11 @@
 """torch's private internals that the disk cache's format relies on (``qgraph.export.stored``), each with its reason.
 
-Alike in torch 2.13 and 2.14. ``torch.export.load`` makes a program's node values again as fake tensors over
-the program's size symbols, through a schema of dataclasses and a sympy parse of every size from a string:
-2 s of a fresh process for the tiny model's program, most of the first call. The cache stores each size
-as an expression tree instead and makes the values the way torch's loader does, with the pieces below,
-which torch only has in private modules: the shape environment that owns the symbols (their example
-values and ranges), the fake-tensor mode over it, the sympy functions of torch's size arithmetic, and the
+Alike in torch 2.10 to 2.14 (where the names differ, the helper says which is which). ``torch.export.load`` makes a
+program's node values again as fake tensors over the program's size symbols, through a schema of dataclasses and a
+sympy parse of every size from a string: 2 s of a fresh process for the tiny model's program, most of the first
+call. The cache stores each size as an expression tree instead and makes the values the way torch's loader does,
+with the pieces below, which torch only has in private modules: the shape environment that owns the symbols (their
+example values and ranges), the fake-tensor mode over it, the sympy functions of torch's size arithmetic, and the
 verifier of the training IR that ``torch.export.export`` produces.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def stored_fake_mode(symbols: dict[str, tuple[int | None, int, int | None]]):
     for name, (example, low, high) in symbols.items():
         symbol = sympy.Symbol(name, integer=True, positive=low >= 1, nonnegative=True)
         if example is not None:
-            env.add_backed_var_to_val(symbol, example)
+            _add_example(env, symbol, example)
         # the range, as torch's loader sets it (constrain_symbol_range) but for where it was set: that records
         # the caller's frame, whose first lookup imports torch.export's tracer (1 s of a fresh process)
         where = SLoc("qgraph's disk cache", None)
@@ -40,6 +40,20 @@ def stored_fake_mode(symbols: dict[str, tuple[int | None, int, int | None]]):
             env.unbacked_symint_counter = max(env.unbacked_symint_counter, int(name[1:]) + 1)
         made[name] = symbol
     return mode, made
+
+
+def _add_example(env, symbol, example: int) -> None:
+    """Record ``symbol``'s example value: ``add_backed_var_to_val`` since torch 2.11, ``add_var_to_val``
+    before (2.10)."""
+    add = getattr(env, "add_backed_var_to_val", None) or env.add_var_to_val
+    add(symbol, example)
+
+
+def _examples(env) -> dict:
+    """The example values of an environment's symbols: ``backed_var_to_val`` since torch 2.11, ``var_to_val``
+    before (2.10)."""
+    found = getattr(env, "backed_var_to_val", None)
+    return env.var_to_val if found is None else found
 
 
 def sym_int(mode, expression: sympy.Expr, example: int | None):
@@ -85,7 +99,7 @@ def example_of(program, symbol) -> int | None:
     for node in program.graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and hasattr(value, "fake_mode") and value.fake_mode.shape_env is not None:
-            found = value.fake_mode.shape_env.backed_var_to_val.get(symbol)
+            found = _examples(value.fake_mode.shape_env).get(symbol)
             return None if found is None else int(found)
     return None
 

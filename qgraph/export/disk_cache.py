@@ -154,6 +154,8 @@ def save(model: PreTrainedModel, images: bool, program: ExportedProgram, reads=f
     temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
     try:
         data, held = stored.program_data(program)
+        if any(tensor.is_meta for tensor in held.values()):
+            return None  # a model on meta: its program's constants have no values to store, so it is not cached
         recorded = {"reads": sorted(reads), "constants": constants.current(model, reads), "program": data,
                     "tensors": base64.b64encode(safetensors.torch.save(held)).decode()}
         path.parent.mkdir(parents=True, exist_ok=True)
