@@ -195,8 +195,10 @@ def test_hovering_a_cell_in_chromium_shows_the_value_qgraph_computed(ig_figures,
                                         f"attention_probabilities: {value}"]
         assert tip.get_attribute("data-value") == value and float(value) == pytest.approx(
             float(pattern[head, query, key]), rel=5e-3)
+    hover(browser, images[1], 3.5 / 11, 7.5 / 11)  # a cell whose tooltip stays inside the figure, for the picture
+    assert tip.text.startswith("head 1\nquery 7: r\nkey 3: d")
     screenshots = ROOT / "docs" / "gallery" if os.environ.get("QGRAPH_SCREENSHOTS") == "1" else tmp_path
-    browser.save_screenshot(str(screenshots / "pattern-hover.png"))
+    browser.find_element(By.CSS_SELECTOR, ".qgraph-figure").screenshot(str(screenshots / "pattern-hover.png"))
     lens = ig_figures.logit_lens(ids)
     browser.get(lens.plot(batch=1).save(tmp_path / "lens.html").as_uri())
     image = browser.find_element(By.CSS_SELECTOR, "svg image")

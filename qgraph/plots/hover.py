@@ -107,7 +107,8 @@ def cell_text(value: float) -> str:
     return "-" if value != value else format(value, ".3g")
 
 
-_CSS = """#KEY svg { max-width: 100%; height: auto; display: block; }
+_CSS = """#KEY { display: inline-block; max-width: 100%; }
+#KEY svg { max-width: 100%; height: auto; display: block; }
 #KEY .qg-tip { position: absolute; display: none; pointer-events: none; z-index: 10; white-space: pre;
   background: rgba(255, 255, 255, 0.96); border: 1px solid #888; border-radius: 4px; padding: 4px 7px;
   font: 12px/1.35 system-ui, -apple-system, "Segoe UI", sans-serif; color: #111;
