@@ -72,7 +72,8 @@ def _gates(out, name: str, tokens=None, tokenizer=None, *, batch: int = 0) -> Fi
     labels = token_labels(out, seq, tokens, batch, tokenizer)
     numbers = head_labels(out, name, heads)
     what = name.rsplit(".", 1)[-1]
-    scale = scale_of(grid, colours="magma" if what == "decays" else "viridis", zero=True)  # log decay 0: the state kept whole
+    # zero=True: a log decay of 0 keeps the whole state, the end of the decays' scale
+    scale = scale_of(grid, colours="magma" if what == "decays" else "viridis", zero=True)
     figure = new_figure(min(14.0, max(4.5, 0.16 * seq + 2.0)), max(2.0, 0.28 * heads + 1.4))
     axes = figure.add_subplot()
     colour_bar(figure, heatmap(axes, grid, scale), axes, what)
@@ -177,9 +178,9 @@ def residual_grid(out, names: list[str], tokens=None, tokenizer=None, *, batch: 
     ticks(axes, labels, "x", rotate=True)
     ticks(axes, rows, "y")
     axes.set_title("the norm of each token's vector, block by block", fontsize=8)
-    blocks = [re.match(r"layers\.(\d+)\.", n) for n in names]
+    blocks = [int(found[1]) for found in (re.match(r"layers\.(\d+)\.", n) for n in names) if found]
     figure.suptitle(heading(" · ".join(common_tail(names)) or names[0], batch=batch, rows=values[0].shape[0],
-                            extra=spans("block", [int(b[1]) for b in blocks]) if all(blocks) else ""), fontsize=10)
+                            extra=spans("block", blocks) if len(blocks) == len(names) else ""), fontsize=10)
     return hover_figure(figure, f"{len(names)} values", {"grid": grid, "names": names, "rows": rows,
                                                          "tokens": labels, "limits": (scale.low, scale.high)},
                         [Cells(axes, grid, names, numbered("token", labels), "norm")])

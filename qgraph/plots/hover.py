@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class Cells:
     "columns" (each column spans the axes' height: a line or bar plot over tokens), "rows" (each row
     spans its width: horizontal bars)."""
 
-    axes: object
+    axes: Any  # a matplotlib Axes
     values: torch.Tensor
     rows: list[str]
     columns: list[str]

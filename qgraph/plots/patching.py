@@ -53,13 +53,13 @@ def patching_figure(result, tokens=None, tokenizer=None) -> Figure:
         positions = _labels(result, "positions", grids[0].shape[0], words)
         heads = _labels(result, "heads", grids[0].shape[1], words)
         scale = scale_of(torch.cat([g.flatten() for g in grids]), signed=True)
-        columns = min(len(names), 2)
-        lines = math.ceil(len(names) / columns)
-        figure = new_figure(max(5.0, columns * min(7.0, max(3.0, 0.4 * len(positions) + 1.4)) + 1.0),
+        across = min(len(names), 2)
+        lines = math.ceil(len(names) / across)
+        figure = new_figure(max(5.0, across * min(7.0, max(3.0, 0.4 * len(positions) + 1.4)) + 1.0),
                             lines * max(2.0, 0.3 * len(heads) + 1.3) + 0.6)
         panels, cells = [], []
         for k, (name, grid) in enumerate(zip(names, grids)):
-            axes = figure.add_subplot(lines, columns, k + 1)
+            axes = figure.add_subplot(lines, across, k + 1)
             picture = heatmap(axes, grid.T, scale)
             write_values(axes, grid.T, scale)
             ticks(axes, positions, "x", rotate=_crowded(positions))
@@ -93,8 +93,10 @@ def _labels(result, axis: str, size: int, words: list[str] | None) -> list[str]:
     chosen = list(range(size)) if isinstance(asked, str) else list(asked)
     if axis == "heads":
         return [f"head {h}" for h in chosen]
-    seq = len(words) if words is not None else None
-    return [f"{p % seq}: {words[p % seq]}" if seq and -seq <= p < seq else str(p) for p in chosen]
+    if words is None:
+        return [str(p) for p in chosen]
+    seq = len(words)
+    return [f"{p % seq}: {words[p % seq]}" if -seq <= p < seq else str(p) for p in chosen]
 
 
 def _crowded(labels: list[str]) -> bool:
