@@ -19,21 +19,24 @@ PICTURED = ["layers.3.self_attn.attention_probabilities", "layers.0.linear_attn.
 SAVED = ["layers.*.layer_output", "layers.*.layer_mid", "layers.*.mlp.mlp_output", "blocks.2.hook_attn_out"]
 
 
+def three_doors(model, remote, folder, values) -> dict:
+    """A local instrument of ``values`` (slots at every block's output), the server's, and the local one saved
+    with its weights and loaded."""
+    local = qgraph.instrument(model, values=values, edits=["layers.*.layer_output"])
+    path = local.save(folder / "doors.qgraph", weights=True)
+    return {"local": local, "remote": remote.instrument(values, edits=["layers.*.layer_output"]),
+            "loaded": qgraph.load(path)}
+
+
 @pytest.fixture(scope="module")
 def doors(sdpa_model, remote, tmp_path_factory):
-    local = qgraph.instrument(sdpa_model, values=SAVED, edits=["layers.*.layer_output"])
-    path = local.save(tmp_path_factory.mktemp("doors") / "doors.qgraph", weights=True)
-    return {"local": local, "remote": remote.instrument(SAVED, edits=["layers.*.layer_output"]),
-            "loaded": qgraph.load(path)}
+    return three_doors(sdpa_model, remote, tmp_path_factory.mktemp("doors"), SAVED)
 
 
 @pytest.fixture(scope="module")
 def picture_doors(sdpa_model, remote, tmp_path_factory):
     """The three doors to an instrument of the values ``PICTURED`` draws (slots for the lens and patching)."""
-    local = qgraph.instrument(sdpa_model, values=PICTURED, edits=["layers.*.layer_output"])
-    path = local.save(tmp_path_factory.mktemp("pictures") / "pictures.qgraph", weights=True)
-    return {"local": local, "remote": remote.instrument(PICTURED, edits=["layers.*.layer_output"]),
-            "loaded": qgraph.load(path)}
+    return three_doors(sdpa_model, remote, tmp_path_factory.mktemp("pictures"), PICTURED)
 
 
 def ids(seed: int, seq: int = 5) -> torch.Tensor:

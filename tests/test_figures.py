@@ -13,30 +13,11 @@ import pytest
 import torch
 
 import qgraph
-from qgraph.saes import SAE
-from qgraph.saes.fixtures import weights
 from tests.pages import browser, console_errors, hover_grids as grids  # noqa: F401 - browser is a fixture
+from tests.test_plots import ATTN, DELTA, PROMPTS, ig_plots, run  # noqa: F401 - ig_plots and run are fixtures
 
-ATTN, DELTA = "layers.3.self_attn", "layers.0.linear_attn"
-PROMPTS = ["the cat sat", "my dog ran!"]  # 11 byte tokens each
 PNG = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def ig_figures(sdpa_model):
-    w = weights(sdpa_model.config.hidden_size, 96, seed=3)
-    sae = SAE(w["W_enc"], w["b_enc"], w["W_dec"], w["b_dec"], "relu")
-    return qgraph.instrument(sdpa_model, saes={"layers.1.layer_output": sae}, values=[
-        f"{ATTN}.attention_probabilities", f"{DELTA}.effective_attention", f"{DELTA}.decays", f"{DELTA}.betas",
-        f"{DELTA}.states", f"{DELTA}.state_output", "layers.*.layer_output", "layers.1.sae.features",
-        "layers.2.mlp.mlp_neurons"])
-
-
-@pytest.fixture(scope="module")
-def call(ig_figures, tokenizer):
-    ids = tokenizer(PROMPTS, return_tensors="pt").input_ids
-    return ids, ig_figures(ids)
 
 
 def metric(logits):
@@ -75,9 +56,9 @@ def offline(page: str) -> None:
 
 
 @pytest.mark.parametrize("kind", list(FIGURES))
-def test_every_figure_has_a_colour_scale_and_saves_as_png_svg_and_html(ig_figures, call, tmp_path, kind):
-    ids, out = call
-    fig = FIGURES[kind](ig_figures, ids, out)
+def test_every_figure_has_a_colour_scale_and_saves_as_png_svg_and_html(ig_plots, run, tmp_path, kind):
+    ids, out = run
+    fig = FIGURES[kind](ig_plots, ids, out)
     assert fig.formats == ("html", "svg", "png")
     assert fig.save(tmp_path / "f.png").read_bytes()[:8] == PNG
     assert ET.parse(fig.save(tmp_path / "f.svg")).getroot().tag == "{http://www.w3.org/2000/svg}svg"
@@ -96,8 +77,8 @@ def test_every_figure_has_a_colour_scale_and_saves_as_png_svg_and_html(ig_figure
         assert fig.data["limits"] in scales
 
 
-def test_a_pattern_cell_in_the_html_carries_the_tensors_value_and_its_tokens(call):
-    _, out = call
+def test_a_pattern_cell_in_the_html_carries_the_tensors_value_and_its_tokens(run):
+    _, out = run
     fig = out.plot(f"{ATTN}.attention_probabilities", batch=1, heads=[2, 0])
     pattern = out[f"{ATTN}.attention_probabilities"][1].detach()
     data = grids(fig._repr_html_())
@@ -113,8 +94,8 @@ def test_a_pattern_cell_in_the_html_carries_the_tensors_value_and_its_tokens(cal
     assert "block 3" in fig.matplotlib.get_suptitle() and "heads 2, 0" in fig.matplotlib.get_suptitle()
 
 
-def test_a_signed_value_is_drawn_diverging_and_symmetric_about_zero(call):
-    _, out = call
+def test_a_signed_value_is_drawn_diverging_and_symmetric_about_zero(run):
+    _, out = run
     fig = out.plot(f"{DELTA}.effective_attention")
     value = out[f"{DELTA}.effective_attention"][0].detach()  # [heads, query, key]
     lower = value.masked_fill(torch.ones(11, 11, dtype=torch.bool).triu(1), float("nan"))
@@ -129,9 +110,9 @@ def test_a_signed_value_is_drawn_diverging_and_symmetric_about_zero(call):
     assert one_sign.data["limits"][1] == 0.0 and not one_sign.matplotlib.axes[0].images[0].cmap.name.startswith("RdBu")
 
 
-def test_the_lens_cells_carry_each_blocks_top_tokens_and_probabilities(ig_figures, call, tokenizer):
-    ids, _ = call
-    lens = ig_figures.logit_lens(ids, top=3)
+def test_the_lens_cells_carry_each_blocks_top_tokens_and_probabilities(ig_plots, run, tokenizer):
+    ids, _ = run
+    lens = ig_plots.logit_lens(ids, top=3)
     (grid,) = grids(lens.plot(batch=1)._repr_html_())
     assert grid["rows"] == [f"block {b}" for b in range(4)] and not grid["top"]  # block 0 at the bottom
     assert grid["columns"][4] == f"position 4: {tokenizer.decode([int(ids[1, 4])])}"
@@ -143,9 +124,9 @@ def test_the_lens_cells_carry_each_blocks_top_tokens_and_probabilities(ig_figure
         assert note == "top 3: " + " · ".join(f"{w} {float(p):.3g}" for w, p in zip(words, probabilities))
 
 
-def test_a_patching_sweep_plots_each_values_metric_at_each_location(ig_figures, call):
-    ids, _ = call
-    result = qgraph.patch(ig_figures, ids[:1], ids[1:], ["layers.1.layer_output", "layers.3.layer_output"], metric,
+def test_a_patching_sweep_plots_each_values_metric_at_each_location(ig_plots, run):
+    ids, _ = run
+    result = qgraph.patch(ig_plots, ids[:1], ids[1:], ["layers.1.layer_output", "layers.3.layer_output"], metric,
                           positions=[0, 4, -1])
     assert isinstance(result, dict) and set(result) == {"layers.1.layer_output", "layers.3.layer_output"}
     fig = result.plot()
@@ -156,7 +137,7 @@ def test_a_patching_sweep_plots_each_values_metric_at_each_location(ig_figures, 
             assert at(grid, row, column) == format(float(result[name][column]), ".3g")
     low, high = fig.data["limits"]
     assert low == -high and high == max(float(v.abs().max()) for v in result.values())
-    both = qgraph.patch(ig_figures, ids[:1], ids[1:], f"{ATTN}.attention_probabilities", metric, positions=[3, 10],
+    both = qgraph.patch(ig_plots, ids[:1], ids[1:], f"{ATTN}.attention_probabilities", metric, positions=[3, 10],
                         heads="each")
     (panel,) = grids(both.plot(tokens=list("abcdefghijk"))._repr_html_())  # heads (down) × positions (across)
     assert panel["rows"] == [f"head {h}" for h in range(4)] and panel["columns"] == ["3: d", "10: k"]
@@ -175,11 +156,11 @@ def hover(driver, element, fx: float, fy: float) -> None:
 
 
 @pytest.mark.slow  # starts a Chromium process
-def test_hovering_a_cell_in_chromium_shows_the_value_qgraph_computed(ig_figures, call, browser, tmp_path):
+def test_hovering_a_cell_in_chromium_shows_the_value_qgraph_computed(ig_plots, run, browser, tmp_path):
     """The pointer goes to a cell by the picture itself (the image matplotlib drew for that head), not by the
     hover layer: the tooltip must name that cell and hold the tensor's value there."""
     from selenium.webdriver.common.by import By
-    ids, out = call
+    ids, out = run
     pattern = out[f"{ATTN}.attention_probabilities"][1].detach()
     fig = out.plot(f"{ATTN}.attention_probabilities", batch=1)
     browser.get(fig.save(tmp_path / "pattern.html").as_uri())
@@ -199,7 +180,7 @@ def test_hovering_a_cell_in_chromium_shows_the_value_qgraph_computed(ig_figures,
     assert tip.text.startswith("head 1\nquery 7: r\nkey 3: d")
     screenshots = ROOT / "docs" / "gallery" if os.environ.get("QGRAPH_SCREENSHOTS") == "1" else tmp_path
     browser.find_element(By.CSS_SELECTOR, ".qgraph-figure").screenshot(str(screenshots / "pattern-hover.png"))
-    lens = ig_figures.logit_lens(ids)
+    lens = ig_plots.logit_lens(ids)
     browser.get(lens.plot(batch=1).save(tmp_path / "lens.html").as_uri())
     image = browser.find_element(By.CSS_SELECTOR, "svg image")
     hover(browser, image, 6.5 / 11, 1 - 2.5 / 4)  # block 2 (from the bottom), position 6

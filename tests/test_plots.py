@@ -28,7 +28,7 @@ def ig_plots(sdpa_model):
     return qgraph.instrument(sdpa_model, saes={"layers.1.layer_output": sae}, values=[
         f"{ATTN}.attention_probabilities", f"{ATTN}.attention_scores", f"{DELTA}.decays", f"{DELTA}.betas",
         f"{DELTA}.states", f"{DELTA}.state_output", "layers.*.layer_output", "layers.1.sae.features",
-        "layers.1.mlp.down_proj.input"])
+        "layers.1.mlp.down_proj.input", f"{DELTA}.effective_attention", "layers.2.mlp.mlp_neurons"])  # test_figures too
 
 
 @pytest.fixture(scope="module")
