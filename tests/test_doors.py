@@ -187,6 +187,17 @@ def test_figures_draw_the_same_through_every_door(picture_doors, tokenizer):
     assert loaded.data["tokens"] == figures["local"][PICTURED[0]].data["tokens"]
 
 
+@pytest.mark.parametrize("served, named", [("Qwen/Qwen3.5-0.8B", "Qwen/Qwen3.5-0.8B"), ("tiny-qwen3_5", "")])
+def test_a_server_names_its_hub_model_so_pictures_find_its_tokenizer(url, served, named):
+    """A hub id the server sends becomes the remote config's name (the Hugging Face cache holds its tokenizer);
+    a folder, sent by its last part alone, names nothing (``tokenizer=`` labels its tokens)."""
+    from tests.serving import KEY
+    server = qgraph.remote(url, api_key=KEY)
+    info = server.info()
+    server._info = {**info, "model": {**info["model"], "name": served}}  # what a server of that model sends
+    assert server.instrument(["layers.1.layer_output"]).config._name_or_path == named
+
+
 def test_a_capture_through_every_door_holds_the_same_values(doors, tokenizer, tmp_path):
     texts = ["The Eiffel Tower is in Paris.", "A second, shorter document.", "Three."]
     runs = {door: qgraph.capture(doors[door], tokenizer, texts, ["layers.1.layer_output", "layers.3.layer_output"],
