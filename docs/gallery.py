@@ -1,6 +1,11 @@
-"""Render the docs gallery: the tiny Qwen3.5's blocks and model, drawn by ``qgraph.render``.
+"""Render the docs gallery: the tiny Qwen3.5's blocks and model, drawn by ``qgraph.render``, and its figures
+(``out.plot``, the lens, a patching sweep), drawn by ``qgraph.Figure``.
 
     python docs/gallery.py            # writes docs/gallery/*.svg, *.png and docs/gallery.md
+    python docs/gallery.py --figures  # the figures alone (and docs/gallery.md)
+
+The figure with its hover tooltip showing (``pattern-hover.png``) is a screenshot the Chromium test takes:
+``QGRAPH_SCREENSHOTS=1 python -m pytest -m slow tests/test_figures.py``.
 
 Needs Graphviz's ``dot`` (Debian/Ubuntu: ``apt-get install graphviz``). The tiny checkpoint is built
 on first use (``qgraph.testing.cached_tiny_qwen3_5``); nothing is downloaded.
@@ -48,29 +53,99 @@ PICTURES = [
 ]
 
 
-def main() -> int:
+PROMPT = "The Eiffel Tower is in Paris"
+
+# (file stem, what it draws (from ig, its call's output `out`, the prompt's ids and a metric), caption)
+FIGURES = [
+    ("pattern-scale", 'out.plot("layers.3.self_attn.attention_probabilities")',
+     "Block 3's attention pattern, one panel per head, query (down) × key (across), the prompt's tokens on both "
+     "axes, and the colour bar they share (probabilities, from zero)."),
+    ("effective-attention-scale", 'out.plot("layers.2.linear_attn.effective_attention")',
+     "A DeltaNet block's effective attention: signed (the delta rule removes), so its scale diverges and is "
+     "centred at zero, red above, blue below; above the diagonal is blank."),
+    ("lens-grid", "ig.logit_lens(ids).plot()",
+     "The logit lens: each block's top token at each position, coloured by its probability; a long prompt "
+     "wraps into lines of at most 24 positions, each cell legible."),
+    ("patching", 'qgraph.patch(ig, ids, ids.flip(-1), "layers.*.layer_output", metric, positions="each").plot()',
+     "An activation-patching sweep: the metric after patching each block's output at each position, on a "
+     "diverging scale centred at zero."),
+]
+
+
+def figures(lines: list[str]) -> None:
+    """Draw ``FIGURES`` (PNG, and the HTML that answers a hover) and add their section to ``lines``."""
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import qgraph
-    from qgraph.render import render
     from qgraph.testing import cached_tiny_qwen3_5
 
     transformers.logging.set_verbosity_error()
+    path = cached_tiny_qwen3_5()
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
+    ig = qgraph.instrument(model, values=["layers.3.self_attn.attention_probabilities",
+                                          "layers.2.linear_attn.effective_attention"], edits=["layers.*.layer_output"])
+    out = ig(ids)
+    metric = lambda logits: logits[:, -1, 3].sum() - logits[:, -1, 7].sum()  # noqa: E731, F841 - FIGURES read it
+    lines += ["## Figures", "",
+              f"Figures of the tiny model on \"{PROMPT}\" (its weights are random, so the numbers mean nothing). "
+              "Each is a `qgraph.Figure`: PNG and SVG drawn by matplotlib, and an HTML form where hovering a cell "
+              "shows its value (3 significant digits) and its tokens. Click a picture for its HTML.", ""]
+    for stem, code, caption in FIGURES:
+        figure = eval(code)  # noqa: S307 - the gallery's own line, shown under its picture
+        for suffix in ("png", "html"):
+            figure.save(OUT / f"{stem}.{suffix}")
+            print(f"wrote {(OUT / f'{stem}.{suffix}').relative_to(HERE.parent)}")
+        lines += [f"### {stem}", "", caption, "", f"`{code}`", "", f"[![{stem}](gallery/{stem}.png)](gallery/{stem}.html)", ""]
+    lines += ["### pattern-hover", "", "The pattern's HTML in Chromium, the pointer on a cell: the tooltip names the head, "
+              "the query and key tokens and the value qgraph computed there (a screenshot the hover test takes).", "",
+              "![pattern-hover](gallery/pattern-hover.png)", ""]
+
+
+def diagrams() -> None:
+    """Render ``PICTURES`` (SVG and PNG) with ``qgraph.render``."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    import qgraph
+    from qgraph.render import render
+    from qgraph.testing import cached_tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_5_vl
+
     model = AutoModelForCausalLM.from_pretrained(cached_tiny_qwen3_5()).eval()
     instrumented = qgraph.instrument(model, values=["layers.3.self_attn.attention_gate", "layers.3.layer_mid",
                                                     "layers.3.self_attn.attention_head_outputs"],
                                      edits=["layers.3.mlp.mlp_neurons"])
-    import tempfile
-
-    from transformers import AutoModelForImageTextToText
-
-    from qgraph.testing import tiny_qwen3_5_vl
     image_text = AutoModelForImageTextToText.from_pretrained(
         tiny_qwen3_5_vl(Path(tempfile.mkdtemp()) / "tiny-qwen3_5-vl")).eval()
-    from qgraph.testing import tiny_qwen3_5_moe
     moe = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_moe(Path(tempfile.mkdtemp()) / "tiny-qwen3_5-moe")).eval()
+    for stem, what, layer, detail, marked, _ in PICTURES:
+        subject = {"vl": image_text, "moe": moe, True: instrumented}.get(marked, model)
+        for suffix, dpi in ((".svg", None), (".png", 60 if detail == "ops" else 96)):
+            path = OUT / f"{stem}{suffix}"
+            render(subject, what=what, layer=layer, path=path, detail=detail, **({"dpi": dpi} if dpi else {}))
+            print(f"wrote {path.relative_to(HERE.parent)}")
+
+
+def diagram_lines() -> list[str]:
+    """Each of ``PICTURES`` in gallery.md: its caption, the call that draws it, the picture."""
+    lines = []
+    for stem, what, layer, detail, marked, caption in PICTURES:
+        call = f"qgraph.render({'ig' if marked is True else 'model'}, what={what!r}" + (
+            f", layer={layer}" if layer is not None else "") + (f", detail={detail!r}" if detail != "modules" else "") + \
+            f', path="{stem}.svg")'
+        lines += [f"## {stem}", "", caption, "", f"`{call}`", "", f"[![{stem}](gallery/{stem}.png)](gallery/{stem}.svg)", ""]
+    return lines
+
+
+def main() -> int:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
     OUT.mkdir(exist_ok=True)
+    if "--figures" not in sys.argv:
+        diagrams()
     lines = ["# Gallery", "",
              "Diagrams of the tiny Qwen3.5 (`qgraph.testing.cached_tiny_qwen3_5`: 3 gated DeltaNet blocks and "
              "one gated attention block), of its image-text version (`qgraph.testing.tiny_qwen3_5_vl`) and of the "
@@ -78,17 +153,9 @@ def main() -> int:
              "by `qgraph.render` from the exported graph: boxes are module scopes and the ops between them, "
              "yellow tap points are the standard values, each labelled `name [layout]`. Click a picture for "
              "its SVG (hover a part for its full name and description). Regenerate with "
-             "`python docs/gallery.py` (needs Graphviz's `dot`).", ""]
-    for stem, what, layer, detail, marked, caption in PICTURES:
-        subject = {"vl": image_text, "moe": moe, True: instrumented}.get(marked, model)
-        for suffix, dpi in ((".svg", None), (".png", 60 if detail == "ops" else 96)):
-            path = OUT / f"{stem}{suffix}"
-            render(subject, what=what, layer=layer, path=path, detail=detail, **({"dpi": dpi} if dpi else {}))
-            print(f"wrote {path.relative_to(HERE.parent)}")
-        call = f"qgraph.render({'ig' if marked is True else 'model'}, what={what!r}" + (
-            f", layer={layer}" if layer is not None else "") + (f", detail={detail!r}" if detail != "modules" else "") + \
-            f', path="{stem}.svg")'
-        lines += [f"## {stem}", "", caption, "", f"`{call}`", "", f"[![{stem}](gallery/{stem}.png)](gallery/{stem}.svg)", ""]
+             "`python docs/gallery.py` (needs Graphviz's `dot`); the [figures](#figures) at the end alone with "
+             "`python docs/gallery.py --figures`.", "", *diagram_lines()]
+    figures(lines)
     (HERE / "gallery.md").write_text("\n".join(lines))
     print(f"wrote {(HERE / 'gallery.md').relative_to(HERE.parent)}")
     return 0

@@ -57,9 +57,12 @@ class Figure:
         self.key = f"qg-{uuid.uuid4().hex[:10]}"
 
     @classmethod
-    def from_matplotlib(cls, figure, title: str, data: dict | None = None, dpi: int = 110) -> Figure:
+    def from_matplotlib(cls, figure, title: str, data: dict | None = None, dpi: int = 110,
+                        html: Callable[[str, str], str] | None = None) -> Figure:
         """A figure of a ``matplotlib.figure.Figure`` (made without pyplot): SVG with real text (searchable,
-        no embedded glyphs), PNG at ``dpi``."""
+        no embedded glyphs), PNG at ``dpi``; ``html(svg, key)``, when given, makes its HTML form from the
+        SVG (drawn, so laid out) and the fragment's element id (``plots.hover``: the SVG that answers a
+        hover)."""
         drawn: dict[str, object] = {}
 
         def render(fmt: str):
@@ -72,7 +75,8 @@ class Figure:
                 drawn[fmt] = buffer.getvalue().decode("utf-8") if fmt == "svg" else buffer.getvalue()
             return drawn[fmt]
 
-        made = cls(lambda: render("svg"), png=lambda: render("png"), title=title, data=data)
+        made = cls(lambda: render("svg"), png=lambda: render("png"), title=title, data=data,
+                   html=None if html is None else lambda: html(made.svg, made.key))
         made.matplotlib = figure  # the matplotlib figure itself, to restyle before saving
         return made
 
@@ -100,7 +104,8 @@ class Figure:
     # -- showing and saving ---------------------------------------------------------------------------
     def _repr_html_(self) -> str:
         if self._html is not None:
-            return _text(self._html)
+            self._html = _text(self._html)  # made once
+            return self._html
         return (f'<div class="qgraph-figure" id="{self.key}"><style>#{self.key} svg {{ max-width: 100%; '
                 f'height: auto; }}</style>{inline_svg(self.svg, "#" + self.key)}</div>')
 

@@ -41,13 +41,15 @@ class Output:
     attention_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
     edits: Mapping | None = field(default=None, repr=False, compare=False)
 
-    def plot(self, name: str, tokens=None, **options):
+    def plot(self, name: str, tokens=None, tokenizer=None, **options):
         """A ``qgraph.Figure`` of a captured value, drawn as its layout says (``qgraph/plots/``): an
         attention pattern one panel per head, DeltaNet decays and betas tokens × heads, states their
         norms and one head's matrix, the residual stream its norm per token (blocks × tokens for a
-        glob), SAE features the top ones per token. ``tokens`` (strings) label the token axes (default:
-        the call's tokens, decoded when the model's folder has a tokenizer); ``batch=0`` picks the row."""
-        return plot(self, name, tokens, **options)
+        glob), SAE features the top ones per token; each with its colour scale, and an HTML form that
+        shows a cell's value on hover. ``tokens`` (strings) label the token axes (default: the call's
+        tokens, decoded by ``tokenizer`` or the model's own where its folder has one); ``batch=0`` picks
+        the row."""
+        return plot(self, name, tokens, tokenizer, **options)
 
     def logit_attribution(self, tokens, against=None, *, positions=None, per: str = "head") -> LogitAttribution:
         """Each component's direct contribution to the logit of ``tokens`` (or to ``tokens``' minus

@@ -7,6 +7,29 @@ import torch
 
 from .edits import AXES, Add, Zero
 from .errors import InvalidArgument, InvalidType
+from .plots.patching import patching_figure
+
+
+class PatchResult(dict):
+    """What ``patch`` and ``attribution_patch`` return: ``{name: metric values}`` (a dict, as it always
+    was), with what its picture needs: ``positions`` and ``heads`` as asked, the clean input's
+    ``input_ids`` and the instrument (``source``) whose tokenizer labels them. ``plot()`` draws it."""
+
+    def __init__(self, results: dict, *, title: str, what: str, positions, heads, input_ids, source):
+        super().__init__(results)
+        self.title, self.what, self.positions, self.heads = title, what, positions, heads
+        self.input_ids, self.source = input_ids, source
+
+    def plot(self, *, tokens=None, tokenizer=None):
+        """A ``qgraph.Figure``: each value's metric at each location, diverging at zero (values × positions
+        or heads; one panel per value, heads × positions, for both; ``qgraph/plots/patching.py``).
+        ``tokens`` labels the positions, else the clean input decoded by ``tokenizer`` (default: the
+        model's own, where its folder has one)."""
+        return patching_figure(self, tokens, tokenizer)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{name}: {tuple(getattr(value, 'shape', ()))}" for name, value in self.items())
+        return f"PatchResult({self.title}; {shapes}; .plot())"
 
 
 def steer(layers: int | Iterable[int], vector: torch.Tensor, factor: float = 1.0,
@@ -53,12 +76,15 @@ def patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], obj
 
     The corrupt run goes once; each location runs only the blocks from its value's on, and the
     locations of a value run together, ``batch_size`` of them per pass (default: as many as keep the
-    logits of a pass under 512 MiB), stacked along the batch (``qgraph.sweep``).
+    logits of a pass under 512 MiB), stacked along the batch (``qgraph.sweep``). The result is a
+    ``PatchResult`` (a dict) whose ``plot()`` draws values × locations.
     """
     clean, corrupt = _pair(clean, corrupt, metric)
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise InvalidArgument(f"batch_size= takes a positive int (locations per pass), not {batch_size!r}")
-    return instrumented.run_patches(clean, corrupt, instrumented.resolve(at), metric, positions, heads, batch_size)
+    results = instrumented.run_patches(clean, corrupt, instrumented.resolve(at), metric, positions, heads, batch_size)
+    return PatchResult(results, title="activation patching", what="metric after patching", positions=positions,
+                       heads=heads, input_ids=clean.get("input_ids"), source=instrumented)
 
 
 def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.Tensor], torch.Tensor], *,
@@ -72,7 +98,7 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
     ``metric(patched) - metric(corrupt)`` for that location. ``{name: tensor}``, shaped as ``patch``'s
     values: ``[]``, ``[positions]``, ``[heads]`` or ``[positions, heads]`` (a pattern's positions are
     its queries). ``metric(logits)`` must return a scalar tensor; the model's parameters get no
-    ``.grad``. Both runs are ``instrumented``'s own (fixed edits, SAEs).
+    ``.grad``. Both runs are ``instrumented``'s own (fixed edits, SAEs). A ``PatchResult``, as ``patch``'s.
     """
     clean, corrupt = _pair(clean, corrupt, metric)
     names = instrumented.resolve(at)
@@ -93,7 +119,8 @@ def attribution_patch(instrumented, clean, corrupt, at, metric: Callable[[torch.
         dims = list(entry.dims)
         effect = ((clean_values[name] - out.values[name].detach()) * grads[name]).detach()
         attributions[name] = _by_location(effect, dims, name, positions, heads)
-    return attributions
+    return PatchResult(attributions, title="attribution patching", what="estimated metric change",
+                       positions=positions, heads=heads, input_ids=clean.get("input_ids"), source=instrumented)
 
 
 def _by_location(effect: torch.Tensor, dims: list[str], name: str, positions, heads) -> torch.Tensor:

@@ -7,21 +7,36 @@ import pytest
 import torch
 
 import qgraph
+from tests.pages import hover_grids
 
 # every kind of name a researcher writes: standard names, globs over blocks and over a module's values,
 # negative block indices, the bracket form, TransformerLens and HF names
 NAMES = ["layers.*.layer_output", "layers.-1.mlp.mlp_output", "layers[1].layer_mid", "blocks.*.hook_resid_post",
          "blocks.2.hook_attn_out", "model.layers.0.mlp.output", "layers.*.linear_attn.*", "layers.3.self_attn.*",
          "**.mlp_neurons", "layers.*.mlp.down_proj.input"]
+PICTURED = ["layers.3.self_attn.attention_probabilities", "layers.0.linear_attn.effective_attention",
+            "layers.1.linear_attn.decays", "layers.*.layer_output"]  # the figures each door draws
 SAVED = ["layers.*.layer_output", "layers.*.layer_mid", "layers.*.mlp.mlp_output", "blocks.2.hook_attn_out"]
+
+
+def three_doors(model, remote, folder, values) -> dict:
+    """A local instrument of ``values`` (slots at every block's output), the server's, and the local one saved
+    with its weights and loaded."""
+    local = qgraph.instrument(model, values=values, edits=["layers.*.layer_output"])
+    path = local.save(folder / "doors.qgraph", weights=True)
+    return {"local": local, "remote": remote.instrument(values, edits=["layers.*.layer_output"]),
+            "loaded": qgraph.load(path)}
 
 
 @pytest.fixture(scope="module")
 def doors(sdpa_model, remote, tmp_path_factory):
-    local = qgraph.instrument(sdpa_model, values=SAVED, edits=["layers.*.layer_output"])
-    path = local.save(tmp_path_factory.mktemp("doors") / "doors.qgraph", weights=True)
-    return {"local": local, "remote": remote.instrument(SAVED, edits=["layers.*.layer_output"]),
-            "loaded": qgraph.load(path)}
+    return three_doors(sdpa_model, remote, tmp_path_factory.mktemp("doors"), SAVED)
+
+
+@pytest.fixture(scope="module")
+def picture_doors(sdpa_model, remote, tmp_path_factory):
+    """The three doors to an instrument of the values ``PICTURED`` draws (slots for the lens and patching)."""
+    return three_doors(sdpa_model, remote, tmp_path_factory.mktemp("pictures"), PICTURED)
 
 
 def ids(seed: int, seq: int = 5) -> torch.Tensor:
@@ -134,6 +149,54 @@ def test_the_lens_grid_its_logits_and_its_picture_agree_on_every_door(doors, tok
         assert torch.equal(figure.data["ids"], theirs.data["ids"]) and figure.data["labels"] == theirs.data["labels"]
         with pytest.raises(qgraph.NotCaptured, match="logits=True"):
             doors[door].logit_lens(tokens, positions=[-1]).logits
+
+def test_figures_draw_the_same_through_every_door(picture_doors, tokenizer):
+    """A remote and a loaded output plot as a local one (the layouts travel with the catalogue): the same
+    numbers, tokens, titles, colour scales and hover cells, for values, the lens and a patching sweep."""
+    call = ids(9, seq=7)
+    metric = lambda logits: logits[:, -1, 3].sum() - logits[:, -1, 7].sum()  # noqa: E731
+    figures = {}
+    for door, instrument in picture_doors.items():
+        out = instrument(call)
+        made = {name: out.plot(name, tokenizer=tokenizer) for name in PICTURED}
+        made["lens"] = instrument.logit_lens(call).plot(tokenizer)
+        made["patch"] = qgraph.patch(instrument, ids(2), ids(3), "layers.*.layer_output", metric,
+                                     positions=[0, -1]).plot(tokenizer=tokenizer)
+        figures[door] = made
+    for door in ("remote", "loaded"):
+        for what, mine in figures["local"].items():
+            theirs = figures[door][what]
+            assert theirs.title == mine.title and theirs.matplotlib.get_suptitle() == mine.matplotlib.get_suptitle()
+            assert theirs.data.keys() == mine.data.keys(), what
+            for key, value in mine.data.items():
+                if key == "grids":  # a patching sweep's: a tensor per value
+                    for a, b in zip(theirs.data[key], value, strict=True):
+                        close(a, b)
+                elif isinstance(value, torch.Tensor):
+                    close(theirs.data[key].nan_to_num(7.0), value.nan_to_num(7.0))
+                elif key == "limits":
+                    assert theirs.data[key] == pytest.approx(value, abs=1e-4), (door, what)
+                else:
+                    assert theirs.data[key] == value, (door, what, key)
+            for a, b in zip(hover_grids(theirs._repr_html_()), hover_grids(mine._repr_html_()), strict=True):
+                assert (a["rows"], a["columns"], a["panel"]) == (b["rows"], b["columns"], b["panel"])
+                assert [c == "-" for c in a["cells"]] == [c == "-" for c in b["cells"]]
+                close(torch.tensor([float(c) for c in a["cells"] if c != "-"]),
+                      torch.tensor([float(c) for c in b["cells"] if c != "-"]), tol=1e-2)  # 3 digits each
+    loaded = picture_doors["loaded"](call).plot(PICTURED[0])  # a saved program's folder has the tokenizer: no tokenizer=
+    assert loaded.data["tokens"] == figures["local"][PICTURED[0]].data["tokens"]
+
+
+@pytest.mark.parametrize("served, named", [("Qwen/Qwen3.5-0.8B", "Qwen/Qwen3.5-0.8B"), ("tiny-qwen3_5", "")])
+def test_a_server_names_its_hub_model_so_pictures_find_its_tokenizer(url, served, named):
+    """A hub id the server sends becomes the remote config's name (the Hugging Face cache holds its tokenizer);
+    a folder, sent by its last part alone, names nothing (``tokenizer=`` labels its tokens)."""
+    from tests.serving import KEY
+    server = qgraph.remote(url, api_key=KEY)
+    info = server.info()
+    server._info = {**info, "model": {**info["model"], "name": served}}  # what a server of that model sends
+    assert server.instrument(["layers.1.layer_output"]).config._name_or_path == named
+
 
 def test_a_capture_through_every_door_holds_the_same_values(doors, tokenizer, tmp_path):
     texts = ["The Eiffel Tower is in Paris.", "A second, shorter document.", "Three."]

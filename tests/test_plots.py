@@ -28,7 +28,7 @@ def ig_plots(sdpa_model):
     return qgraph.instrument(sdpa_model, saes={"layers.1.layer_output": sae}, values=[
         f"{ATTN}.attention_probabilities", f"{ATTN}.attention_scores", f"{DELTA}.decays", f"{DELTA}.betas",
         f"{DELTA}.states", f"{DELTA}.state_output", "layers.*.layer_output", "layers.1.sae.features",
-        "layers.1.mlp.down_proj.input"])
+        "layers.1.mlp.down_proj.input", f"{DELTA}.effective_attention", "layers.2.mlp.mlp_neurons"])  # test_figures too
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_pattern_has_one_panel_per_head_labelled_with_the_tokens(run):
     labels = [f"w{i}x" for i in range(11)]
     fig = out.plot(f"{ATTN}.attention_probabilities", tokens=labels, batch=1)
     assert isinstance(fig, qgraph.Figure)
-    assert panels(fig.svg) == 4  # num_attention_heads: one query × key panel each, no colour bar
+    assert panels(fig.svg) == 4 + 1  # num_attention_heads: one query × key panel each, and their colour bar
     assert torch.equal(fig.data["pattern"], out[f"{ATTN}.attention_probabilities"][1].detach())
     drawn = texts(fig.svg)
     assert all(drawn.count(label) == 2 * 4 for label in labels)  # each on both axes of every panel
@@ -78,7 +78,7 @@ def test_pattern_has_one_panel_per_head_labelled_with_the_tokens(run):
 def test_pattern_heads_and_scores(run):
     _, out = run
     fig = out.plot(f"{ATTN}.attention_scores", heads=[3, 1])
-    assert panels(fig.svg) == 2 and fig.data["heads"] == [3, 1] and {"head 3", "head 1"} <= set(texts(fig.svg))
+    assert panels(fig.svg) == 2 + 1 and fig.data["heads"] == [3, 1] and {"head 3", "head 1"} <= set(texts(fig.svg))
     scores = out[f"{ATTN}.attention_scores"][0, [3, 1]].detach()
     finite = torch.isfinite(scores)
     assert torch.equal(fig.data["pattern"][finite], scores[finite])
@@ -92,7 +92,7 @@ def test_vision_patterns_plot_per_image():
     source = SimpleNamespace(catalogue={name: SimpleNamespace(layout=layout, description="")})
     out = Output(None, {name: patterns}, 4, source=source)
     fig = out.plot(name, image=1)
-    assert panels(fig.svg) == 2 and torch.equal(fig.data["pattern"], patterns[1])
+    assert panels(fig.svg) == 2 + 1 and torch.equal(fig.data["pattern"], patterns[1])  # two heads, one colour bar
     assert fig.data["tokens"] == [str(i) for i in range(6)]  # patches are numbered
     with pytest.raises(OutOfRange, match="image=2"):
         out.plot(name, image=2)
@@ -174,8 +174,21 @@ def test_the_lens_grid_plots_every_position_with_its_top_token_and_a_colour_scal
     cells = [cell for block in range(4) for cell in shown(lens.top_ids[0, block, :, 0])]
     assert fig.data["tokens"] == [shown(lens.top_ids[0, block, :, 0]) for block in range(4)]
     assert sum(words.count(cell) for cell in set(cells)) >= len(cells)  # each cell's token is written in it
-    wide = ig_plots.logit_lens(torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1))).plot()
-    assert wide.data["ids"].shape == (4, 70) and len(texts(wide.svg)) < 100  # too narrow for the cells' text
+    assert panels(fig.svg) == 1 + 1  # 11 positions: one line, and the colour bar
+
+
+def test_a_long_lens_wraps_into_lines_of_legible_cells_and_a_longer_one_is_compact(ig_plots):
+    ids = torch.randint(0, 256, (1, 140), generator=torch.Generator().manual_seed(1))
+    lens = ig_plots.logit_lens(ids[:, :70])
+    wrapped = lens.plot()
+    assert wrapped.data["ids"].shape == (4, 70) and panels(wrapped.svg) == 3 + 1  # 70 positions: 3 lines of 24
+    assert {"positions 0–23", "positions 24–47", "positions 48–69"} <= set(texts(wrapped.svg))
+    drawn = texts(wrapped.svg)
+    cells = [cell if len(cell) <= 7 else cell[:6] + "…" for row in wrapped.data["tokens"] for cell in row]
+    assert sum(drawn.count(cell) for cell in set(cells)) >= len(cells)  # every cell holds its token's text
+    assert max(wrapped.matplotlib.get_size_inches()) < 15  # each line sized to its cells, not a 26-inch strip
+    compact = ig_plots.logit_lens(ids).plot()  # past 128 positions: one grid, no text in the cells
+    assert compact.data["ids"].shape == (4, 140) and panels(compact.svg) == 1 + 1 and len(texts(compact.svg)) < 120
 
 # -- saving and mistakes --------------------------------------------------------------------------------
 def test_figure_saves_html_svg_and_png(run, tmp_path):

@@ -6,27 +6,33 @@ layout (kind)                  what the figure shows
 ``Pattern``                    attention patterns (text, and the vision tower's per image): one panel
                                per head, query (down) × key (across), axes labelled with the tokens
 ``Gates``                      DeltaNet ``decays`` and ``betas``: heads (down) × tokens (across)
-``States`` / ``State``         DeltaNet states: each head's state norm (Frobenius) over tokens (a bar per
-                               head for ``state_output``/``state_input``), and one head's matrix
+``States`` / ``State``         DeltaNet states: each head's state norm (Frobenius), heads × tokens (a bar
+                               per head for ``state_output``/``state_input``), and one head's matrix
 ``Residual`` / ``Patches``     the residual stream: the norm per token; a glob (``layers.*.layer_output``)
                                is a grid of values (blocks, down) × tokens (across)
 ``Features`` / ``Neurons``     SAE and transcoder features (MLP neurons too): every token's top features,
                                as a grid of those features (down) × tokens (across)
 =============================  ==========================================================================
 
-Each figure keeps the numbers it drew in ``fig.data`` (tensors, on the CPU). Options: ``batch=`` (the
+Every heatmap has its colour bar (``plots.scale``: signed values diverging and centred at zero), tokens
+on its axes and a title naming the value, its block and heads; the HTML form (``_repr_html_``, ``.html``)
+answers a hover with the cell's value to 3 significant digits, its tokens (query and key, head, block,
+feature) (``plots.hover``). Each figure keeps the numbers it drew in ``fig.data`` (tensors, on the CPU;
+``limits``: its colour scale's). Options: ``batch=`` (the
 row, default 0) for all; ``heads=[...]`` and ``image=`` (vision) for patterns; ``head=`` and
 ``position=`` (whose matrix) for states; ``top=`` (features per token) and ``rows=`` (the most features
 drawn) for features. Tokens label the axes: ``tokens=[...]`` (strings, one per token) or, by default,
-the call's tokens, decoded by the model's tokenizer when its folder (``config.name_or_path``, or the
-Hugging Face cache, never the network) has one, else their ids.
+the call's tokens, decoded by ``tokenizer=`` or the model's tokenizer when its folder
+(``config.name_or_path``; a server's model by its hub id; the Hugging Face cache, never the network)
+has one, else their ids.
 """
 from __future__ import annotations
 
 from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..figure import Figure
 from .common import KINDS, kind_of, layout_of  # noqa: F401 - explore reads these
-from .draw import DRAW, residual_grid, lens_figure  # noqa: F401 - lens reads lens_figure
+from .draw import DRAW, residual_grid
+from .lens_grid import lens_figure  # noqa: F401 - lens reads lens_figure
 
 __all__ = ["KINDS", "lens_figure", "plot"]
 
@@ -34,7 +40,7 @@ __all__ = ["KINDS", "lens_figure", "plot"]
 # -- what to draw ---------------------------------------------------------------------------------------
 
 
-def plot(out, name: str, tokens=None, **options) -> Figure:
+def plot(out, name: str, tokens=None, tokenizer=None, **options) -> Figure:
     """What ``Output.plot`` returns (see the module's docstring)."""
     if not isinstance(name, str):
         raise InvalidType(f"plot takes a value's name (a string), not {type(name).__name__}")
@@ -46,7 +52,7 @@ def plot(out, name: str, tokens=None, **options) -> Figure:
             raise NotSupported(f"'{name}' selects {len(names)} values ({found}{', ...' if len(names) > 4 else ''}): a "
                                f"glob plots residual-stream values (blocks × tokens); plot the others one by one")
         _check_options("Residual", options)
-        return residual_grid(out, names, tokens, **options)
+        return residual_grid(out, names, tokens, tokenizer, **options)
     name, kind = names[0], kinds[names[0]]
     if kind is None:
         layout = layout_of(out, name)
@@ -54,7 +60,7 @@ def plot(out, name: str, tokens=None, **options) -> Figure:
         raise NotSupported(f"'{name}' has {what}, which has no plot; these layouts plot: "
                            + ", ".join(f"{k} ({what})" for k, (what, _) in KINDS.items()))
     _check_options(kind, options)
-    return DRAW[kind](out, name, tokens, **options)
+    return DRAW[kind](out, name, tokens, tokenizer, **options)
 
 
 def _select(out, pattern: str) -> list[str]:

@@ -3,13 +3,11 @@ one position a bar per component, several a components × positions grid, on a d
 at zero (red adds, blue takes away), the components named as text."""
 from __future__ import annotations
 
-import torch
-
 from ..errors import InvalidArgument
 from ..figure import Figure
 from .common import checked_index, decode, new_figure, ticks, tokenizer_of
-
-_CELL_NUMBERS = 400  # a grid of at most this many cells shows each cell's number
+from .hover import Cells, hover_figure
+from .scale import colour_bar, heatmap, scale_of, write_values
 
 
 def decomposition_figure(result, batch: int = 0, rows: int = 30) -> Figure:
@@ -27,11 +25,12 @@ def decomposition_figure(result, batch: int = 0, rows: int = 30) -> Figure:
     tokens = decode(ids[batch, positions].tolist(), tokenizer_of(result.source)) if ids is not None \
         else [str(p) for p in positions]
     columns = [f"{p}: {t}" for p, t in zip(positions, tokens)]
-    limit = float(grid.abs().max()) or 1.0
+    scale = scale_of(grid, signed=True)
+    limit = scale.high
     shown = f"the {len(names)} largest of {len(labels)}" if len(names) < len(labels) else f"all {len(labels)}"
     heading = f"{result.what()}  ·  batch {batch}" if scores.shape[1] > 1 else result.what()
     if len(positions) == 1:
-        figure = new_figure(6.5, max(2.4, 0.22 * len(names) + 1.3))
+        figure = new_figure(max(6.5, 4.6 + 0.07 * max(map(len, names))), max(2.4, 0.22 * len(names) + 1.3))
         axes = figure.add_subplot()
         values = grid[:, 0]
         axes.barh(range(len(names)), values.numpy(), color=["#c0392b" if v > 0 else "#2f6db5" for v in values])
@@ -42,21 +41,17 @@ def decomposition_figure(result, batch: int = 0, rows: int = 30) -> Figure:
         total = float(result.totals()[batch, 0])
         axes.set_xlabel(f"{result.unit} at {columns[0]}: {total:.4g} in all ({shown} components and bias terms "
                         f"drawn)", fontsize=8, parse_math=False)
+        cells = Cells(axes, grid, names, [f"position {columns[0]}"], result.unit, span="rows")
     else:
-        figure = new_figure(min(14.0, max(5.0, 0.5 * len(positions) + 3.5)), max(2.4, 0.22 * len(names) + 1.5))
+        room = 0.07 * max(map(len, names))  # the components' names, left of the grid
+        figure = new_figure(min(16.0, max(6.0, 0.5 * len(positions) + 2.2 + room)), max(2.4, 0.22 * len(names) + 1.5))
         axes = figure.add_subplot()
-        picture = axes.imshow(grid.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto",
-                              interpolation="nearest")
-        figure.colorbar(picture, ax=axes, shrink=0.9).set_label(result.unit, fontsize=8)
-        if grid.numel() <= _CELL_NUMBERS:
-            for (r, c), value in zip(torch.cartesian_prod(torch.arange(grid.shape[0]), torch.arange(grid.shape[1])),
-                                     grid.flatten()):
-                if abs(float(value)) >= 0.05 * limit:  # the small ones left blank: the colour says enough
-                    axes.text(int(c), int(r), f"{float(value):.2g}", ha="center", va="center", fontsize=6,
-                              color="white" if abs(float(value)) > 0.6 * limit else "black")
+        colour_bar(figure, heatmap(axes, grid, scale), axes, result.unit)
+        write_values(axes, grid, scale)
         ticks(axes, columns, "x", rotate=True)
         ticks(axes, names, "y")
         axes.set_title(f"{shown} components and bias terms, by their largest score", fontsize=8)
+        cells = Cells(axes, grid, names, [f"position {column}" for column in columns], result.unit)
     figure.suptitle(heading, fontsize=10)
-    return Figure.from_matplotlib(figure, result.what(), {"scores": grid, "labels": names, "positions": positions,
-                                                          "tokens": tokens})
+    return hover_figure(figure, result.what(), {"scores": grid, "labels": names, "positions": positions,
+                                                "tokens": tokens, "limits": (scale.low, scale.high)}, [cells])

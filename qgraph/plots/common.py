@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -97,8 +98,9 @@ def decode(ids, tokenizer) -> list[str]:
     return [text if text.strip() else "␣" * len(text) or "∅" for text in shown]  # a space shows as ␣
 
 
-def token_labels(out, seq: int, tokens, batch: int) -> list[str]:
-    """The labels of a value's ``seq`` token positions."""
+def token_labels(out, seq: int, tokens, batch: int, tokenizer=None) -> list[str]:
+    """The labels of a value's ``seq`` token positions: ``tokens`` as given, else the call's tokens decoded by
+    ``tokenizer`` (default: the model's own, where its folder or the Hugging Face cache has it), else numbers."""
     if tokens is not None:
         if isinstance(tokens, str) or not isinstance(tokens, Sequence):
             raise InvalidType(f"tokens= takes a list of strings (one per token), not {type(tokens).__name__}")
@@ -110,7 +112,7 @@ def token_labels(out, seq: int, tokens, batch: int) -> list[str]:
         return [str(t) for t in rows]
     ids = getattr(out, "input_ids", None)
     if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == seq and batch < ids.shape[0]:
-        return decode(ids[batch].tolist(), tokenizer_of(getattr(out, "source", None)))
+        return decode(ids[batch].tolist(), tokenizer or tokenizer_of(getattr(out, "source", None)))
     return [str(i) for i in range(seq)]
 
 
@@ -118,7 +120,7 @@ def ticks(axis, labels: list[str], which: str, rotate: bool = False) -> None:
     """Label an axis with ``labels``, at most ``_MAX_LABELS`` of them (every n-th past that)."""
     step = max(1, math.ceil(len(labels) / _MAX_LABELS))
     at = list(range(0, len(labels), step))
-    size = 8 if len(at) <= 24 else 6
+    size = 8 if len(at) <= 40 else 6
     kwargs = dict(fontsize=size, parse_math=False)
     if which == "x":
         axis.set_xticks(at)
@@ -142,8 +144,29 @@ def panel_side(seq: int) -> float:
     return min(4.5, max(2.4, 0.13 * seq))
 
 
-def title(name: str, batch: int | None, rows: int | None) -> str:
-    return name if batch is None or not rows or rows == 1 else f"{name}  ·  batch {batch}"
+def heading(name: str, *, batch: int | None = None, rows: int | None = None, heads=None, extra: str = "") -> str:
+    """A figure's title: the value's name, its block, the heads drawn, ``extra``, and the batch row (when the
+    call had several)."""
+    parts = [name]
+    block = re.match(r"(vision\.)?layers\.(\d+)\.", name)
+    if block:
+        parts.append(f"{'vision ' if block[1] else ''}block {block[2]}")
+    if heads is not None:
+        parts.append(spans("head", list(heads)))
+    if extra:
+        parts.append(extra)
+    if batch is not None and rows and rows > 1:
+        parts.append(f"batch {batch}")
+    return "  ·  ".join(parts)
+
+
+def spans(what: str, numbers: list[int]) -> str:
+    """``heads 0–3``, ``head 2``, ``heads 3, 1``: numbers as a reader says them."""
+    if len(numbers) == 1:
+        return f"{what} {numbers[0]}"
+    if len(numbers) > 2 and numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+        return f"{what}s {numbers[0]}–{numbers[-1]}"
+    return f"{what}s {', '.join(map(str, numbers))}"
 
 
 def input_length(out) -> int | None:
@@ -191,3 +214,8 @@ def short_names(names: list[str]) -> list[str]:
     cut = len(tail[0]) - 1 if tail else 0
     short = [n[:-cut] if cut and len(n) > cut else n for n in names]
     return short if len(set(short)) == len(short) else names
+
+
+def numbered(word: str, labels: list[str]) -> list[str]:
+    """Each label as a hover names it: ``query 3: c`` (``word``, its index, its text)."""
+    return [f"{word} {i}: {label}" for i, label in enumerate(labels)]

@@ -1,21 +1,23 @@
-"""One drawing per layout kind (``DRAW``), and the logit lens's grid."""
+"""One drawing per layout kind (``DRAW``): each a heatmap (or a line or bars over tokens) with its colour
+scale (``plots.scale``), its tokens on the axes, a title naming the value, block and heads, and the
+hover of its HTML form (``plots.hover``)."""
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
 from ..errors import InvalidArgument, NotSupported
 from ..figure import Figure
-from .common import (kind_of, layout_of, as_list, asked_option, checked_index, common_tail, decode, describe,
-                     head_labels, input_length, new_figure, on_cpu, panel_side, short_names, ticks, title, token_labels,
-                     tokenizer_of, value_of)
+from .common import (as_list, asked_option, checked_index, common_tail, describe, head_labels, heading, input_length,
+                     kind_of, layout_of, new_figure, numbered, on_cpu, panel_side, short_names, spans, ticks,
+                     token_labels, value_of)
+from .hover import Cells, hover_figure
+from .scale import colour_bar, heatmap, scale_of
 
 
-# -- drawing --------------------------------------------------------------------------------------------
-
-
-def _pattern(out, name: str, tokens=None, *, batch: int = 0, heads=None, image: int = 0) -> Figure:
+def _pattern(out, name: str, tokens=None, tokenizer=None, *, batch: int = 0, heads=None, image: int = 0) -> Figure:
     value = value_of(out, name)
     vision = isinstance(value, (list, tuple))
     if vision:  # the vision tower's patterns: one [heads, patches, patches] per image
@@ -27,59 +29,64 @@ def _pattern(out, name: str, tokens=None, *, batch: int = 0, heads=None, image: 
     count = matrix.shape[0]
     chosen = list(range(count)) if heads is None else [checked_index(h, count, "head") for h in as_list(heads, "heads")]
     queries, keys = matrix.shape[-2], matrix.shape[-1]
-    labels = [str(i) for i in range(keys)] if vision and tokens is None else token_labels(out, keys, tokens, batch)
+    labels = [str(i) for i in range(keys)] if vision and tokens is None \
+        else token_labels(out, keys, tokens, batch, tokenizer)
     probabilities = name.endswith("probabilities")
     signed = name.endswith("effective_attention")  # a DeltaNet's: signed weights, nothing above the diagonal
     shown = matrix[chosen].masked_fill(~torch.isfinite(matrix[chosen]), float("nan"))
     if signed:
         shown = shown.masked_fill(torch.ones(queries, keys, dtype=torch.bool).triu(1), float("nan"))
-    finite = shown[~torch.isnan(shown)]
-    low = 0.0 if probabilities else (float(finite.min()) if finite.numel() else 0.0)
-    high = float(finite.max()) if finite.numel() else 1.0
-    if signed:  # centred on zero: red reads the value, blue reads its negative
-        high = max(abs(low), abs(high)) or 1.0
-        low = -high
+    scale = scale_of(shown, signed=signed, colours="Blues" if probabilities else "viridis", zero=probabilities)
     columns = min(len(chosen), 4)
     lines = math.ceil(len(chosen) / columns)
     side = panel_side(keys)
-    figure = new_figure(side * columns + 0.6, side * lines + 0.9)
-    import matplotlib
-    colours = matplotlib.colormaps["Blues" if probabilities else "RdBu_r" if signed else "viridis"].with_extremes(
-        bad="#ffffff")  # masked: blank
+    figure = new_figure(side * columns + 1.1, side * lines + 0.9)
+    word = "patch" if vision else "token"
+    query_labels = labels[keys - queries:] if queries <= keys else labels
+    numbers = head_labels(out, name, count) if not vision else list(range(count))
+    panels, cells = [], []
     for k, head in enumerate(chosen):
         axes = figure.add_subplot(lines, columns, k + 1)
-        axes.imshow(shown[k].numpy(), cmap=colours, vmin=low, vmax=high if high > low else low + 1,
-                    interpolation="nearest", aspect="equal")
-        axes.set_title(f"head {head}", fontsize=9)
+        picture = heatmap(axes, shown[k], scale, aspect="equal")
+        axes.set_title(f"head {numbers[head]}", fontsize=9)
         ticks(axes, labels, "x", rotate=True)
-        ticks(axes, labels[keys - queries:] if queries <= keys else labels, "y")
+        ticks(axes, query_labels, "y")
         if k % columns == 0:
-            axes.set_ylabel("query", fontsize=8)
-        axes.set_xlabel("key", fontsize=8)
-    where = f"image {image}" if vision else None
-    figure.suptitle(title(name, batch, rows) + (f"  ·  {where}" if where else ""), fontsize=10)
-    return Figure.from_matplotlib(figure, name, {"pattern": shown, "heads": chosen, "tokens": labels})
+            axes.set_ylabel(f"query {word}", fontsize=8)
+        axes.set_xlabel(f"key {word}", fontsize=8)
+        panels.append(axes)
+        cells.append(Cells(axes, shown[k], numbered("query", query_labels), numbered("key", labels),
+                           name.rsplit(".", 1)[-1], f"head {numbers[head]}"))
+    colour_bar(figure, picture, panels, name.rsplit(".", 1)[-1].replace("_", " "))
+    figure.suptitle(heading(name, batch=batch, rows=rows, heads=[numbers[h] for h in chosen],
+                            extra=f"image {image}" if vision else ""), fontsize=10)
+    return hover_figure(figure, name, {"pattern": shown, "heads": chosen, "tokens": labels,
+                                       "limits": (scale.low, scale.high)}, cells)
 
 
-def _gates(out, name: str, tokens=None, *, batch: int = 0) -> Figure:
+def _gates(out, name: str, tokens=None, tokenizer=None, *, batch: int = 0) -> Figure:
     value = value_of(out, name)
     batch = checked_index(batch, value.shape[0], "batch")
     grid = on_cpu(value[batch]).transpose(0, 1)  # [heads, seq]
     heads, seq = grid.shape
-    labels = token_labels(out, seq, tokens, batch)
-    figure = new_figure(min(14.0, max(4.0, 0.16 * seq + 1.6)), max(1.8, 0.28 * heads + 1.3))
+    labels = token_labels(out, seq, tokens, batch, tokenizer)
+    numbers = head_labels(out, name, heads)
+    what = name.rsplit(".", 1)[-1]
+    # zero=True: a log decay of 0 keeps the whole state, the end of the decays' scale
+    scale = scale_of(grid, colours="magma" if what == "decays" else "viridis", zero=True)
+    figure = new_figure(min(14.0, max(4.5, 0.16 * seq + 2.0)), max(2.0, 0.28 * heads + 1.4))
     axes = figure.add_subplot()
-    picture = axes.imshow(grid.numpy(), cmap="magma" if name.endswith("decays") else "viridis", aspect="auto",
-                          interpolation="nearest")
-    figure.colorbar(picture, ax=axes, shrink=0.9).set_label(name.rsplit(".", 1)[-1], fontsize=8)
+    colour_bar(figure, heatmap(axes, grid, scale), axes, what)
     ticks(axes, labels, "x", rotate=True)
-    ticks(axes, [f"head {h}" for h in head_labels(out, name, heads)], "y")
+    ticks(axes, [f"head {h}" for h in numbers], "y")
     axes.set_title(describe(out, name), fontsize=8)
-    figure.suptitle(title(name, batch, value.shape[0]), fontsize=10)
-    return Figure.from_matplotlib(figure, name, {"grid": grid, "tokens": labels})
+    figure.suptitle(heading(name, batch=batch, rows=value.shape[0], heads=numbers), fontsize=10)
+    return hover_figure(figure, name, {"grid": grid, "tokens": labels, "limits": (scale.low, scale.high)},
+                        [Cells(axes, grid, [f"head {h}" for h in numbers], numbered("token", labels), what)])
 
 
-def _states(out, name: str, tokens=None, *, batch: int = 0, head: int = 0, position: int = -1) -> Figure:
+def _states(out, name: str, tokens=None, tokenizer=None, *, batch: int = 0, head: int = 0,
+            position: int = -1) -> Figure:
     value = value_of(out, name)
     batch = checked_index(batch, value.shape[0], "batch")
     states = on_cpu(value[batch])
@@ -87,21 +94,23 @@ def _states(out, name: str, tokens=None, *, batch: int = 0, head: int = 0, posit
     heads = states.shape[-3]
     head = checked_index(head, heads, "head")
     names = head_labels(out, name, heads)
-    figure = new_figure(10.5, 3.6)
+    figure = new_figure(11.5, max(3.6, 0.22 * heads + 1.6))
     left, right = figure.subplots(1, 2, width_ratios=[1.8, 1])
+    rows = [f"head {h}" for h in names]
     if over_tokens:
         norms = states.flatten(-2).norm(dim=-1).transpose(0, 1)  # [heads, seq]
         asked, length = asked_option(out, name, "positions"), input_length(out)
         if asked is not None and len(asked) == norms.shape[1]:  # `state` at positions=[...]: each its token
-            every = token_labels(out, length, tokens, batch) if length else None
+            every = token_labels(out, length, tokens, batch, tokenizer) if length else None
             labels = [f"{p}: {every[p]}" if every and length and -length <= p < length else str(p) for p in asked]
         else:
-            labels = token_labels(out, norms.shape[1], tokens, batch)
-        for h in range(heads):
-            left.plot(range(norms.shape[1]), norms[h].numpy(), marker="o" if norms.shape[1] <= 32 else None,
-                      markersize=3, linewidth=1.2, label=f"head {names[h]}")
+            labels = token_labels(out, norms.shape[1], tokens, batch, tokenizer)
+        norm_scale = scale_of(norms)
+        colour_bar(figure, heatmap(left, norms, norm_scale), left, "state norm")
         ticks(left, labels, "x", rotate=True)
-        left.set_ylabel("state norm", fontsize=8)
+        ticks(left, rows, "y")
+        left.set_title("each head's state norm (Frobenius) after each token", fontsize=9)
+        norm_cells = Cells(left, norms, rows, numbered("after token", labels), "state norm")
         position = checked_index(position, states.shape[0], "position")
         matrix = states[position, head]
         where = f"after token {position} ({labels[position]})"
@@ -109,45 +118,50 @@ def _states(out, name: str, tokens=None, *, batch: int = 0, head: int = 0, posit
         norms = states.flatten(-2).norm(dim=-1)  # [heads]
         left.bar(range(heads), norms.numpy(), color="#4a7bd0")
         left.set_xticks(range(heads))
-        left.set_xticklabels([f"head {h}" for h in names], fontsize=8)
+        left.set_xticklabels(rows, fontsize=8, rotation=90 if heads > 8 else 0)
         left.set_ylabel("state norm", fontsize=8)
+        left.set_title("each head's state norm (Frobenius)", fontsize=9)
+        norm_cells = Cells(left, norms[None], [""], rows, "state norm", span="columns")
         labels, matrix, where = None, states[head], ""
-    left.set_title("each head's state norm (Frobenius)", fontsize=9)
-    if heads <= 12 and over_tokens:
-        left.legend(fontsize=7, ncols=2 if heads > 6 else 1)
-    bound = float(matrix.abs().max()) or 1.0
-    picture = right.imshow(matrix.numpy(), cmap="RdBu_r", vmin=-bound, vmax=bound, interpolation="nearest")
-    figure.colorbar(picture, ax=right, shrink=0.85)
+    scale = scale_of(matrix, signed=True)
+    colour_bar(figure, heatmap(right, matrix, scale, aspect="equal"), right, "state entry")
     right.set_title(f"head {names[head]}'s state {where}".strip(), fontsize=9)
+    right.tick_params(labelsize=7)
     right.set_xlabel("value dim", fontsize=8)
     right.set_ylabel("key dim", fontsize=8)
-    figure.suptitle(title(name, batch, value.shape[0]), fontsize=10)
-    data = {"norms": norms, "matrix": matrix, "head": head}
+    figure.suptitle(heading(name, batch=batch, rows=value.shape[0], heads=names), fontsize=10)
+    data = {"norms": norms, "matrix": matrix, "head": head, "limits": (scale.low, scale.high)}
     if over_tokens:
         data.update(position=position, tokens=labels)
-    return Figure.from_matplotlib(figure, name, data)
+    matrix_cells = Cells(right, matrix, [f"key dim {i}" for i in range(matrix.shape[0])],
+                         [f"value dim {j}" for j in range(matrix.shape[1])], "state entry",
+                         f"head {names[head]}, {where}".strip(", "))
+    return hover_figure(figure, name, data, [norm_cells, matrix_cells])
 
 
-def _residual(out, name: str, tokens=None, *, batch: int = 0) -> Figure:
+def _residual(out, name: str, tokens=None, tokenizer=None, *, batch: int = 0) -> Figure:
     value = value_of(out, name)
     batch = checked_index(batch, value.shape[0], "batch")
     norms = on_cpu(value[batch]).norm(dim=-1)  # [seq]
     patches = kind_of(layout_of(out, name)) == "Patches"  # the vision tower's: numbered, not tokens
     labels = [str(i) for i in range(norms.shape[0])] if patches and tokens is None \
-        else token_labels(out, norms.shape[0], tokens, batch)
+        else token_labels(out, norms.shape[0], tokens, batch, tokenizer)
     figure = new_figure(min(14.0, max(4.5, 0.16 * len(labels) + 1.5)), 3.0)
     axes = figure.add_subplot()
     axes.plot(range(len(labels)), norms.numpy(), marker="o" if len(labels) <= 48 else None, markersize=3,
               color="#4a7bd0", linewidth=1.3)
     ticks(axes, labels, "x", rotate=True)
-    axes.set_ylabel("norm", fontsize=8)
+    axes.set_xlim(-0.5, len(labels) - 0.5)
+    axes.set_ylabel("norm (the y axis is its scale)", fontsize=8)
     axes.grid(alpha=0.3)
-    axes.set_title(f"the norm of each {'patch' if patches else 'token'}'s vector", fontsize=8)
-    figure.suptitle(title(name, batch, value.shape[0]), fontsize=10)
-    return Figure.from_matplotlib(figure, name, {"norm": norms, "tokens": labels})
+    word = "patch" if patches else "token"
+    axes.set_title(f"the norm of each {word}'s vector", fontsize=8)
+    figure.suptitle(heading(name, batch=batch, rows=value.shape[0]), fontsize=10)
+    return hover_figure(figure, name, {"norm": norms, "tokens": labels},
+                        [Cells(axes, norms[None], [""], numbered(word, labels), "norm", span="columns")])
 
 
-def residual_grid(out, names: list[str], tokens=None, *, batch: int = 0) -> Figure:
+def residual_grid(out, names: list[str], tokens=None, tokenizer=None, *, batch: int = 0) -> Figure:
     values = [value_of(out, n) for n in names]
     seqs = {tuple(v.shape[:2]) for v in values}
     if len(seqs) > 1:
@@ -155,21 +169,24 @@ def residual_grid(out, names: list[str], tokens=None, *, batch: int = 0) -> Figu
                               f"them one by one")
     batch = checked_index(batch, values[0].shape[0], "batch")
     grid = torch.stack([on_cpu(v[batch]).norm(dim=-1) for v in values])  # [values, seq]
-    labels = token_labels(out, grid.shape[1], tokens, batch)
+    labels = token_labels(out, grid.shape[1], tokens, batch, tokenizer)
     rows = short_names(names)
+    scale = scale_of(grid)
     figure = new_figure(min(14.0, max(4.5, 0.16 * len(labels) + 2.5)), max(2.2, 0.26 * len(names) + 1.4))
     axes = figure.add_subplot()
-    picture = axes.imshow(grid.numpy(), cmap="viridis", aspect="auto", interpolation="nearest", origin="lower")
-    figure.colorbar(picture, ax=axes, shrink=0.9).set_label("norm", fontsize=8)
+    colour_bar(figure, heatmap(axes, grid, scale, origin="lower"), axes, "norm")
     ticks(axes, labels, "x", rotate=True)
     ticks(axes, rows, "y")
     axes.set_title("the norm of each token's vector, block by block", fontsize=8)
-    figure.suptitle(title(" · ".join(common_tail(names)) or names[0], batch, values[0].shape[0]), fontsize=10)
-    return Figure.from_matplotlib(figure, f"{len(names)} values", {"grid": grid, "names": names, "rows": rows,
-                                                                   "tokens": labels})
+    blocks = [int(found[1]) for found in (re.match(r"layers\.(\d+)\.", n) for n in names) if found]
+    figure.suptitle(heading(" · ".join(common_tail(names)) or names[0], batch=batch, rows=values[0].shape[0],
+                            extra=spans("block", blocks) if len(blocks) == len(names) else ""), fontsize=10)
+    return hover_figure(figure, f"{len(names)} values", {"grid": grid, "names": names, "rows": rows,
+                                                         "tokens": labels, "limits": (scale.low, scale.high)},
+                        [Cells(axes, grid, names, numbered("token", labels), "norm")])
 
 
-def _features(out, name: str, tokens=None, *, batch: int = 0, top: int = 5, rows: int = 24) -> Figure:
+def _features(out, name: str, tokens=None, tokenizer=None, *, batch: int = 0, top: int = 5, rows: int = 24) -> Figure:
     value = value_of(out, name)
     layout = layout_of(out, name)
     if layout.rstrip("]").split()[-1:] == ["k"]:
@@ -186,74 +203,21 @@ def _features(out, name: str, tokens=None, *, batch: int = 0, top: int = 5, rows
     chosen = torch.unique(best.indices.flatten())
     chosen = chosen[acts[:, chosen].max(dim=0).values.argsort(descending=True)][:rows]
     grid = acts[:, chosen].transpose(0, 1)  # [features, seq]
-    labels = token_labels(out, acts.shape[0], tokens, batch)
+    labels = token_labels(out, acts.shape[0], tokens, batch, tokenizer)
     unit = "neuron" if kind_of(layout) == "Neurons" else "feature"
+    scale = scale_of(grid, colours="Oranges", zero=True)
     figure = new_figure(min(14.0, max(4.5, 0.16 * len(labels) + 2.2)), max(2.2, 0.2 * len(chosen) + 1.4))
     axes = figure.add_subplot()
-    picture = axes.imshow(grid.numpy(), cmap="Oranges", aspect="auto", interpolation="nearest")
-    figure.colorbar(picture, ax=axes, shrink=0.9).set_label("activation", fontsize=8)
+    colour_bar(figure, heatmap(axes, grid, scale), axes, "activation")
+    features = [f"{unit} {int(f)}" for f in chosen]
     ticks(axes, labels, "x", rotate=True)
-    ticks(axes, [f"{unit} {int(f)}" for f in chosen], "y")
+    ticks(axes, features, "y")
     axes.set_title(f"each token's top {top} {unit}s ({len(chosen)} {unit}s, the most active first)", fontsize=8)
-    figure.suptitle(title(name, batch, value.shape[0]), fontsize=10)
-    return Figure.from_matplotlib(figure, name, {"features": chosen, "grid": grid, "top": best.indices,
-                                                 "tokens": labels})
+    figure.suptitle(heading(name, batch=batch, rows=value.shape[0]), fontsize=10)
+    return hover_figure(figure, name, {"features": chosen, "grid": grid, "top": best.indices, "tokens": labels,
+                                       "limits": (scale.low, scale.high)},
+                        [Cells(axes, grid, features, numbered("token", labels), "activation")])
 
 
 DRAW = {"Pattern": _pattern, "Gates": _gates, "States": _states, "State": _states, "Residual": _residual,
-         "Patches": _residual, "Features": _features, "Neurons": _features}
-
-
-# -- the logit lens -------------------------------------------------------------------------------------
-
-
-_LENS_TEXT = 64  # positions past which the cells are too narrow for their tokens
-
-
-def lens_figure(lens, tokenizer=None, batch: int = 0, tokens=None) -> Figure:
-    """``LogitLens.plot``: blocks (up) × positions (across), each cell the block's top token there, coloured
-    by its probability (the scale from 0 to the grid's largest, shown in the colour bar); the x axis the
-    input's token at each position (the lens reads the next one). A left-padded row's pads are not drawn
-    (the lens holds them); past ``_LENS_TEXT`` positions the cells hold no text (too narrow)."""
-    if not lens:
-        raise InvalidArgument("the logit lens is empty: nothing to draw")
-    if tokenizer is None:
-        tokenizer = tokenizer_of(getattr(lens, "_source", None))
-    batch = checked_index(batch, lens.top_ids.shape[0], "batch")
-    mask = lens.attention_mask
-    real = [k for k, p in enumerate(lens.positions) if mask is None or bool(mask[batch, p])]
-    if not real:
-        raise InvalidArgument(f"row {batch}'s positions {lens.positions} are all padding: nothing to draw")
-    ids = lens.top_ids[batch, :, real, 0].cpu()  # [blocks, positions]: each cell's top-1
-    probabilities = on_cpu(lens.top_probs[batch, :, real, 0])
-    positions = [lens.positions[k] for k in real]
-    blocks, cells = list(range(ids.shape[0])), [decode(row.tolist(), tokenizer) for row in ids]
-    if tokens is not None:
-        labels = [str(t) for t in tokens]
-        if len(labels) != len(positions):
-            raise InvalidArgument(f"tokens= has {len(labels)} labels for {len(positions)} positions"
-                                  + (" (its row's real ones: pads are not drawn)" if mask is not None else ""))
-    else:
-        words = decode(lens.input_ids[batch, positions].tolist(), tokenizer)
-        whole = positions == list(range(positions[0], positions[0] + len(positions)))  # the tokens alone say it
-        labels = [w if whole else f"{p}: {w}" for p, w in zip(positions, words)]
-    text = len(positions) <= _LENS_TEXT
-    figure = new_figure(min(28.0, max(4.0, (0.42 if text else 0.16) * len(positions) + 2.4)),
-                        max(2.6, 0.3 * len(blocks) + 1.7))
-    axes = figure.add_subplot()
-    high = max(float(probabilities.max()), 1e-6)
-    picture = axes.imshow(probabilities.numpy(), cmap="Blues", vmin=0, vmax=high, aspect="auto", origin="lower",
-                          interpolation="nearest")
-    figure.colorbar(picture, ax=axes, shrink=0.9, pad=0.01).set_label("top-1 probability", fontsize=8)
-    if text:
-        size = 7 if len(positions) <= 24 else 5.5
-        for b in blocks:
-            for k, cell in enumerate(cells[b]):
-                axes.text(k, b, cell if len(cell) <= 6 else cell[:5] + "…", ha="center", va="center", fontsize=size,
-                          parse_math=False, color="white" if probabilities[b, k] > 0.6 * high else "black")
-    ticks(axes, labels, "x", rotate=len(positions) > 8)
-    ticks(axes, [f"block {b}" for b in blocks], "y")
-    axes.set_xlabel("input token (each cell: the block's top guess at the next)", fontsize=8)
-    figure.suptitle("logit lens: each block's top token" + (f"  ·  batch {batch}" if batch else ""), fontsize=10)
-    return Figure.from_matplotlib(figure, "logit lens", {"tokens": cells, "ids": ids, "probabilities": probabilities,
-                                                         "positions": positions, "labels": labels})
+        "Patches": _residual, "Features": _features, "Neurons": _features}

@@ -85,7 +85,10 @@ class Remote:
                                    f"the qgraph the server runs")
             catalogue = {name: ServedEntry.of(name, {k: v for k, v in entry.items() if k != "dtype"})
                          for name, entry in values.items()}
-            self._model = family, config_of(model["model_type"], model["config"]), catalogue
+            config = config_of(model["model_type"], model["config"])
+            if "/" in str(model.get("name") or ""):  # a hub id (a folder is sent by its last part alone): the
+                config._name_or_path = model["name"]  # pictures find its tokenizer in this machine's HF cache
+            self._model = family, config, catalogue
         return self._model
 
     def instrument(self, values=(), *, edits=(), logits: bool = True) -> RemoteInstrument:
