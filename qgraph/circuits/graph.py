@@ -260,25 +260,35 @@ class AttributionGraph:
     def plot(self, *, labels: Mapping[tuple[int, int], str] | None = None,
              top_logits: Mapping[tuple[int, int], Sequence[str]] | None = None,
              node_threshold: float | None = None, edge_threshold: float | None = None):
-        """A self-contained HTML view (inline SVG, CSS and JS; nothing from the network): features by
-        layer (up) and position (across), edges coloured by sign and drawn by magnitude; hovering a node
-        shows its activation, influence and, where given, its label and top logits
-        (``{(layer, feature): ...}``). Returns a ``Figure`` (shown in a notebook; ``.save("g.html")`` or
-        ``.save("g.svg")``). A graph not yet pruned is pruned first."""
-        # lazy: qgraph.circuits.render imports this module's package at import time (a cycle)
-        from .render import figure
+        """The graph's viewer, one self-contained HTML page (inline SVG, CSS and JS; nothing from the network):
+        tokens along the bottom, layers up, logits on top with their token and probability, features filled
+        by influence; hover a node for its activation and its strongest edges with their weights, click to
+        pin it and see only its neighbours, shift-click features and group them into a supernode, prune edges
+        with the slider, search by layer or feature. ``labels`` (over ``self.labels``) and ``top_logits``
+        (``{(layer, feature): ...}``) name features. Returns a ``Figure``: shown in a notebook,
+        ``.save("g.html")``, ``.save("g.svg")`` or ``.save("g.png")``. A graph not yet pruned is pruned first."""
+        # lazy: the viewer is read (and matplotlib loaded) only when a graph is drawn
+        from .viewer import figure
 
         return figure(self._as_pruned(node_threshold, edge_threshold), labels or {}, top_logits or {})
 
-    def to_graphviz(self, *, labels: Mapping[tuple[int, int], str] | None = None,
+    def show(self, **options):
+        """``plot(**options)`` shown: in a notebook, in the cell; elsewhere written to a temporary ``.html``
+        file and opened in the default web browser (its path is printed). Returns the ``Figure``."""
+        # lazy: the viewer is read (and matplotlib loaded) only when a graph is drawn
+        from .viewer import show
+
+        return show(self.plot(**options))
+
+    def to_graphviz(self, *, labels: Mapping[tuple[int, int], str] | None = None, width: int = 10,
                     node_threshold: float | None = None, edge_threshold: float | None = None):
-        """The pruned graph as a ``graphviz.Digraph`` (one rank per layer; ``.source`` is the DOT). A graph
-        not yet pruned is pruned first."""
+        """The pruned graph as a ``graphviz.Digraph`` for a paper figure (``.source`` is the DOT; ``.pipe("png")``,
+        ``.render(...)``): ranks by layer, nodes in token order, a layer wider than ``width`` nodes wrapped
+        onto more ranks; the prompt's tokens as text along the bottom. A graph not yet pruned is pruned first."""
         # lazy: qgraph.circuits.render imports this module's package at import time (a cycle)
         from .render import digraph
 
-        return digraph(self._as_pruned(node_threshold, edge_threshold), labels or {})
-
+        return digraph(self._as_pruned(node_threshold, edge_threshold), {**self.labels, **(labels or {})}, width)
 
 def _key(kind: str, layer, position: int, feature) -> tuple:
     return (kind, position, feature) if kind in ("embedding", "logit") else (kind, layer, position, feature)
