@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.chromium import browser, console_errors  # noqa: F401 (browser: a fixture)
+
 pytestmark = pytest.mark.slow  # the site built by mkdocs in a subprocess and opened in Chromium (python -m pytest -m slow)
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
@@ -100,22 +100,6 @@ def served(site):
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None or not Path(CHROMEDRIVER).exists():
-        pytest.skip("no chromium / chromium-driver here (Debian: apt-get install chromium chromium-driver)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--window-size=1400,1000"):
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
 
 
 @pytest.mark.parametrize("page, text", [("index.html", "standard value"), ("deltanet.html", "initial_state_output"),

@@ -9,18 +9,17 @@ to ``docs/gallery/`` with ``QGRAPH_SCREENSHOTS=1``.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.chromium import browser, console_errors  # noqa: F401 (browser: a fixture)
+
 pytestmark = pytest.mark.slow  # the notebook run on a Jupyter kernel and opened in Chromium (python -m pytest -m slow)
 
 ROOT = Path(__file__).resolve().parent.parent
 TOUR = ROOT / "docs" / "tour.ipynb"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -67,22 +66,6 @@ def test_the_tour_runs_and_each_picture_cell_shows_self_contained_html(tour):
     print(f"tour: {tour.metadata['qgraph_seconds']:.1f} s on its kernel")
 
 
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None or not Path(CHROMEDRIVER).exists():
-        pytest.skip("no chromium / chromium-driver here (Debian: apt-get install chromium chromium-driver)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--window-size=1400,1000"):
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
-
-
 def _page(tmp_path: Path, name: str, html: str) -> Path:
     path = tmp_path / f"{name}.html"
     path.write_text(f"<!doctype html><html><head><meta charset='utf-8'></head><body>{html}</body></html>")
@@ -93,15 +76,11 @@ def _screenshots() -> Path | None:
     return ROOT / "docs" / "gallery" if os.environ.get("QGRAPH_SCREENSHOTS") == "1" else None
 
 
-def _console_errors(driver) -> list:
-    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
-
-
 @pytest.mark.parametrize("cell, stem", [('out.plot("layers.3', "tour-pattern"), ('out.plot("layers.0', "tour-decays")])
 def test_a_plot_shows_its_picture_in_a_browser_labelled_with_the_prompt(tour, browser, tmp_path, cell, stem):
     from selenium.webdriver.common.by import By
     browser.get(_page(tmp_path, stem, _html(tour, cell)).as_uri())
-    errors = _console_errors(browser)
+    errors = console_errors(browser)
     svg = browser.find_element(By.CSS_SELECTOR, "svg")
     assert svg.size["width"] > 100 and svg.size["height"] > 100
     labels = [element.text for element in browser.find_elements(By.CSS_SELECTOR, "svg text")]
@@ -125,7 +104,7 @@ def test_a_click_on_an_explorer_value_fills_the_detail(tour, browser, tmp_path):
     detail = browser.find_element(By.ID, "detail")
     assert detail.text != before and "layers.0.linear_attn.decays" in detail.text
     assert detail.find_elements(By.CSS_SELECTOR, "svg"), "the captured value's plot is not in #detail"
-    assert _console_errors(browser) == []
+    assert console_errors(browser) == []
     target = (_screenshots() or tmp_path) / "tour-explore.png"
     browser.save_screenshot(str(target))
     assert target.stat().st_size > 1000

@@ -135,20 +135,20 @@ class _Checked:
             return default
         value = self.value[key]
         if isinstance(value, bool) and bool not in kinds:  # JSON's true is not a number
-            self.fail(f"{key!r} is a boolean")
+            self.fail(f"has {key!r} as a boolean")
         if not isinstance(value, kinds):
             names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
-            self.fail(f"{key!r} is {type(value).__name__}, not {names}")
+            self.fail(f"has {key!r} as {type(value).__name__}, not {names}")
         if isinstance(value, float) and not math.isfinite(value):
-            self.fail(f"{key!r} is not finite")
+            self.fail(f"has {key!r} not finite")
         return value
 
     def strings(self, key: str, limit: int) -> list[str]:
         values = self.get(key, (list,))
         if len(values) > limit:
-            self.fail(f"{key!r} has {len(values)} entries, over the bound of {limit}")
+            self.fail(f"has {len(values)} {key!r}, over the bound of {limit}")
         if not all(isinstance(v, str) for v in values):
-            self.fail(f"{key!r} holds entries that are not strings")
+            self.fail(f"has {key!r} that are not strings")
         return values
 
 
