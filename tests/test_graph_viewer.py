@@ -14,6 +14,7 @@ import io
 import json
 import math
 import re
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -25,6 +26,7 @@ from qgraph.errors import InvalidArgument, MissingFile
 from qgraph.figure import Figure
 from qgraph.render.engine import available
 from test_circuit_graph import chain_graph, circuit_tracer_file, fixed_error_ids, random_graph
+from tests.chromium import browser, console_errors  # noqa: F401 (browser: a fixture)
 
 SVG = "{http://www.w3.org/2000/svg}"
 HOSTILE = ["</script><script>document.title='pwned-token'</script>", "<img src=x onerror=\"document.title='pwned'\">"]
@@ -279,3 +281,166 @@ def test_graphviz_places_tokens_as_text_layers_in_bands_and_stays_narrow():
         from PIL import Image
         with Image.open(io.BytesIO(dot.pipe("png"))) as image:
             assert image.size[0] < 900, image.size  # px: bounded, however many nodes a layer has
+
+
+# -- in a browser ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory) -> dict:
+    """Viewer pages: a graph qgraph pruned, and a file circuit-tracer's own functions wrote, read back."""
+    folder = tmp_path_factory.mktemp("viewer")
+    ours = random_graph(0, n_layers=3, seq=5, n_logits=3).prune(0.9, 0.98)
+    theirs_file = folder / "theirs.json"
+    theirs_file.write_text(circuit_tracer_file(random_graph(1), 0.8, 0.98).model_dump_json(), encoding="utf-8")
+    theirs = AttributionGraph.from_json(theirs_file)
+    return {name: (graph, graph.plot().save(folder / f"{name}.html")) for name, graph in
+            (("qgraph", ours), ("circuit-tracer", theirs))}
+
+
+SHOWN = """return Array.from(document.querySelectorAll(arguments[0])).filter(function (e) {
+  return getComputedStyle(e).display !== "none"; }).map(function (e) {
+  return [e.getAttribute("data-id"), e.getAttribute("data-source"), e.getAttribute("data-target"),
+          e.getAttribute("data-weight")]; });"""
+
+
+def shown_nodes(driver) -> set[str]:
+    return {row[0] for row in driver.execute_script(SHOWN, ".qg-node")}
+
+
+def shown_edges(driver) -> set[tuple[str, str, float]]:
+    return {(s, t, float(w)) for _, s, t, w in driver.execute_script(SHOWN, ".qg-edge")}
+
+
+def glyph(driver, node_id: str):
+    from selenium.webdriver.common.by import By
+    return driver.find_element(By.CSS_SELECTOR, f'g.qg-node[data-id="{node_id}"] .qg-glyph')
+
+
+def busiest_feature(graph: AttributionGraph) -> int:
+    mask = graph.edge_mask
+    return max((i for i, n in enumerate(graph.nodes) if n.kind == "feature"),
+               key=lambda i: int(mask[i].sum() + mask[:, i].sum()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["qgraph", "circuit-tracer"])
+def test_hover_shows_a_nodes_activation_and_strongest_edges_with_the_graphs_weights(browser, pages, which):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    graph, page = pages[which]
+    browser.get(page.as_uri())
+    ids, i = [n.node_id for n in graph.nodes], busiest_feature(graph)
+    ActionChains(browser).move_to_element(glyph(browser, ids[i])).perform()
+    detail = browser.find_element(By.CSS_SELECTOR, ".qg-detail")
+    assert f"activation {graph.nodes[i].activation:.4g}" in detail.text
+    for end, sources in (("inputs", graph.edge_mask[i]), ("outputs", graph.edge_mask[:, i])):
+        others = sources.nonzero().flatten().tolist()
+        weights = [(graph.adjacency[i, k] if end == "inputs" else graph.adjacency[k, i]).item() for k in others]
+        expected = sorted(zip([ids[k] for k in others], weights), key=lambda e: -abs(e[1]))[:8]
+        rows = detail.find_elements(By.CSS_SELECTOR, f"table.qg-{end} tr.qg-row")
+        got = [(row.get_attribute("data-source" if end == "inputs" else "data-target"),
+                float(row.get_attribute("data-weight"))) for row in rows]
+        assert got == expected and len(got) > 0
+        shown = [float(row.find_elements(By.TAG_NAME, "td")[1].text) for row in rows]
+        assert shown == pytest.approx([w for _, w in expected], rel=1e-3)  # 4 significant digits
+    assert console_errors(browser) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["qgraph", "circuit-tracer"])
+def test_a_click_pins_a_node_and_shows_exactly_its_neighbours(browser, pages, which):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    graph, page = pages[which]
+    browser.get(page.as_uri())
+    ids, i = [n.node_id for n in graph.nodes], busiest_feature(graph)
+    everything = set(ids)
+    assert shown_nodes(browser) == everything and shown_edges(browser) == graph_edges(graph)
+    ActionChains(browser).click(glyph(browser, ids[i])).perform()
+    neighbours = {ids[k] for k in graph.edge_mask[i].nonzero().flatten().tolist()} | \
+                 {ids[k] for k in graph.edge_mask[:, i].nonzero().flatten().tolist()}
+    assert shown_nodes(browser) == neighbours | {ids[i]} and len(neighbours) >= 2
+    assert shown_edges(browser) == {e for e in graph_edges(graph) if ids[i] in e[:2]}
+    ActionChains(browser).click(glyph(browser, ids[i])).perform()  # again: all
+    assert shown_nodes(browser) == everything
+    ActionChains(browser).click(glyph(browser, ids[i])).perform()
+    ActionChains(browser).send_keys(Keys.ESCAPE).perform()
+    assert shown_nodes(browser) == everything and shown_edges(browser) == graph_edges(graph)
+
+
+@pytest.mark.slow
+def test_the_slider_hides_the_edges_under_its_threshold(browser, pages):
+    from selenium.webdriver.common.by import By
+
+    graph, page = pages["circuit-tracer"]
+    browser.get(page.as_uri())
+    slider = browser.find_element(By.CSS_SELECTOR, ".qg-threshold")
+    for value in (400, 700):
+        browser.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'));",
+                               slider, value)
+        threshold = float(slider.get_attribute("data-threshold"))
+        kept = {e for e in graph_edges(graph) if abs(e[2]) >= threshold}
+        assert shown_edges(browser) == kept and 0 < len(kept) < int(graph.edge_mask.sum())
+        assert f"{len(kept)} of {int(graph.edge_mask.sum())} edges" in browser.find_element(By.CSS_SELECTOR,
+                                                                                          ".qg-count").text
+
+
+@pytest.mark.slow
+def test_selected_features_group_into_a_supernode_whose_edges_are_their_sums(browser, pages):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    graph, page = pages["qgraph"]
+    browser.get(page.as_uri())
+    ids = [n.node_id for n in graph.nodes]
+    members = [ids[i] for i, n in enumerate(graph.nodes) if n.kind == "feature"][:3]
+    chain = ActionChains(browser).key_down(Keys.SHIFT)
+    for member in members:
+        chain = chain.click(glyph(browser, member))
+    chain.key_up(Keys.SHIFT).perform()
+    browser.find_element(By.CSS_SELECTOR, ".qg-group-name").send_keys("my circuit")
+    browser.find_element(By.CSS_SELECTOR, ".qg-group").click()
+
+    supernode = browser.find_element(By.CSS_SELECTOR, "g.qg-supernode")
+    name = supernode.get_attribute("data-id")
+    assert supernode.get_attribute("data-label") == "my circuit" == supernode.text
+    assert set(supernode.get_attribute("data-members").split(",")) == set(members)
+    assert shown_nodes(browser) == set(ids) - set(members) | {name}
+    owner = {m: name for m in members}
+    sums: dict[tuple[str, str], float] = {}
+    for s, t, w in graph_edges(graph):
+        key = (owner.get(s, s), owner.get(t, t))
+        if name in key and key[0] != key[1]:
+            sums[key] = sums.get(key, 0.0) + w
+    drawn = {(s, t): w for s, t, w in shown_edges(browser) if name in (s, t)}
+    assert drawn.keys() == sums.keys() and len(sums) > 0
+    assert [drawn[k] for k in sums] == pytest.approx(list(sums.values()), rel=1e-12, abs=1e-12)
+    assert not {e for e in shown_edges(browser) if e[0] in members or e[1] in members}
+    ActionChains(browser).move_to_element(supernode).perform()  # its summed edges, listed
+    rows = browser.find_elements(By.CSS_SELECTOR, ".qg-detail tr.qg-row")
+    assert rows and all(name in (r.get_attribute("data-source"), r.get_attribute("data-target")) for r in rows)
+    browser.find_element(By.CSS_SELECTOR, ".qg-supernodes button").click()  # ungroup
+    assert shown_nodes(browser) == set(ids) and shown_edges(browser) == graph_edges(graph)
+
+
+@pytest.mark.slow
+def test_hostile_strings_stay_text_in_the_browser(browser, tmp_path):
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+
+    graph = chain_graph()
+    graph.tokens, graph.prompt = list(HOSTILE), HOSTILE[0]
+    path = graph.to_json(tmp_path / "hostile.json", labels={(1, 3): HOSTILE[1]}, node_threshold=0.995)
+    page = AttributionGraph.from_json(path).plot().save(tmp_path / "hostile.html")
+    browser.get(page.as_uri())
+    time.sleep(0.3)  # an onerror would have fired by now
+    assert browser.execute_script("return document.title") not in ("pwned", "pwned-token")  # the page's own
+    with pytest.raises(NoAlertPresentException):
+        browser.switch_to.alert.text
+    tokens = browser.find_elements(By.CSS_SELECTOR, "text.qg-token")
+    shown = [browser.execute_script("return arguments[0].firstChild.nodeValue", t) for t in tokens]
+    assert shown == [visible(token, 10) for token in HOSTILE]  # the strings themselves, as text
+    label = browser.find_element(By.CSS_SELECTOR, 'g.qg-node[data-id="1_3_1"]').get_attribute("data-label")
+    assert label == HOSTILE[1]
