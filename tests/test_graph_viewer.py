@@ -13,9 +13,11 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from qgraph.render.engine import available
 from test_circuit_graph import chain_graph, circuit_tracer_file, fixed_error_ids, random_graph
 from tests.chromium import browser, console_errors  # noqa: F401 (browser: a fixture)
 
+ROOT = Path(__file__).resolve().parent.parent
 SVG = "{http://www.w3.org/2000/svg}"
 HOSTILE = ["</script><script>document.title='pwned-token'</script>", "<img src=x onerror=\"document.title='pwned'\">"]
 
@@ -444,3 +447,48 @@ def test_hostile_strings_stay_text_in_the_browser(browser, tmp_path):
     assert shown == [visible(token, 10) for token in HOSTILE]  # the strings themselves, as text
     label = browser.find_element(By.CSS_SELECTOR, 'g.qg-node[data-id="1_3_1"]').get_attribute("data-label")
     assert label == HOSTILE[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_graph(tmp_path_factory) -> AttributionGraph:
+    """The tiny Qwen3.5's graph of "the cat sat on the mat" through random transcoders (its tokens decoded)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import qgraph
+    from qgraph.testing import cached_tiny_qwen3_5, write_transcoders
+
+    path = cached_tiny_qwen3_5()
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("the cat sat on the mat", return_tensors="pt")["input_ids"][0]
+    folder = write_transcoders(tmp_path_factory.mktemp("transcoders"), d_model=64, layers=4, d_transcoder=8, skip=True)
+    return qgraph.attribution_graph(model, ids, folder, tokenizer=tokenizer).prune()
+
+
+@pytest.mark.slow
+def test_the_tiny_models_graph_pinned_in_the_viewer_and_as_a_paper_figure(browser, tiny_graph, tmp_path):
+    """The pictures of docs/gallery (written there with QGRAPH_SCREENSHOTS=1): the viewer with a node pinned,
+    and the graphviz figure, bounded in width."""
+    from PIL import Image
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    out = ROOT / "docs" / "gallery" if os.environ.get("QGRAPH_SCREENSHOTS") == "1" else tmp_path
+    page = tiny_graph.plot().save(tmp_path / "tiny.html")
+    print(f"the tiny model's graph: {page.stat().st_size:,} bytes of HTML, {len(tiny_graph.nodes)} nodes, "
+          f"{int(tiny_graph.edge_mask.sum())} edges")
+    browser.set_window_size(1400, 860)  # a viewport of about 1400 x 720
+    browser.get(page.as_uri())
+    ids = [n.node_id for n in tiny_graph.nodes]
+    i = max((k for k, n in enumerate(tiny_graph.nodes) if n.kind == "feature" and n.layer > 0),
+            key=lambda k: int(tiny_graph.edge_mask[k].sum() + tiny_graph.edge_mask[:, k].sum()))
+    ActionChains(browser).click(glyph(browser, ids[i])).perform()
+    neighbours = {ids[k] for k in (tiny_graph.edge_mask[i] | tiny_graph.edge_mask[:, i]).nonzero().flatten().tolist()}
+    assert shown_nodes(browser) == neighbours | {ids[i]}
+    assert console_errors(browser) == []
+    browser.save_screenshot(str(out / "attribution-viewer.png"))
+    browser.set_window_size(1400, 1000)
+
+    dot = tiny_graph.to_graphviz()
+    (out / "attribution-tiny.svg").write_bytes(dot.pipe("svg"))
+    with Image.open(io.BytesIO(dot.pipe("png"))) as image:
+        assert image.size[0] < 1400, image.size  # was 4466 x 368 (18324 wide on this prompt)
+        image.convert("RGB").quantize(256).save(out / "attribution-tiny.png", optimize=True)

@@ -135,11 +135,16 @@
     describe(id || state.pinned);
   }
   function refresh() {
-    var pinned = state.pinned, on = {}, visible = 0, nodesShown = 0;
+    var pinned = state.pinned, on = {}, visible = 0, nodesShown = 0, strongest = 0;
     edges.forEach(function (e) {
-      var show = Math.abs(e.w) >= state.threshold && (!pinned || e.s === pinned || e.t === pinned);
-      toggle(e.el, "qg-hidden", !show);
-      if (show) { visible += 1; on[e.s] = on[e.t] = true; }
+      e.shown = Math.abs(e.w) >= state.threshold && (!pinned || e.s === pinned || e.t === pinned);
+      toggle(e.el, "qg-hidden", !e.shown);
+      if (e.shown) { visible += 1; on[e.s] = on[e.t] = true; strongest = Math.max(strongest, Math.abs(e.w)); }
+    });
+    edges.forEach(function (e) {  // a pinned node's edges drawn by their share of its strongest
+      var share = pinned && e.shown ? Math.abs(e.w) / (strongest || 1) : null;
+      e.el.style.strokeWidth = share === null ? "" : (1 + 4 * share).toFixed(2);
+      e.el.style.strokeOpacity = share === null ? "" : (0.45 + 0.55 * share).toFixed(2);
     });
     base.forEach(function (e) { if (e.el.classList.contains("qg-folded")) toggle(e.el, "qg-hidden", true); });
     order.forEach(function (n) {

@@ -67,9 +67,12 @@ def _node(graph, i: int, place: Layout, labels, top_logits) -> str:
         place_text = (f'transform="translate({x + 3},{y - 9}) rotate(-45)"' if place.slanted
                       else f'x="{x}" y="{y - 10}" text-anchor="middle"')
         parts.append(f'<text class="qg-logit-label" {place_text}>{html.escape(text)}</text>')
-    elif node.kind != "embedding":  # a label shown when pinned, on the left near the right edge
-        side = f'x="{x - 8}" text-anchor="end"' if x > place.width - 140 else f'x="{x + 8}"'
-        parts.append(f'<text class="qg-label" {side} y="{y - 7}">{html.escape(cut(label, 28))}</text>')
+    elif node.kind != "embedding":  # a label shown when pinned, slanted up (to the left at the right edge)
+        text = cut(label, 28)
+        left = x + 3 * len(text) > place.width
+        side = (f'x="{x - 6}" y="{y - 6}" text-anchor="end" transform="rotate(60 {x - 6} {y - 6})"' if left
+                else f'x="{x + 6}" y="{y - 6}" transform="rotate(-60 {x + 6} {y - 6})"')
+        parts.append(f'<text class="qg-label" {side}>{html.escape(text)}</text>')
     parts.append(f"<title>{html.escape(info)}</title></g>")
     return "".join(parts)
 
