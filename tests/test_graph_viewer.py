@@ -1,9 +1,8 @@
-"""The attribution-graph viewer (qgraph/circuits/viewer.py, viewer.js) and reading circuit-tracer's graph files
-(graphfile.py, ``AttributionGraph.from_json``).
+"""The attribution-graph viewer (qgraph/circuits/viewer.py, viewer.js) and the paper figure (render.py); reading
+circuit-tracer's files is tests/test_graph_file.py.
 
-Files written by circuit-tracer's own functions and pydantic models read back node for node and weight for
-weight; a file is untrusted (bounds, every field checked, strings escaped in the page); the page's SVG holds
-every kept node and edge with the graph's numbers; PNG, SVG and HTML save; the graphviz figure is bounded.
+The page's SVG holds every kept node and edge with the graph's numbers; strings from a graph or a file are
+escaped; PNG, SVG and HTML save; the graphviz figure is bounded in width.
 The slow tests open the page in headless Chromium: hovering a node lists its strongest edges with the
 graph's weights, a click pins exactly its neighbours, the slider hides the edges under its threshold, a
 supernode groups its members and sums their edges, and hostile strings stay text.
@@ -11,8 +10,6 @@ supernode groups its members and sums their edges, and hostile strings stay text
 from __future__ import annotations
 
 import io
-import json
-import math
 import os
 import re
 import time
@@ -20,14 +17,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-import torch
 
 from qgraph import AttributionGraph, QgraphError
 from qgraph.circuits.layout import NEGATIVE, POSITIVE, visible
-from qgraph.errors import InvalidArgument, MissingFile
 from qgraph.figure import Figure
 from qgraph.render.engine import available
-from test_circuit_graph import chain_graph, circuit_tracer_file, fixed_error_ids, random_graph
+from test_circuit_graph import chain_graph, circuit_tracer_file, random_graph
 from tests.chromium import browser, console_errors  # noqa: F401 (browser: a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,122 +43,6 @@ def graph_edges(graph: AttributionGraph) -> set[tuple[str, str, float]]:
     ids = [node.node_id for node in graph.nodes]
     targets, sources = graph.edge_mask.nonzero(as_tuple=True)
     return {(ids[s], ids[t], graph.adjacency[t, s].item()) for t, s in zip(targets.tolist(), sources.tolist())}
-
-
-# -- reading circuit-tracer's files ----------------------------------------------------------------------
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("fixed_ids", [True, False])
-def test_from_json_reads_the_file_circuit_tracer_writes(tmp_path, monkeypatch, seed, fixed_ids):
-    """circuit-tracer's own pruning and pydantic models write the file (0.5.0's error ids, or the fixed ones);
-    the graph read back has its nodes, weights, activations, influences and logits."""
-    if fixed_ids:
-        fixed_error_ids(monkeypatch, pytest.importorskip("circuit_tracer.frontend.graph_models"))
-    graph = random_graph(seed)
-    model = circuit_tracer_file(graph, 0.8, 0.98)
-    path = tmp_path / "theirs.json"
-    path.write_text(model.model_dump_json(indent=2), encoding="utf-8")
-    file = json.loads(path.read_text())
-    if not fixed_ids and len({n["node_id"] for n in file["nodes"]}) < len(file["nodes"]):
-        pytest.skip("0.5.0's ids collide in this graph (test_from_json_refuses_bad_files covers that)")
-
-    loaded = AttributionGraph.from_json(path)
-    index = {node["node_id"]: i for i, node in enumerate(file["nodes"])}  # circuit-tracer's order is qgraph's
-    assert len(loaded.nodes) == len(file["nodes"]) and int(loaded.edge_mask.sum()) == len(file["links"]) > 0
-    for link in file["links"]:
-        assert loaded.adjacency[index[link["target"]], index[link["source"]]].item() == link["weight"]
-    assert loaded.adjacency.count_nonzero() == sum(link["weight"] != 0 for link in file["links"])
-    for node, entry in zip(loaded.nodes, file["nodes"]):
-        assert (node.layer if node.kind != "logit" else node.layer + 1) == (None if entry["layer"] == "E"
-                                                                            else int(entry["layer"]))
-        assert node.position == entry["ctx_idx"] and node.activation == entry["activation"]
-        assert node.influence == entry["influence"]
-    # the same graph qgraph prunes itself: the same nodes and the same weights
-    pruned = graph.prune(0.8, 0.98)
-    assert [(n.kind, n.layer, n.position, n.feature, n.activation, n.influence) for n in loaded.nodes] == \
-           [(n.kind, n.layer, n.position, n.feature, n.activation, n.influence) for n in pruned.nodes]
-    assert torch.equal(loaded.adjacency, pruned.adjacency) and torch.equal(loaded.edge_mask, pruned.edge_mask)
-    assert torch.equal(loaded.logit_probabilities, pruned.logit_probabilities)
-    assert loaded.logit_tokens == pruned.logit_tokens and loaded.tokens == graph.tokens
-    assert loaded.n_layers == graph.n_layers and loaded.scan == "random" and loaded.pruned == (0.8, None)
-    assert torch.equal(loaded.input_ids, graph.input_ids)
-    assert nodes_and_edges(loaded.plot())[1] and set(nodes_and_edges(loaded.plot())[1]) == graph_edges(pruned)
-
-
-def test_from_json_round_trips_what_to_json_writes(tmp_path):
-    graph = chain_graph()
-    written = graph.to_json(tmp_path / "g.json", slug="cat-sat", node_threshold=0.995, labels={(1, 3): "sitting"})
-    loaded = AttributionGraph.from_json(written)
-    assert loaded.json_data("cat-sat") == json.loads(written.read_text())  # every field, every weight
-    assert loaded.labels == {(1, 3): "sitting"} and loaded.prompt == "The cat"
-    assert all(math.isnan(v) for v in loaded.node_inputs.tolist())  # a file does not hold them
-    assert loaded.scores() == pytest.approx(graph.prune(0.995, 0.98).scores(), nan_ok=True)
-
-
-def _good_file(tmp_path) -> dict:
-    return json.loads(chain_graph().to_json(tmp_path / "good.json", node_threshold=0.995).read_text())
-
-
-def _set(data: dict, where: tuple, value) -> dict:
-    target = data
-    for key in where[:-1]:
-        target = target[key]
-    target[where[-1]] = value
-    return data
-
-
-def _error_named_as_a_feature(data: dict) -> dict:
-    """An error node with a feature's id, as circuit-tracer 0.5.0 named error (0, 5) and layer-0 feature 0."""
-    error = next(node for node in data["nodes"] if node["feature_type"] == "mlp reconstruction error")
-    error["node_id"] = data["nodes"][0]["node_id"]
-    return data
-
-
-BAD = {  # a change to a good file, and what the error says
-    "metadata not an object": (lambda d: _set(d, ("metadata",), []), "the file has 'metadata' as list, not dict"),
-    "no prompt tokens": (lambda d: d["metadata"].pop("prompt_tokens") and d, "no 'prompt_tokens'"),
-    "a token not a string": (lambda d: _set(d, ("metadata", "prompt_tokens", 0), 5), "not strings"),
-    "a weight as text": (lambda d: _set(d, ("links", 0, "weight"), "1.5"), "link 0 has 'weight' as str"),
-    "a weight as a boolean": (lambda d: _set(d, ("links", 0, "weight"), True), "has 'weight' as a boolean"),
-    "a link to no node": (lambda d: _set(d, ("links", 0, "source"), "9_9_9"), "names node '9_9_9'"),
-    "a link twice": (lambda d: d["links"].append(dict(d["links"][0])) or d, "repeats the link"),
-    "an unknown node type": (lambda d: _set(d, ("nodes", 0, "feature_type"), "neuron"), "feature_type 'neuron'"),
-    "a position past the prompt": (lambda d: _set(d, ("nodes", 0, "ctx_idx"), 7), "outside the 2 prompt tokens"),
-    "a layer that is no number": (lambda d: _set(d, ("nodes", 0, "layer"), "x"), "not a block number"),
-    "a feature id that disagrees": (lambda d: _set(d, ("nodes", 0, "node_id"), "1_5_0"), "not '{layer}_{feature}"),
-    "two nodes of one id": (_error_named_as_a_feature, "names two nodes '0_5_0'"),
-    "a logit probability over 1": (lambda d: _set(d, ("nodes", -1, "token_prob"), 2.0), "probability from 0 to 1"),
-    "no embedding for a token": (lambda d: _set(d, ("nodes",), [n for n in d["nodes"] if n["node_id"] != "E_12_1"]),
-                                 "no embedding node at positions [1]"),
-    "nodes not a list": (lambda d: _set(d, ("nodes",), {}), "has 'nodes' as dict"),
-}
-
-
-@pytest.mark.parametrize("name", list(BAD))
-def test_from_json_refuses_bad_files(tmp_path, name):
-    change, message = BAD[name]
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(change(_good_file(tmp_path))))
-    with pytest.raises(InvalidArgument, match=re.escape(message)) as caught:
-        AttributionGraph.from_json(path)
-    assert "bad.json" in str(caught.value)
-
-
-def test_from_json_bounds_the_file_before_parsing(tmp_path):
-    good = tmp_path / "good.json"
-    data = _good_file(tmp_path)
-    with pytest.raises(InvalidArgument, match="is 3,7.. bytes, over the bound of 100: pass max_bytes="):
-        AttributionGraph.from_json(good, max_bytes=100)
-    with pytest.raises(InvalidArgument, match=f"has {len(data['nodes'])} nodes, over the bound of 3"):
-        AttributionGraph.from_json(good, max_nodes=3)
-    with pytest.raises(InvalidArgument, match="links, over the bound of 2"):
-        AttributionGraph.from_json(good, max_links=2)
-    for text, problem in (("{" * 100_000, "not a JSON graph file"), ('{"metadata": NaN}', "not a number JSON has"),
-                          ("\xff\xfe", "not a JSON graph file"), ("[1, 2]", "the file is list")):
-        (tmp_path / "x.json").write_bytes(text.encode("latin-1"))
-        with pytest.raises(InvalidArgument, match=problem):
-            AttributionGraph.from_json(tmp_path / "x.json")
-    with pytest.raises(MissingFile):
-        AttributionGraph.from_json(tmp_path / "none.json")
 
 
 # -- the page --------------------------------------------------------------------------------------------
@@ -318,10 +197,14 @@ def glyph(driver, node_id: str):
     return driver.find_element(By.CSS_SELECTOR, f'g.qg-node[data-id="{node_id}"] .qg-glyph')
 
 
-def busiest_feature(graph: AttributionGraph) -> int:
+def opened(driver, pages: dict, which: str) -> tuple[AttributionGraph, list[str], int]:
+    """Open a page: its graph, its node ids, and the feature with the most edges."""
+    graph, page = pages[which]
+    driver.get(page.as_uri())
     mask = graph.edge_mask
-    return max((i for i, n in enumerate(graph.nodes) if n.kind == "feature"),
-               key=lambda i: int(mask[i].sum() + mask[:, i].sum()))
+    busiest = max((i for i, n in enumerate(graph.nodes) if n.kind == "feature"),
+                  key=lambda i: int(mask[i].sum() + mask[:, i].sum()))
+    return graph, [n.node_id for n in graph.nodes], busiest
 
 
 @pytest.mark.slow
@@ -330,9 +213,7 @@ def test_hover_shows_a_nodes_activation_and_strongest_edges_with_the_graphs_weig
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    graph, page = pages[which]
-    browser.get(page.as_uri())
-    ids, i = [n.node_id for n in graph.nodes], busiest_feature(graph)
+    graph, ids, i = opened(browser, pages, which)
     ActionChains(browser).move_to_element(glyph(browser, ids[i])).perform()
     detail = browser.find_element(By.CSS_SELECTOR, ".qg-detail")
     assert f"activation {graph.nodes[i].activation:.4g}" in detail.text
@@ -355,9 +236,7 @@ def test_a_click_pins_a_node_and_shows_exactly_its_neighbours(browser, pages, wh
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.keys import Keys
 
-    graph, page = pages[which]
-    browser.get(page.as_uri())
-    ids, i = [n.node_id for n in graph.nodes], busiest_feature(graph)
+    graph, ids, i = opened(browser, pages, which)
     everything = set(ids)
     assert shown_nodes(browser) == everything and shown_edges(browser) == graph_edges(graph)
     ActionChains(browser).click(glyph(browser, ids[i])).perform()
@@ -387,6 +266,28 @@ def test_the_slider_hides_the_edges_under_its_threshold(browser, pages):
         assert shown_edges(browser) == kept and 0 < len(kept) < int(graph.edge_mask.sum())
         assert f"{len(kept)} of {int(graph.edge_mask.sum())} edges" in browser.find_element(By.CSS_SELECTOR,
                                                                                           ".qg-count").text
+
+
+@pytest.mark.slow
+def test_search_finds_nodes_by_layer_and_feature_and_enter_pins_one(browser, pages):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    graph, ids, _ = opened(browser, pages, "circuit-tracer")
+    box = browser.find_element(By.CSS_SELECTOR, ".qg-search")
+    feature = next(n for n in graph.nodes if n.kind == "feature" and n.layer > 0)
+    inner = ("feature", "error")
+    for query, wanted in ((f"L{feature.layer}", lambda n: n.kind in inner and n.layer == feature.layer),
+                          (f"F{feature.feature}", lambda n: n.kind == "feature" and n.feature == feature.feature),
+                          (f"L{feature.layer} F{feature.feature}", lambda n: n.kind == "feature" and
+                           (n.layer, n.feature) == (feature.layer, feature.feature))):
+        browser.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'));",
+                               box, query)
+        found = {e.get_attribute("data-id") for e in browser.find_elements(By.CSS_SELECTOR, ".qg-node.qg-match")}
+        assert found == {n.node_id for n in graph.nodes if wanted(n)} and feature.node_id in found, query
+    box.send_keys(Keys.ENTER)
+    pinned = browser.find_element(By.CSS_SELECTOR, ".qg-viewer").get_attribute("data-pinned")
+    assert pinned in found and shown_nodes(browser) >= {pinned}
 
 
 @pytest.mark.slow

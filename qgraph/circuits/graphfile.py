@@ -19,6 +19,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -33,7 +34,7 @@ MAX_BYTES, MAX_NODES, MAX_LINKS = 256 * 2 ** 20, 10_000, 2_000_000
 
 KIND_OF = {feature_type: kind for kind, feature_type in FEATURE_TYPES.items()}
 KIND_OF["per layer transcoder"] = KIND_OF["transcoder"] = "feature"  # what other writers call a feature
-_ID = re.compile(r"(-?\d+)_(\d+)_(\d+)")  # "{layer}_{feature or token}_{position}" (a logit's layer is n + 1)
+_ID = re.compile(r"([0-9]{1,6})_([0-9]{1,18})_([0-9]{1,9})")  # "{layer}_{feature}_{position}", bounded as int64s are
 _LOGIT_CLERP = re.compile(r'Output "(.*)" \(p=[^)]*\)', re.S)
 
 
@@ -75,9 +76,8 @@ def _json_node(graph, i: int, labels: Mapping) -> dict:
                  feature_type=FEATURE_TYPES[node.kind], token_prob=0.0, is_target_logit=False, run_idx=0,
                  reverse_ctx_idx=0, jsNodeId="", clerp="", influence=node.influence, activation=None)
     if node.kind == "feature":
-        # a feature node has a layer and a feature (Node.__post_init__), a dependence mypy cannot see
         layer, feature = node.layer, node.feature
-        entry.update(feature=(layer + feature) * (layer + feature + 1) // 2 + feature,  # type: ignore[operator]
+        entry.update(feature=(layer + feature) * (layer + feature + 1) // 2 + feature,
                      jsNodeId=f"{layer}_{feature}-0", clerp=labels.get((layer, feature), ""),
                      activation=node.activation)
     elif node.kind == "error":
@@ -88,8 +88,7 @@ def _json_node(graph, i: int, labels: Mapping) -> dict:
         j = i - (len(graph.nodes) - graph.count("logit"))
         probability = float(graph.logit_probabilities[j])
         token = graph.logit_tokens[j] if graph.logit_tokens is not None else str(node.feature)
-        # a logit node has a layer (Node.__post_init__)
-        entry.update(feature=node.feature, layer=str(node.layer + 1), token_prob=probability, is_target_logit=j == 0,  # type: ignore[operator]
+        entry.update(feature=node.feature, layer=str(node.layer + 1), token_prob=probability, is_target_logit=j == 0,
                      jsNodeId=f"L_{node.feature}-{node.position}", clerp=f'Output "{token}" (p={probability:.3f})',
                      influence=None)
     return entry
@@ -123,7 +122,7 @@ class _Checked:
             self.fail(f"is {type(value).__name__}, not an object")
         self.value = value
 
-    def fail(self, problem: str):
+    def fail(self, problem: str) -> NoReturn:
         raise InvalidArgument(f"{self.source}: {self.where} {problem} (not a circuit-tracer graph file, or a "
                               f"damaged one: write one with AttributionGraph.to_json or circuit-tracer's "
                               f"create_graph_files)")
@@ -205,11 +204,11 @@ def read(cls, path: str | Path, max_bytes: int = MAX_BYTES, max_nodes: int = MAX
         index[node_id] = i
     nodes = [read_nodes[k][1] for k in order]
     logits = [k for k in order if read_nodes[k][1].kind == "logit"]
-    layers = {node.layer for node in nodes if node.kind == "logit"}
+    layers = {n.layer for n in nodes if n.kind == "logit" and n.layer is not None}
     if len(layers) > 1:
         top.fail(f"has logit nodes at layers {sorted(layers)}: all are at the number of blocks + 1")
     n_layers = layers.pop() if layers else 1 + max((n.layer for n in nodes if n.layer is not None), default=-1)
-    deep = [n for n in nodes if n.kind in ("feature", "error") and n.layer >= n_layers]  # type: ignore[operator]
+    deep = [n for n in nodes if n.kind in ("feature", "error") and n.layer is not None and n.layer >= n_layers]
     if deep:
         top.fail(f"has a {deep[0].kind} at layer {deep[0].layer}, not below its logits' layer {n_layers + 1}")
     embedded = {n.position: n.feature for n in nodes if n.kind == "embedding"}
@@ -257,9 +256,9 @@ def _node(source: str, where: str, entry, seq: int) -> tuple[str, Node, str]:
     activation = fields.get("activation", (int, float, type(None)), None, required=False)
     clerp = fields.get("clerp", (str,), "", required=False)
     probability = fields.get("token_prob", (int, float), 0.0, required=False)
-    layer = None
+    layer = -1  # an embedding's: it has none
     if kind != "embedding":
-        if not layer_text.isdigit():
+        if not re.fullmatch(r"[0-9]{1,6}", layer_text):
             fields.fail(f"has layer {layer_text[:20]!r}, not a block number")
         layer = int(layer_text)
     influence = None if influence is None else float(influence)
@@ -267,20 +266,20 @@ def _node(source: str, where: str, entry, seq: int) -> tuple[str, Node, str]:
         parts = _ID.fullmatch(node_id)
         if parts is None or (int(parts[1]), int(parts[3])) != (layer, position):
             fields.fail(f"is a feature whose id is not '{{layer}}_{{feature}}_{{ctx_idx}}' for layer {layer}")
-        made = Node("feature", layer, position, int(parts[2]),  # type: ignore[index]
+        made = Node("feature", layer, position, int(parts[2]),
                     activation=None if activation is None else float(activation), influence=influence)
         return node_id, made, clerp
     if kind == "error":
         return node_id, Node("error", layer, position, None, influence=influence), ""
     if kind == "embedding":
-        parts = re.fullmatch(r"E_(\d+)_(\d+)", node_id)
+        parts = re.fullmatch(r"E_([0-9]{1,18})_([0-9]{1,9})", node_id)
         if parts is None or int(parts[2]) != position:
             fields.fail("is an embedding whose id is not 'E_{token}_{ctx_idx}'")
-        return node_id, Node("embedding", None, position, int(parts[1]), influence=influence), ""  # type: ignore[index]
+        return node_id, Node("embedding", None, position, int(parts[1]), influence=influence), ""
     token = fields.get("feature", (int,))
-    if layer == 0 or token < 0 or not 0 <= probability <= 1:
+    if layer == 0 or not 0 <= token < 2 ** 62 or not 0 <= probability <= 1:
         fields.fail(f"is a logit at layer {layer} of token {token} with probability {probability}: a logit is "
                     f"above block 0, of a token id, with a probability from 0 to 1")
     said = _LOGIT_CLERP.fullmatch(clerp)
     return node_id, Node("logit", layer - 1, position, token, probability=float(probability)), \
-        said[1] if said else str(token)  # type: ignore[operator]
+        said[1] if said else str(token)

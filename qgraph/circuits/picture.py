@@ -4,6 +4,7 @@ from the same layout, on its Agg canvas (no GUI, no pyplot state), with the titl
 from __future__ import annotations
 
 import io
+from typing import Any
 
 from .layout import FILLS, NEGATIVE, POSITIVE, STRONG, WEAK, Layout, bend, edges, influence_colour, logit_name, \
     probability, row_name, token, visible
@@ -11,6 +12,10 @@ from .layout import FILLS, NEGATIVE, POSITIVE, STRONG, WEAK, Layout, bend, edges
 __all__ = ["png"]
 
 PIXEL = 0.75  # points per pixel of the layout (72 points an inch at 96 pixels)
+
+
+def _hex(rgb: tuple[int, int, int]) -> str:
+    return "#" + "".join(f"{c:02x}" for c in rgb)
 
 
 def png(graph, place: Layout, title: str, subtitle: str, dpi: int = 160) -> bytes:
@@ -26,7 +31,7 @@ def png(graph, place: Layout, title: str, subtitle: str, dpi: int = 160) -> byte
     ax.set_xlim(0, place.width)
     ax.set_ylim(place.height, 0)
     ax.axis("off")
-    font = dict(fontfamily="DejaVu Sans", color="#333333")
+    font: dict[str, Any] = dict(fontfamily="DejaVu Sans", color="#333333")
     ax.text(12, 16, title, fontsize=15 * PIXEL, fontweight="bold", va="baseline", **font)
     ax.text(12, 30, subtitle, fontsize=11 * PIXEL, va="baseline", **font)
     for r, y in enumerate(place.rows):
@@ -44,7 +49,7 @@ def png(graph, place: Layout, title: str, subtitle: str, dpi: int = 160) -> byte
                                lw=(0.5 + 3.5 * share) * PIXEL, alpha=0.25 + 0.65 * share, zorder=1))
     for i, node in enumerate(graph.nodes):
         x, y = place.points[i]
-        style = dict(facecolor=influence_colour(node), edgecolor="#555555", lw=0.8 * PIXEL, zorder=2)
+        style: dict[str, Any] = dict(facecolor=influence_colour(node), edgecolor="#555555", lw=0.8 * PIXEL, zorder=2)
         if node.kind == "feature":
             ax.add_patch(Circle((x, y), 6, **style))
             continue
@@ -52,13 +57,13 @@ def png(graph, place: Layout, title: str, subtitle: str, dpi: int = 160) -> byte
         ax.add_patch(Rectangle((x - w / 2, y - h / 2), w, h, **style))
         if node.kind == "logit":
             text = f"{logit_name(graph, i)} {probability(graph, i):.2f}"
-            flat = dict(ha="center") if not place.slanted else dict(rotation=45, rotation_mode="anchor")
+            flat: dict[str, Any] = dict(rotation=45, rotation_mode="anchor") if place.slanted else dict(ha="center")
             ax.text(x + 3 * place.slanted, y - 9, text, fontsize=11 * PIXEL, color="#1b5e20", **flat)
 
-    swatch = dict(linestyle="none", markeredgecolor="#555555", markersize=9)
+    swatch: dict[str, Any] = dict(linestyle="none", markeredgecolor="#555555", markersize=9)
     handles = [Line2D([], [], marker="o", markerfacecolor=FILLS["feature"], **swatch),
-               Line2D([], [], marker="o", markerfacecolor=[c / 255 for c in WEAK], **swatch),
-               Line2D([], [], marker="o", markerfacecolor=[c / 255 for c in STRONG], **swatch),
+               Line2D([], [], marker="o", markerfacecolor=_hex(WEAK), **swatch),
+               Line2D([], [], marker="o", markerfacecolor=_hex(STRONG), **swatch),
                Line2D([], [], marker="s", markerfacecolor=FILLS["error"], **swatch),
                Line2D([], [], marker="s", markerfacecolor=FILLS["embedding"], **swatch),
                Line2D([], [], marker="s", markerfacecolor=FILLS["logit"], **swatch),

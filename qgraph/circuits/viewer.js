@@ -14,7 +14,7 @@
       groupList = $(".qg-supernodes"), selectedText = $(".qg-selected");
   var largest = parseFloat(svg.getAttribute("data-largest")) || 1;
   var nodes = {}, order = [], base = [], edges = [], groups = [], made = 0;
-  var state = {threshold: 0, pinned: null, hovered: null, selected: {}, owner: {}};
+  var state = {threshold: 0, pinned: null, hovered: null, selected: {}, owner: {}, styled: false};
 
   function attr(el, name) { return el.getAttribute("data-" + name); }
   function toggle(el, name, on) { el.classList.toggle(name, !!on); }
@@ -141,11 +141,12 @@
       toggle(e.el, "qg-hidden", !e.shown);
       if (e.shown) { visible += 1; on[e.s] = on[e.t] = true; strongest = Math.max(strongest, Math.abs(e.w)); }
     });
-    edges.forEach(function (e) {  // a pinned node's edges drawn by their share of its strongest
+    if (pinned || state.styled) edges.forEach(function (e) {  // a pinned node's edges: by their share of its strongest
       var share = pinned && e.shown ? Math.abs(e.w) / (strongest || 1) : null;
       e.el.style.strokeWidth = share === null ? "" : (1 + 4 * share).toFixed(2);
       e.el.style.strokeOpacity = share === null ? "" : (0.45 + 0.55 * share).toFixed(2);
     });
+    state.styled = !!pinned;
     base.forEach(function (e) { if (e.el.classList.contains("qg-folded")) toggle(e.el, "qg-hidden", true); });
     order.forEach(function (n) {
       var hidden = !!state.owner[n.id] || (pinned && !on[n.id] && n.id !== pinned);
