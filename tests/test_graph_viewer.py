@@ -15,6 +15,7 @@ import re
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -123,6 +124,18 @@ def test_show_opens_the_page_in_a_browser_outside_a_notebook(monkeypatch, capsys
     assert isinstance(fig, Figure) and len(opened) == 1 and opened[0].startswith("file://")
     path = opened[0][len("file://"):]
     assert path in capsys.readouterr().out and 'class="qg-viewer"' in open(path, encoding="utf-8").read()
+
+
+def test_show_displays_the_page_in_a_notebooks_cell(monkeypatch):
+    IPython = pytest.importorskip("IPython")
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython, "get_ipython", lambda: SimpleNamespace(kernel=object()))  # as in a kernel
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    monkeypatch.setattr("webbrowser.open", lambda uri: pytest.fail(f"a browser opened {uri}"))
+    fig = chain_graph().show()
+    assert shown == [fig] and 'class="qg-viewer"' in fig._repr_html_()
 
 
 def test_a_full_graph_is_pruned_before_it_is_drawn():

@@ -10,12 +10,13 @@ compares with the reference implementation and opens in its viewer and in Neuron
 - pruning (``prune_graph`` there): influence on the logits through the row-normalised ``|adjacency|``,
   nodes kept up to a share of the total influence, then edges by their share of edge influence; every
   embedding and logit node is kept;
-- the JSON file (``circuit_tracer/utils/create_graph_files.py`` and the pydantic models of
-  ``circuit_tracer/frontend/graph_models.py``): node ids (an error node's as circuit-tracer fixed them
-  after 0.5.0, one node's each: ``Node.node_id``), ``feature_type`` strings, metadata, links.
+- the JSON file (``graphfile.py``: ``circuit_tracer/utils/create_graph_files.py`` and the pydantic models
+  of ``circuit_tracer/frontend/graph_models.py``): node ids (an error node's as circuit-tracer fixed them
+  after 0.5.0, one node's each: ``Node.node_id``), ``feature_type`` strings, metadata, links; read back
+  by ``from_json``, from either tool.
 
-The views (``to_json``, ``plot``, ``to_graphviz``) show a pruned graph: one not yet pruned is pruned
-first, with the thresholds given (circuit-tracer's defaults, 0.8 and 0.98, otherwise).
+The views (``to_json``, ``plot`` and ``show``: the viewer, ``to_graphviz``) show a pruned graph: one not
+yet pruned is pruned first, with the thresholds given (circuit-tracer's defaults, 0.8 and 0.98, otherwise).
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ class AttributionGraph:
     (encoder bias, decoder biases carried forward). ``tokens`` / ``logit_tokens``: decoded strings.
     ``scan``: the name of the transcoders (circuit-tracer's ``scan``). A pruned graph also has ``edges``
     (the kept edges), ``node_influence`` (each node's influence on the logits), ``pruned`` (its
-    thresholds) and ``kept`` (each node's index in the graph it was pruned from).
+    thresholds) and ``kept`` (each node's index in the graph it was pruned from). ``labels``:
+    ``{(layer, feature): text}`` naming features (a graph file's ``clerp``), which ``to_json`` writes and
+    the views show.
     """
 
     def __init__(self, nodes: Sequence[Node], adjacency: torch.Tensor, node_inputs: torch.Tensor,

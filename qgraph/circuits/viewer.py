@@ -180,12 +180,13 @@ def figure(graph, labels, top_logits) -> Figure:
     return Figure(standalone, html=page, png=lambda: png(graph, place, title, subtitle), title=title)
 
 
-
 def show(fig: Figure) -> Figure:
     """``fig`` shown: displayed in a notebook's cell, else saved to a temporary file the browser opens."""
-    shell = sys.modules.get("IPython")
-    if shell is not None and getattr(shell.get_ipython(), "kernel", None) is not None:  # a notebook's kernel
-        shell.display.display(fig)
+    shell = sys.modules.get("IPython")  # loaded already where a kernel runs; never imported here
+    if shell is not None and getattr(shell.get_ipython(), "kernel", None) is not None:
+        from IPython.display import display  # lazy: IPython, only where a notebook's kernel has loaded it
+
+        display(fig)
         return fig
     path = Path(tempfile.mkdtemp(prefix="qgraph-")) / "attribution-graph.html"
     fig.save(path)
