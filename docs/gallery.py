@@ -52,6 +52,21 @@ PICTURES = [
      "Block 0, every graph node, clustered by module scope."),
 ]
 
+# pictures the slow tests write with QGRAPH_SCREENSHOTS=1 (tests/test_graph_viewer.py: the tiny model's attribution
+# graph of "the cat sat on the mat", random transcoders): (file stem, the file the picture links to, caption, call)
+SCREENSHOTS = [
+    ("attribution-viewer", "attribution-viewer.png",
+     "The attribution-graph viewer (a self-contained HTML page) with a feature pinned: only it and its "
+     "neighbours are shown, its edges drawn by their share of its strongest; the panel lists its activation "
+     "and its strongest input and output edges with their weights. Tokens along the bottom ('␣' a space), "
+     "logits on top with their token and probability, features filled by their influence on the logits.",
+     "graph.show()"),
+    ("attribution-tiny", "attribution-tiny.svg",
+     "The same graph for a paper: a band per layer, each node above its token, at most about ten nodes "
+     "across; the edges routed by Graphviz's neato.",
+     'Path("attribution-tiny.svg").write_bytes(graph.to_graphviz().pipe("svg"))'),
+]
+
 
 PROMPT = "The Eiffel Tower is in Paris"
 
@@ -153,9 +168,12 @@ def main() -> int:
              "by `qgraph.render` from the exported graph: boxes are module scopes and the ops between them, "
              "yellow tap points are the standard values, each labelled `name [layout]`. Click a picture for "
              "its SVG (hover a part for its full name and description). Regenerate with "
-             "`python docs/gallery.py` (needs Graphviz's `dot`); the [figures](#figures) at the end alone with "
-             "`python docs/gallery.py --figures`.", "", *diagram_lines()]
+             "`python docs/gallery.py` (needs Graphviz's `dot`); the [figures](#figures) alone with "
+             "`python docs/gallery.py --figures`; the attribution graph's pictures at the end with "
+             "`QGRAPH_SCREENSHOTS=1 python -m pytest -m slow tests/test_graph_viewer.py`.", "", *diagram_lines()]
     figures(lines)
+    for stem, target, caption, call in SCREENSHOTS:
+        lines += [f"## {stem}", "", caption, "", f"`{call}`", "", f"[![{stem}](gallery/{stem}.png)](gallery/{target})", ""]
     (HERE / "gallery.md").write_text("\n".join(lines))
     print(f"wrote {(HERE / 'gallery.md').relative_to(HERE.parent)}")
     return 0

@@ -227,6 +227,15 @@ def serving(ns):
     assert not torch.allclose(ns["steered"].logits, local(ns["ids"]).logits)
 
 
+def viewing_a_graph(ns):
+    # "from_json reads a graph file that to_json ... wrote": the same nodes and weights; the figure saves as each
+    graph, again = ns["graph"], ns["again"]
+    assert [n.node_id for n in again.nodes] == [n.node_id for n in graph.nodes]
+    assert torch.equal(again.adjacency, graph.adjacency) and torch.equal(again.edge_mask, graph.edge_mask)
+    assert again.tokens == graph.tokens == list("the cat sat")
+    assert all(Path(name).stat().st_size > 1000 for name in ("graph.html", "graph.png", "graph.svg", "graph-paper.svg"))
+
+
 CLAIMS = {  # the section and a line of its block -> the check of what the page says it gives
     ("Reading values", "out.logits"): reading_values,
     ("The main job", "effective_attention"): main_job,
@@ -248,4 +257,5 @@ CLAIMS = {  # the section and a line of its block -> the check of what the page 
     ("Stages", "stages=2)"): stages_cut,
     ("Gradients through the stages", "loss=fn"): stages_with_loss,
     ("Serving a lab", "qgraph.remote("): serving,
+    ("Viewing a graph", "AttributionGraph.from_json("): viewing_a_graph,
 }

@@ -1,12 +1,10 @@
-"""The attribution-graph result (qgraph/circuits/graph.py, render.py) on small hand-made graphs: pruning
+"""The attribution-graph result (qgraph/circuits/graph.py, graphfile.py) on small hand-made graphs: pruning
 against an independent numpy computation of influence and against circuit-tracer's own ``prune_graph``;
-the JSON file against circuit-tracer 0.5.0's pydantic models and its own ``create_graph_files`` steps;
-the HTML figure (offline, one element per node) and the graphviz view (one DOT node per node)."""
+the JSON file against circuit-tracer 0.5.0's pydantic models and its own ``create_graph_files`` steps.
+The views and reading a file back: test_graph_viewer.py."""
 from __future__ import annotations
 
 import json
-import re
-import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,10 +12,7 @@ import pytest
 import torch
 
 from qgraph.circuits.graph import FEATURE_TYPES, AttributionGraph, Node
-from qgraph.circuits.render import NEGATIVE, POSITIVE
 from qgraph.errors import InvalidArgument, OutOfRange
-from qgraph.figure import Figure
-from qgraph.render.engine import available
 
 # -- a hand-made graph ----------------------------------------------------------------------------------
 # 2 blocks, 2 positions. Features a (L0 p0), b (L0 p1), c (L1 p1); errors (0,0) (0,1) (1,0) (1,1);
@@ -269,14 +264,11 @@ def fixed_error_ids(monkeypatch, models):
     monkeypatch.setattr(models.Node, "error_node", classmethod(error_node))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_prune_and_json_match_circuit_tracer_itself(seed, monkeypatch):
-    """circuit-tracer's own prune_graph, create_nodes, create_used_nodes_and_edges and build_model, run on
-    the same graph, write the same file (with its fixed error node ids)."""
+def circuit_tracer_file(graph: AttributionGraph, node_threshold: float, edge_threshold: float):
+    """The graph file circuit-tracer itself writes for ``graph``: its own prune_graph, create_nodes,
+    create_used_nodes_and_edges and build_model (its pydantic ``Model``), on what they read of its Graph."""
     graph_module = pytest.importorskip("circuit_tracer.graph")
     files = pytest.importorskip("circuit_tracer.utils.create_graph_files")
-    fixed_error_ids(monkeypatch, pytest.importorskip("circuit_tracer.frontend.graph_models"))
-    graph = random_graph(seed)
     features = [n for n in graph.nodes if n.kind == "feature"]
     vocabulary = {n.feature: graph.tokens[n.position] for n in graph.nodes if n.kind == "embedding"}
     reference = SimpleNamespace(  # what those functions read of circuit-tracer's Graph
@@ -288,12 +280,20 @@ def test_prune_and_json_match_circuit_tracer_itself(seed, monkeypatch):
                                                                                  if n.kind == "logit")],
         logit_probabilities=graph.logit_probabilities)
     tokenizer = SimpleNamespace(decode=lambda t: vocabulary[int(t)])
+    node_mask, edge_mask, scores = graph_module.prune_graph(reference, node_threshold, edge_threshold)
+    nodes = files.create_nodes(reference, node_mask, tokenizer, scores)
+    used_nodes, used_edges = files.create_used_nodes_and_edges(reference, nodes, edge_mask)
+    return files.build_model(reference, used_nodes, used_edges, "s", "random", node_threshold, tokenizer)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prune_and_json_match_circuit_tracer_itself(seed, monkeypatch):
+    """circuit-tracer's own prune_graph, create_nodes, create_used_nodes_and_edges and build_model, run on
+    the same graph, write the same file (with its fixed error node ids)."""
+    fixed_error_ids(monkeypatch, pytest.importorskip("circuit_tracer.frontend.graph_models"))
+    graph = random_graph(seed)
     for node_threshold, edge_threshold in ((0.8, 0.98), (0.5, 0.9), (0.95, 0.7), (0.99, 0.99)):
-        node_mask, edge_mask, scores = graph_module.prune_graph(reference, node_threshold, edge_threshold)
-        nodes = files.create_nodes(reference, node_mask, tokenizer, scores)
-        used_nodes, used_edges = files.create_used_nodes_and_edges(reference, nodes, edge_mask)
-        model = files.build_model(reference, used_nodes, used_edges, "s", "random", node_threshold, tokenizer)
-        theirs = json.loads(model.model_dump_json())
+        theirs = json.loads(circuit_tracer_file(graph, node_threshold, edge_threshold).model_dump_json())
         ours = json.loads(json.dumps(graph.json_data("s", node_threshold=node_threshold,
                                                      edge_threshold=edge_threshold)))
         assert ours["nodes"] == theirs["nodes"], (node_threshold, edge_threshold)
@@ -353,52 +353,3 @@ def test_json_refuses_a_graph_holding_a_node_twice():
                              torch.zeros(12), graph.input_ids, graph.logit_probabilities)
     with pytest.raises(InvalidArgument, match="more than once"):
         twice.json_data(node_threshold=1.0, edge_threshold=1.0)
-
-
-# -- the views ------------------------------------------------------------------------------------------
-def test_plot_is_one_offline_svg_with_one_element_per_node(tmp_path):
-    pruned = chain_graph().prune(0.995, 0.98)
-    fig = pruned.plot(labels={(1, 3): "sitting"}, top_logits={(1, 3): [" sat", " sits"]})
-    assert isinstance(fig, Figure) and fig.formats == ("html", "svg")  # the one qgraph.Figure
-    page = fig._repr_html_()
-    assert "<svg" in page and "http://" not in page and "https://" not in page
-    assert not re.search(r"<script[^>]*\ssrc=|<link\b|@import|url\(|<iframe|<img", page)
-    assert page.count('class="qg-node ') == len(pruned.nodes) == 7
-    assert page.count('class="qg-edge"') == int(pruned.edge_mask.sum())
-    assert "activation 1.5" in page and "label: sitting" in page and "top logits: &#x27; sat&#x27;" in page
-    negative = re.findall(r'<path class="qg-edge" data-s="(\d+)" data-t="(\d+)"[^>]*stroke="([^"]+)"', page)
-    for s, t, colour in negative:
-        assert colour == (POSITIVE if pruned.adjacency[int(t), int(s)] > 0 else NEGATIVE)
-
-    html_path = fig.save(tmp_path / "g.html")
-    assert html_path.read_text().startswith("<!DOCTYPE html>")
-    svg = ET.parse(fig.save(tmp_path / "g.svg")).getroot()  # a standalone, well-formed SVG
-    ns = "{http://www.w3.org/2000/svg}"
-    assert svg.tag == f"{ns}svg"
-    assert len([g for g in svg.iter(f"{ns}g") if "qg-node" in g.get("class", "")]) == 7
-    with pytest.raises(InvalidArgument, match=".html or .svg"):
-        fig.save(tmp_path / "g.png")
-
-
-def test_plot_prunes_a_full_graph_first():
-    graph = chain_graph()
-    assert graph.plot()._repr_html_().count('class="qg-node ') == len(graph.prune().nodes)
-
-
-def test_graphviz_has_one_node_per_graph_node_ranked_by_layer():
-    pytest.importorskip("graphviz")
-    pruned = chain_graph().prune(0.995, 0.98)
-    dot = pruned.to_graphviz()
-    source = dot.source
-    assert sorted(int(i) for i in re.findall(r"^\s*n(\d+) \[", source, re.M)) == list(range(len(pruned.nodes)))
-    edges = re.findall(r"^\s*n(\d+) -> n(\d+) \[[^\]]*color=\"([^\"]+)\"", source, re.M)
-    assert len(edges) == int(pruned.edge_mask.sum())
-    for s, t, colour in edges:
-        assert colour == (POSITIVE if pruned.adjacency[int(t), int(s)] > 0 else NEGATIVE)
-    ranks = re.findall(r"subgraph rank_(\d+) \{(.*?)\}", source, re.S)
-    layer_of = {int(i): int(row) for row, body in ranks for i in re.findall(r"^\s*n(\d+) \[", body, re.M)}
-    rows = {"embedding": lambda n: 0, "logit": lambda n: 3, "feature": lambda n: n.layer + 1,
-            "error": lambda n: n.layer + 1}
-    assert layer_of == {i: rows[n.kind](n) for i, n in enumerate(pruned.nodes)}
-    if available():
-        assert b"<svg" in dot.pipe("svg")

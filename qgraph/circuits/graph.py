@@ -10,78 +10,31 @@ compares with the reference implementation and opens in its viewer and in Neuron
 - pruning (``prune_graph`` there): influence on the logits through the row-normalised ``|adjacency|``,
   nodes kept up to a share of the total influence, then edges by their share of edge influence; every
   embedding and logit node is kept;
-- the JSON file (``circuit_tracer/utils/create_graph_files.py`` and the pydantic models of
-  ``circuit_tracer/frontend/graph_models.py``): node ids (an error node's as circuit-tracer fixed them
-  after 0.5.0, one node's each: ``Node.node_id``), ``feature_type`` strings, metadata, links.
+- the JSON file (``graphfile.py``: ``circuit_tracer/utils/create_graph_files.py`` and the pydantic models
+  of ``circuit_tracer/frontend/graph_models.py``): node ids (an error node's as circuit-tracer fixed them
+  after 0.5.0, one node's each: ``Node.node_id``), ``feature_type`` strings, metadata, links; read back
+  by ``from_json``, from either tool.
 
-The views (``to_json``, ``plot``, ``to_graphviz``) show a pruned graph: one not yet pruned is pruned
-first, with the thresholds given (circuit-tracer's defaults, 0.8 and 0.98, otherwise).
+The views (``to_json``, ``plot`` and ``show``: the viewer, ``to_graphviz``) show a pruned graph: one not
+yet pruned is pruned first, with the thresholds given (circuit-tracer's defaults, 0.8 and 0.98, otherwise).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..errors import InvalidArgument, InvalidType, MissingFile, OutOfRange
+from ..errors import InvalidArgument, InvalidType, OutOfRange
+from . import graphfile
 from .influence import influence_from, row_normalized, influence
+from .nodes import FEATURE_TYPES, KINDS, Node
 
 __all__ = ["FEATURE_TYPES", "KINDS", "AttributionGraph", "Node", "influence"]
 
-KINDS = ("feature", "error", "embedding", "logit")  # also their order in a graph
-
-# circuit-tracer's feature_type of each kind (frontend/graph_models.py, Node.feature_node ... logit_node)
-FEATURE_TYPES = {"feature": "cross layer transcoder", "error": "mlp reconstruction error",
-                 "embedding": "embedding", "logit": "logit"}
-
 NODE_THRESHOLD, EDGE_THRESHOLD = 0.8, 0.98  # circuit-tracer's defaults (create_graph_files)
-
-
-@dataclass(frozen=True)
-class Node:
-    """One node of an attribution graph.
-
-    ``layer``: the block (feature, error); None for an embedding; the number of blocks for a logit.
-    ``position``: the token position (circuit-tracer's ``ctx_idx``; a logit's is the last position).
-    ``feature``: the transcoder feature (feature), the token id (embedding, logit), None (error).
-    ``activation``: a feature's activation. ``probability``: a logit's. ``influence``: set by pruning,
-    circuit-tracer's cumulative score (the share of the total influence held by the nodes at least as
-    influential as this one: lower is more influential); None for logits and unpruned graphs.
-    """
-    kind: str
-    layer: int | None
-    position: int
-    feature: int | None
-    activation: float | None = None
-    probability: float | None = None
-    influence: float | None = None
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise InvalidArgument(f"Node kind {self.kind!r}: one of {', '.join(map(repr, KINDS))}")
-        wants_layer = self.kind != "embedding"
-        wants_feature = self.kind != "error"
-        if (self.layer is not None) != wants_layer or (self.feature is not None) != wants_feature:
-            raise InvalidArgument(
-                f"a {self.kind} node has {'a' if wants_layer else 'no'} layer and {'a' if wants_feature else 'no'} "
-                f"feature (feature index or token id): got layer={self.layer!r}, feature={self.feature!r}")
-
-    @property
-    def node_id(self) -> str:
-        """circuit-tracer's ``node_id`` (Node.feature_node ... logit_node), one node's each: an error node's is
-        ``{layer}_-1_{position}``, as circuit-tracer fixed it (0.5.0's ``0_{layer}_{position}`` was a feature's too)."""
-        if self.kind == "feature":
-            return f"{self.layer}_{self.feature}_{self.position}"
-        if self.kind == "error":
-            return f"{self.layer}_-1_{self.position}"
-        if self.layer is None:  # an embedding, the one kind without a layer
-            return f"E_{self.feature}_{self.position}"
-        return f"{self.layer + 1}_{self.feature}_{self.position}"  # circuit-tracer draws logits at n_layers + 1
 
 
 class AttributionGraph:
@@ -92,7 +45,9 @@ class AttributionGraph:
     (encoder bias, decoder biases carried forward). ``tokens`` / ``logit_tokens``: decoded strings.
     ``scan``: the name of the transcoders (circuit-tracer's ``scan``). A pruned graph also has ``edges``
     (the kept edges), ``node_influence`` (each node's influence on the logits), ``pruned`` (its
-    thresholds) and ``kept`` (each node's index in the graph it was pruned from).
+    thresholds) and ``kept`` (each node's index in the graph it was pruned from). ``labels``:
+    ``{(layer, feature): text}`` naming features (a graph file's ``clerp``), which ``to_json`` writes and
+    the views show.
     """
 
     def __init__(self, nodes: Sequence[Node], adjacency: torch.Tensor, node_inputs: torch.Tensor,
@@ -100,7 +55,8 @@ class AttributionGraph:
                  tokens: Sequence[str] | None = None, logit_tokens: Sequence[str] | None = None,
                  scan: str | Sequence[str] | None = None, n_layers: int | None = None, *, prompt: str | None = None,
                  edges: torch.Tensor | None = None, node_influence: torch.Tensor | None = None,
-                 pruned: tuple[float, float] | None = None, kept: torch.Tensor | None = None):
+                 pruned: tuple[float | None, float | None] | None = None, kept: torch.Tensor | None = None,
+                 labels: Mapping[tuple[int, int], str] | None = None):
         self.nodes = list(nodes)
         if not all(isinstance(node, Node) for node in self.nodes):
             raise InvalidType("AttributionGraph takes a list of qgraph Node objects")
@@ -121,6 +77,7 @@ class AttributionGraph:
         self.node_influence = node_influence
         self.pruned = pruned
         self.kept = kept
+        self.labels = dict(labels or {})
         self.n_layers = self._check(n_layers)
         self._index: dict | None = None
 
@@ -253,7 +210,7 @@ class AttributionGraph:
             nodes, sub_adjacency, pick(self.node_inputs), pick(self.constants), self.input_ids,
             self.logit_probabilities, self.tokens, self.logit_tokens, self.scan, self.n_layers, prompt=self.prompt,
             edges=sub_edges, node_influence=influence[index], pruned=(node_threshold, edge_threshold),
-            kept=index.cpu() if self.kept is None else pick(self.kept))
+            kept=index.cpu() if self.kept is None else pick(self.kept), labels=self.labels)
 
     def _as_pruned(self, node_threshold: float | None, edge_threshold: float | None) -> AttributionGraph:
         if self.pruned is None:
@@ -271,31 +228,7 @@ class AttributionGraph:
                   labels: Mapping[tuple[int, int], str] | None = None, node_threshold: float | None = None,
                   edge_threshold: float | None = None) -> dict:
         """The graph file's content as a dict (see ``to_json``)."""
-        graph = self._as_pruned(node_threshold, edge_threshold)
-        scan = graph.scan if scan is None else scan
-        transcoders: list[str] = []
-        if scan is None:
-            scan = "qgraph"
-        elif not isinstance(scan, str):  # a list of transcoders: circuit-tracer names it "custom-<hash>"
-            transcoders = list(scan)
-            digest = hashlib.sha256("-".join(transcoders).encode()).digest()  # stable, unlike Python's hash()
-            scan = f"custom-{int.from_bytes(digest[:8], 'big') >> 1}"
-        tokens = graph.tokens or [str(t) for t in graph.input_ids.tolist()]
-        metadata = dict(slug=slug, scan=scan, transcoder_list=transcoders, prompt_tokens=tokens,
-                        prompt=prompt if prompt is not None else graph.prompt if graph.prompt is not None
-                        else "".join(tokens) if graph.tokens else "",
-                        node_threshold=graph.pruned[0] if graph.pruned is not None else None, schema_version=1)
-        qparams = dict(pinnedIds=[], supernodes=[], linkType="both", clickedId="", sg_pos="")
-        nodes = [_json_node(graph, i, labels or {}) for i in range(len(graph.nodes))]
-        ids = [node["node_id"] for node in nodes]
-        if len(set(ids)) != len(ids):  # links name their nodes by id: two nodes of one id would merge
-            raise InvalidArgument(f"nodes {sorted({i for i in ids if ids.count(i) > 1})[:5]} are in the graph "
-                                  f"more than once: build it with each (kind, layer, position, feature) once")
-        targets, sources = graph.edge_mask.nonzero(as_tuple=True)
-        weights = graph.adjacency[targets, sources].tolist()
-        links = [dict(source=ids[s], target=ids[t], weight=w)
-                 for t, s, w in zip(targets.tolist(), sources.tolist(), weights)]
-        return dict(metadata=metadata, qParams=qparams, nodes=nodes, links=links)
+        return graphfile.json_data(self._as_pruned(node_threshold, edge_threshold), slug, scan, prompt, labels or {})
 
     def to_json(self, path: str | Path, slug: str = "qgraph", *, scan: str | Sequence[str] | None = None,
                 prompt: str | None = None, labels: Mapping[tuple[int, int], str] | None = None,
@@ -306,48 +239,59 @@ class AttributionGraph:
         metadata is added to the folder's ``graph-metadata.json``, which circuit-tracer's local server
         lists. ``scan``: the transcoders' name (default ``self.scan``, else "qgraph"); a list of
         transcoders is named "custom-<hash>". ``labels``: ``{(layer, feature): text}``, written as the
-        features' ``clerp``. A graph not yet pruned is pruned first with the thresholds given. Returns
-        the path written.
+        features' ``clerp`` (over ``self.labels``). A graph not yet pruned is pruned first with the
+        thresholds given. Returns the path written.
         """
         data = self.json_data(slug, scan=scan, prompt=prompt, labels=labels, node_threshold=node_threshold,
                               edge_threshold=edge_threshold)
-        path = Path(path)
-        folder = path.is_dir()
-        target = path / f"{slug}.json" if folder else path
-        if not folder and path.suffix.lower() != ".json":
-            raise InvalidArgument(f"to_json writes a .json file or into a folder, not '{path.name}'")
-        if not target.parent.is_dir():
-            raise MissingFile(f"no folder {target.parent} to write {target.name} into")
-        target.write_text(json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False), encoding="utf-8")
-        if folder:
-            listing = path / "graph-metadata.json"
-            graphs = json.loads(listing.read_text(encoding="utf-8"))["graphs"] if listing.exists() else []
-            graphs = [g for g in graphs if g.get("slug") != slug] + [data["metadata"]]
-            listing.write_text(json.dumps({"graphs": graphs}, indent=2, ensure_ascii=False), encoding="utf-8")
-        return target
+        return graphfile.write(data, Path(path), slug)
+
+    @classmethod
+    def from_json(cls, path: str | Path, *, max_bytes: int = graphfile.MAX_BYTES, max_nodes: int = graphfile.MAX_NODES,
+                  max_links: int = graphfile.MAX_LINKS) -> AttributionGraph:
+        """The graph in a circuit-tracer / Neuronpedia graph file (what ``to_json`` and circuit-tracer's
+        ``create_graph_files`` write), to view (``.show()``), prune further or score.
+
+        The file is untrusted input: one over ``max_bytes``, ``max_nodes`` or ``max_links`` is refused before
+        it is parsed or built (the adjacency is dense, nodes² float32), and every field is checked. The graph
+        is pruned already (``pruned``: the file's node threshold, and None for the edge threshold it does not
+        record); the features' ``clerp`` are its ``labels``; ``node_inputs`` and ``constants``, which a file
+        does not hold, are nan. Errors are ``InvalidArgument`` naming the file, the entry and the problem.
+        """
+        return graphfile.read(cls, path, max_bytes, max_nodes, max_links)
 
     def plot(self, *, labels: Mapping[tuple[int, int], str] | None = None,
              top_logits: Mapping[tuple[int, int], Sequence[str]] | None = None,
              node_threshold: float | None = None, edge_threshold: float | None = None):
-        """A self-contained HTML view (inline SVG, CSS and JS; nothing from the network): features by
-        layer (up) and position (across), edges coloured by sign and drawn by magnitude; hovering a node
-        shows its activation, influence and, where given, its label and top logits
-        (``{(layer, feature): ...}``). Returns a ``Figure`` (shown in a notebook; ``.save("g.html")`` or
-        ``.save("g.svg")``). A graph not yet pruned is pruned first."""
-        # lazy: qgraph.circuits.render imports this module's package at import time (a cycle)
-        from .render import figure
+        """The graph's viewer, one self-contained HTML page (inline SVG, CSS and JS; nothing from the network):
+        tokens along the bottom, layers up, logits on top with their token and probability, features filled
+        by influence; hover a node for its activation and its strongest edges with their weights, click to
+        pin it and see only its neighbours, shift-click features and group them into a supernode, prune edges
+        with the slider, search by layer or feature. ``labels`` (over ``self.labels``) and ``top_logits``
+        (``{(layer, feature): ...}``) name features. Returns a ``Figure``: shown in a notebook,
+        ``.save("g.html")``, ``.save("g.svg")`` or ``.save("g.png")``. A graph not yet pruned is pruned first."""
+        # lazy: the viewer is read (and matplotlib loaded) only when a graph is drawn
+        from .viewer import figure
 
         return figure(self._as_pruned(node_threshold, edge_threshold), labels or {}, top_logits or {})
 
-    def to_graphviz(self, *, labels: Mapping[tuple[int, int], str] | None = None,
+    def show(self, **options):
+        """``plot(**options)`` shown: in a notebook, in the cell; elsewhere written to a temporary ``.html``
+        file and opened in the default web browser (its path is printed). Returns the ``Figure``."""
+        # lazy: the viewer is read (and matplotlib loaded) only when a graph is drawn
+        from .viewer import show
+
+        return show(self.plot(**options))
+
+    def to_graphviz(self, *, labels: Mapping[tuple[int, int], str] | None = None, width: int = 10,
                     node_threshold: float | None = None, edge_threshold: float | None = None):
-        """The pruned graph as a ``graphviz.Digraph`` (one rank per layer; ``.source`` is the DOT). A graph
-        not yet pruned is pruned first."""
+        """The pruned graph as a ``graphviz.Digraph`` for a paper figure (``.source`` is the DOT; ``.pipe("png")``,
+        ``.render(...)``): ranks by layer, nodes in token order, a layer wider than ``width`` nodes wrapped
+        onto more ranks; the prompt's tokens as text along the bottom. A graph not yet pruned is pruned first."""
         # lazy: qgraph.circuits.render imports this module's package at import time (a cycle)
         from .render import digraph
 
-        return digraph(self._as_pruned(node_threshold, edge_threshold), labels or {})
-
+        return digraph(self._as_pruned(node_threshold, edge_threshold), {**self.labels, **(labels or {})}, width)
 
 def _key(kind: str, layer, position: int, feature) -> tuple:
     return (kind, position, feature) if kind in ("embedding", "logit") else (kind, layer, position, feature)
@@ -362,30 +306,3 @@ def _threshold(scores: torch.Tensor, share: float) -> torch.Tensor:
     cumulative = torch.cumsum(ordered, 0) / total
     at = int(torch.searchsorted(cumulative, share).item())
     return ordered[min(at, len(ordered) - 1)]
-
-
-def _json_node(graph: AttributionGraph, i: int, labels: Mapping) -> dict:
-    """Node ``i`` as circuit-tracer's frontend ``Node`` (every field, in its order)."""
-    node = graph.nodes[i]
-    entry = dict(node_id=node.node_id, feature=-1, layer=str(node.layer), ctx_idx=node.position,
-                 feature_type=FEATURE_TYPES[node.kind], token_prob=0.0, is_target_logit=False, run_idx=0,
-                 reverse_ctx_idx=0, jsNodeId="", clerp="", influence=node.influence, activation=None)
-    if node.kind == "feature":
-        # a feature node has a layer and a feature (Node.__post_init__), a dependence mypy cannot see
-        layer, feature = node.layer, node.feature
-        entry.update(feature=(layer + feature) * (layer + feature + 1) // 2 + feature,  # type: ignore[operator]
-                     jsNodeId=f"{layer}_{feature}-0", clerp=labels.get((layer, feature), ""),
-                     activation=node.activation)
-    elif node.kind == "error":
-        entry.update(jsNodeId=f"{node.layer}_{node.position}-0")
-    elif node.kind == "embedding":
-        entry.update(feature=node.position, layer="E", jsNodeId=f"E_{node.feature}-{node.position}")
-    else:
-        j = i - (len(graph.nodes) - graph.count("logit"))
-        probability = float(graph.logit_probabilities[j])
-        token = graph.logit_tokens[j] if graph.logit_tokens is not None else str(node.feature)
-        # a logit node has a layer (Node.__post_init__)
-        entry.update(feature=node.feature, layer=str(node.layer + 1), token_prob=probability, is_target_logit=j == 0,  # type: ignore[operator]
-                     jsNodeId=f"L_{node.feature}-{node.position}", clerp=f'Output "{token}" (p={probability:.3f})',
-                     influence=None)
-    return entry

@@ -32,18 +32,19 @@ def available() -> str | None:
     return "pygraphviz"
 
 
-def draw(source: str, fmt: str, quiet: bool = True) -> bytes:
-    """DOT ``source`` drawn as ``fmt`` (svg, png, pdf) by what ``available`` finds."""
+def draw(source: str, fmt: str, quiet: bool = True, engine: str = "dot") -> bytes:
+    """DOT ``source`` drawn as ``fmt`` (svg, png, pdf) by what ``available`` finds, laid out by ``engine``
+    (Graphviz's ``dot``, ``neato``...)."""
     found = available()
     if found == "dot":
-        return graphviz.pipe("dot", fmt, source.encode(), quiet=quiet)
+        return graphviz.pipe(engine, fmt, source.encode(), quiet=quiet)
     if found is None:
         raise graphviz.ExecutableNotFound(["dot"])
     import pygraphviz
     with warnings.catch_warnings(), (_stderr_dropped() if quiet else contextlib.nullcontext()):
         if quiet:
             warnings.simplefilter("ignore")  # Graphviz's own remarks on the DOT, as dot -q drops them
-        return pygraphviz.AGraph(string=source).draw(format=fmt, prog="dot")
+        return pygraphviz.AGraph(string=source).draw(format=fmt, prog=engine)
 
 
 @contextlib.contextmanager
@@ -65,7 +66,7 @@ class Digraph(graphviz.Digraph):
 
     def pipe(self, format=None, renderer=None, formatter=None, neato_no_op=None, quiet=False, *, engine=None,
              encoding=None):
-        if renderer or formatter or neato_no_op or (engine or self.engine) != "dot" or available() == "dot":
+        if renderer or formatter or neato_no_op or available() == "dot":
             return super().pipe(format, renderer, formatter, neato_no_op, quiet, engine=engine, encoding=encoding)
-        drawn = draw(self.source, format or self.format, quiet)
+        drawn = draw(self.source, format or self.format, quiet, engine or self.engine)
         return drawn.decode(encoding) if encoding else drawn
