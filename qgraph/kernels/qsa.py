@@ -46,8 +46,9 @@ def block_scores(q: torch.Tensor, raw_keys: torch.Tensor, cos: torch.Tensor, sin
     starts = tokens[..., 0:1].expand(-1, -1, cos.shape[-1])  # each block's first token
     block_keys = rotary(pooled.unsqueeze(2), cos=cos.gather(1, starts), sin=sin.gather(1, starts),
                         unsqueeze_dim=2).squeeze(2)
-    scores = torch.matmul(q.float(), block_keys.float().transpose(-1, -2).unsqueeze(1))  # [batch query heads blocks]
-    scores = torch.relu(scores).sum(dim=2) / math.sqrt(dim)
+    # [batch query*heads dim] @ [batch dim blocks]: one matmul per row (not the keys broadcast to every query)
+    scores = torch.matmul(q.float().flatten(1, 2), block_keys.float().transpose(-1, -2)).unflatten(1, q.shape[1:3])
+    scores = torch.relu(scores).sum(dim=2) / math.sqrt(dim)  # [batch query blocks]
     count = visible.sum(-1) // ratio
     complete = torch.arange(blocks, device=scores.device) < count.unsqueeze(-1)
     return scores.masked_fill(~complete, -math.inf)
@@ -59,13 +60,17 @@ def qsa_select(scores: torch.Tensor, visible: torch.Tensor, ratio: int, top: int
     (``scores`` ``[batch query blocks]``) and the incomplete tail of its ``visible`` keys (``[batch query key]``),
     blocks of ``ratio`` visible keys in order."""
     count = visible.sum(-1) // ratio  # complete blocks per query
-    chosen = torch.zeros(*scores.shape[:-1], scores.shape[-1] + 1, dtype=torch.bool, device=scores.device)
-    for n in count.unique().tolist():
-        if n == 0:
-            continue
-        rows = count == n  # the loop's topk, batched over the queries with n blocks: the same slices
-        picked = scores[rows][:, :n].topk(min(top, n), dim=-1).indices
-        chosen[rows] = chosen[rows].scatter(-1, picked, True)
+    blocks = scores.shape[-1]
+    flat, order = count.flatten(), count.flatten().argsort(stable=True)  # queries grouped by their count
+    ranked = scores.flatten(0, -2)[order]
+    picked = torch.full((flat.shape[0], top), blocks, dtype=torch.long, device=scores.device)  # blocks: none
+    start = 0
+    for n, size in zip(*(part.tolist() for part in torch.unique_consecutive(flat[order], return_counts=True))):
+        if n:  # the loop's topk on the loop's slices (the first n scores), batched over the queries with n blocks
+            picked[start:start + size, :min(top, n)] = ranked[start:start + size, :n].topk(min(top, n), dim=-1).indices
+        start += size
+    chosen = torch.zeros(flat.shape[0], blocks + 1, dtype=torch.bool, device=scores.device).scatter(-1, picked, True)
+    chosen = torch.zeros_like(chosen).index_copy(0, order, chosen).view(*scores.shape[:-1], blocks + 1)  # unsorted
     block = torch.div(visible.cumsum(-1) - 1, ratio, rounding_mode="floor").clamp_min(0)  # each key's block
     kept = chosen.gather(-1, block) | (block >= count.unsqueeze(-1))  # a chosen block, or the tail
     return visible & kept
