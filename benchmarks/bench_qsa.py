@@ -64,8 +64,8 @@ def main():
             indexer, loop, inputs = build(tokens, batch)
             with torch.no_grad():
                 assert torch.equal(loop(indexer, *inputs), select_tokens(indexer, *inputs))
-                times = interleaved({"loop": lambda: loop(indexer, *inputs),
-                                     "qgraph": lambda: select_tokens(indexer, *inputs)})
+                times = interleaved({"loop": lambda i=indexer, f=loop, a=inputs: f(i, *a),
+                                     "qgraph": lambda i=indexer, a=inputs: select_tokens(i, *a)})
             print(f"| {tokens} | {batch} | {times['loop'] * 1e3:.1f} ms | {times['qgraph'] * 1e3:.2f} ms | "
                   f"{times['loop'] / times['qgraph']:.0f}x |", flush=True)
 

@@ -7,13 +7,14 @@ and the selection with transformers' own loop (bit-equal masks), left padding in
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
 import qgraph
-from conftest import random_ids
+from conftest import hf_logits, random_ids
 from qgraph.families.qwen4_exp import select_tokens
 from qgraph.testing import tiny_qwen4_exp
 
@@ -52,7 +53,7 @@ def padded(seq: int = 37, pads: tuple = (0, 9, 30), seed: int = 5):
 def hooked(model, ids, mask):
     """The HF forward with hooks on every block, mix, PLE layer, indexer and MoE router: (logits, {key: what
     the hook saw})."""
-    seen, handles = {}, []
+    seen: dict = {}
     modules = {"final_mix": model.model.hyper_connection_mixer}
     for i, layer in enumerate(model.model.layers):
         modules.update({f"{i}.layer": layer, f"{i}.attention_mix": layer.attn_hyper_connection,
@@ -61,24 +62,19 @@ def hooked(model, ids, mask):
             modules[f"{i}.ple"] = layer.ple
         if hasattr(layer, "self_attn"):
             modules[f"{i}.indexer"] = layer.self_attn.indexer
-    for key, module in modules.items():
-        def hook(module, args, output, key=key):
-            seen[key] = (args[0], output)
-        handles.append(module.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return logits, seen
+    with contextlib.ExitStack() as hooks:
+        for key, module in modules.items():
+            hooks.callback(module.register_forward_hook(
+                lambda module, args, output, key=key: seen.__setitem__(key, (args[0], output))).remove)
+        return hf_logits(model, ids, mask), seen
 
 
 def test_checkpoint_has_every_new_part(checkpoint):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(checkpoint)
     assert config.model_type == "qwen4_exp_text" and config.hc_count == 3 and config.ple_layer_ids == [3]
-    assert config.layer_types.count("indexed_attention") == 2 and config.indexer_budget // config.indexer_compress_ratio == 2
+    assert config.layer_types.count("indexed_attention") == 2
+    assert config.indexer_budget // config.indexer_compress_ratio == 2
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -88,7 +84,8 @@ def test_vectorized_selection_equals_transformers_loop(checkpoint, implementatio
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=implementation).eval()
-    for ids, mask in (padded(), (random_ids(2, 70, seed=2), torch.ones(2, 70, dtype=torch.long)), padded(13, (0, 9, 11), seed=7)):
+    whole = (random_ids(2, 70, seed=2), torch.ones(2, 70, dtype=torch.long))
+    for ids, mask in (padded(), whole, padded(13, (0, 9, 11), seed=7)):
         logits, loop = hooked(model, ids, mask)
         with monkeypatch.context() as patch:
             patch.setattr(Qwen4ExpTextQSAIndexer, "_select_tokens", select_tokens)

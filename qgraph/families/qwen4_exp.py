@@ -27,16 +27,18 @@ Blocks of one kind differ where a PLE layer sits, so the export traces every blo
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
 from ..kernels import qsa
 from . import qwen_moe
-from .base import Family, Kernels, Memory, Mixer
+from .base import Memory, Mixer
 from .qwen3_5 import ALIASES as QWEN3_5_ALIASES
 from .qwen3_5 import DIMS as QWEN3_5_DIMS
 from .qwen3_5 import VALUES as QWEN3_5_VALUES
 from .qwen3_5 import MIXERS as QWEN3_5_MIXERS
+from .qwen3_5_moe import QWEN3_5_MOE
 from .registry import register_family
 from .rules import STREAMS, Applied, Port, Selection, ValueSpec
 
@@ -153,28 +155,22 @@ def _ple_blocks(config) -> list[int]:
     return [layer - 1 for layer in config.get_text_config().ple_layer_ids]
 
 
-QWEN4_EXP = register_family(Family(
+# Qwen3.5-MoE's text family (its no_ports, rotary and M-RoPE rows, cache indices, the MoE block's export
+# patches, forward arguments, alias_instead and experts_down) with this model's own tables
+QWEN4_EXP = register_family(replace(
+    QWEN3_5_MOE.without_images(),
     name="qwen4_exp_text",
     model_types=("qwen4_exp_text",),
     classes="Qwen4ExpForCausalLM",
     values=VALUES,
     hosts=HOSTS,
     mixers=MIXERS,
-    block_kinds="layer_types",
     dims=DIMS,
     module_renames=MODULE_RENAMES,
-    no_ports=("", "model", "model.language_model"),
     readout=("final_mix", "lm_head"),
-    rotary="rotary_emb",
-    position_rows=3,
-    kernels=Kernels("transformers.models.qwen4_exp.modeling_qwen4_exp",
-                    chunk="torch_chunk_gated_delta_rule", recurrent="torch_recurrent_gated_delta_rule"),
+    kernels=replace(QWEN3_5_MOE.kernels, module="transformers.models.qwen4_exp.modeling_qwen4_exp"),
+    repeated_blocks=(),
     aliases=ALIASES,
-    alias_instead=qwen_moe.ALIAS_INSTEAD,
-    cache_indices=("layer_idx",),
-    export_patches=qwen_moe.patches,
     export_methods={"_select_tokens": select_tokens},
-    forward_kwargs=qwen_moe.FORWARD_KWARGS,
-    experts_down=qwen_moe.EXPERTS_DOWN,
     host_blocks={"ple": _ple_blocks},
 ))

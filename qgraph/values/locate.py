@@ -19,9 +19,9 @@ from torch.fx import Graph, Node
 
 from ..errors import InvalidArgument, InvalidType
 from ..families import Family
-from ..families.rules import (Applied, Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites,
-                              Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing, Rule, ScatterSource,
-                              Selection, VarlenAttention)
+from ..families.rules import (Applied, Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates,
+                              DeltaRuleWrites, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing,
+                              Rule, ScatterSource, Selection, VarlenAttention)
 from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
 from ..kernels.qsa import QSA_SELECT_OP
