@@ -133,12 +133,11 @@ VALUES = (
     *qwen_moe.VALUES,
 )
 
-# TransformerLens names: the streams are the residual stream (hook_resid_pre/mid/post are
-# [batch seq streams hidden_size]); ln1/ln2's normed stream is what each mix hands on
-ALIASES = {**{name: hosts for name, hosts in QWEN3_5_ALIASES.items()
-              if name not in ("blocks.{i}.ln1.hook_normalized", "blocks.{i}.ln2.hook_normalized")},
-           "blocks.{i}.ln1.hook_normalized": {"attention_mix": "mixed_input"},
-           "blocks.{i}.ln2.hook_normalized": {"mlp_mix": "mixed_input"}}
+# TransformerLens names: Qwen3.5's, where the streams are the residual stream (hook_resid_pre/mid/post are
+# [batch seq streams hidden_size]); ln2.hook_normalized stays what the MLP is called with (the MLP mix's
+# mixed_input); ln1.hook_normalized has no value here (no input_layernorm: the attention mix's mixed_input
+# is the nearest, under its own name), so a file naming it is read as Qwen3.5's without a model
+ALIASES = {name: hosts for name, hosts in QWEN3_5_ALIASES.items() if name != "blocks.{i}.ln1.hook_normalized"}
 
 
 def select_tokens(self, hidden_states, q, raw_keys, full_cos, full_sin, attention_mask, **kwargs):
