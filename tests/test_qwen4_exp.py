@@ -3,7 +3,8 @@
 The tiny checkpoint (``qgraph.testing.tiny_qwen4_exp``: 4 blocks, 3 streams, a PLE layer on block 2, QSA on
 blocks 1 and 3 with a budget of 2 blocks of 4) is exported once per attention implementation; every
 value is compared with forward hooks on the HF forward or with its module's arithmetic from its weights,
-and the selection with transformers' own loop (bit-equal masks), left padding included.
+and the selection with transformers' own loop (bit-equal masks), left padding included; the image-text model
+with an image; the DeltaNet's states with the float64 recurrence.
 """
 from __future__ import annotations
 
@@ -194,3 +195,58 @@ def test_support_lists_the_new_values(loaded):
                  "layers.0.linear_attn.states", "layers.0.mlp.router_weights"):
         assert table[name].available and (name in ig.values or table[name].by_name_only), name
     assert table["layers.1.attention_mix.mix_weights"].layout == "Streams [batch seq streams hidden_size]"
+
+
+def test_the_image_text_model_with_an_image(tmp_path):
+    """Qwen4ExpForConditionalGeneration (the tiny tower): logits, the selection (over M-RoPE positions) and the
+    vision features as the HF forward computes them."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from qgraph.testing import load_processor, video_prompt
+    path = tiny_qwen4_exp(tmp_path, images=True)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    processor = load_processor(path)
+    text = video_prompt(processor, videos=0, images=1, text="what is this?")  # a user turn with one image
+    pixels = (np.random.default_rng(2).random((48, 80, 3)) * 255).astype("uint8")
+    inputs = processor(text=text, images=[Image.fromarray(pixels)])
+    ig = qgraph.instrument(model, values=["vision.image_features", "layers.1.self_attn.selected_tokens",
+                                          "layers.0.layer_output"])
+    out = ig(**inputs)
+    seen = {}
+    indexer = model.model.language_model.layers[1].self_attn.indexer
+    handle = indexer.register_forward_hook(lambda module, args, output: seen.__setitem__("selected", output))
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+    finally:
+        handle.remove()
+    assert torch.equal(out.logits, logits)
+    assert torch.equal(out["layers.1.self_attn.selected_tokens"], seen["selected"][:, 0])
+    assert out["layers.0.layer_output"].shape == (*inputs["input_ids"].shape, 3, 64)
+    assert int(inputs["input_ids"].shape[1]) > 12  # past the budget: the selection drops keys
+    assert int(out["layers.1.self_attn.selected_tokens"][0, -1].sum()) < inputs["input_ids"].shape[1]
+
+
+def test_deltanet_states_equal_the_float64_recurrence(checkpoint):
+    """The DeltaNet values of the PLE block: its states after every token and its head outputs are the gated delta
+    rule run in float64 over the program's own queries, keys, values, decays and betas."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    names = ("attention_queries", "attention_keys", "attention_values", "decays", "betas", "states",
+             "attention_head_outputs", "state_output")
+    ig = qgraph.instrument(model, values=[f"layers.2.linear_attn.{name}" for name in names])
+    ids, mask = padded()
+    out = ig(ids, mask)
+    q, k, v, g, beta, states, heads, final = (out[f"layers.2.linear_attn.{name}"].double() for name in names)
+    q, k = ((x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(2, dim=2) for x in (q, k))
+    q = q / math.sqrt(q.shape[-1])
+    state = torch.zeros(*states.shape[:1], *states.shape[2:], dtype=torch.float64)
+    for t in range(ids.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        write = (v[:, t] - (state * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
+        state = state + k[:, t, ..., None] * write[..., None, :]
+        assert torch.allclose(states[:, t], state, atol=1e-4)
+        assert torch.allclose(heads[:, t], (state * q[:, t, ..., None]).sum(-2), atol=1e-4)
+    assert torch.allclose(final, state, atol=1e-4)

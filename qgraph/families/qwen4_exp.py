@@ -1,4 +1,5 @@
-"""Qwen3.8-Flash-Next, "a Qwen4 prototype" (``Qwen4ExpForCausalLM``; model_type ``qwen4_exp_text``), text only.
+"""Qwen3.8-Flash-Next, "a Qwen4 prototype" (``Qwen4ExpForCausalLM``, and the image-text
+``Qwen4ExpForConditionalGeneration`` with Qwen3.5's vision tower; text model_type ``qwen4_exp_text``).
 
 Qwen3.5-MoE's hybrid taken further. Its blocks (gated DeltaNet on ``linear_attention`` blocks, gated
 attention with a sparse token selection on ``indexed_attention`` blocks, the sparse MoE block of
@@ -38,7 +39,9 @@ from .qwen3_5 import ALIASES as QWEN3_5_ALIASES
 from .qwen3_5 import DIMS as QWEN3_5_DIMS
 from .qwen3_5 import VALUES as QWEN3_5_VALUES
 from .qwen3_5 import MIXERS as QWEN3_5_MIXERS
+from .qwen3_5 import MODULE_RENAMES as QWEN3_5_RENAMES
 from .qwen3_5_moe import QWEN3_5_MOE
+from .qwen_vision import IMAGES
 from .registry import register_family
 from .rules import STREAMS, Applied, Port, Selection, ValueSpec
 
@@ -47,8 +50,7 @@ MODULE_RENAMES = (
     (r"^model\.(?:language_model\.)?layers\.(\d+)\.attn_hyper_connection", r"layers.\1.attention_mix"),
     (r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp_hyper_connection", r"layers.\1.mlp_mix"),
     (r"^model\.(?:language_model\.)?hyper_connection_mixer", "final_mix"),
-    (r"^model\.language_model\.", ""),
-    (r"^model\.", ""),
+    *QWEN3_5_RENAMES,  # the text stack's prefix, and the vision tower's as Qwen3.5 names it
 )
 
 MIXERS = {
@@ -160,7 +162,7 @@ QWEN4_EXP = register_family(replace(
     QWEN3_5_MOE.without_images(),
     name="qwen4_exp_text",
     model_types=("qwen4_exp_text",),
-    classes="Qwen4ExpForCausalLM",
+    classes="Qwen4ExpForCausalLM and Qwen4ExpForConditionalGeneration",
     values=VALUES,
     hosts=HOSTS,
     mixers=MIXERS,
@@ -172,4 +174,4 @@ QWEN4_EXP = register_family(replace(
     aliases=ALIASES,
     export_methods={"_select_tokens": select_tokens},
     host_blocks={"ple": _ple_blocks},
-))
+).with_images(IMAGES))
