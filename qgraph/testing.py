@@ -148,21 +148,57 @@ def tiny_qwen3_next(path: str | os.PathLike, seed: int = 0) -> Path:
     return _save(Qwen3NextForCausalLM, config, path, seed, tokenizer)
 
 
+# The tiny Qwen3.8-Flash-Next (qwen4_exp) text model: the tiny text model's widths, 4 blocks (DeltaNet, QSA
+# attention, DeltaNet with a PLE layer before it, QSA attention), 3 residual streams with a rank-16 mix, the MoE
+# block of TINY_MOE, 2-gram and 3-gram PLE heads over small hashed tables (2 shards as saved), and an indexer
+# whose budget (8 tokens: 2 blocks of 4) selects on any prompt past 11 tokens (config keyword arguments)
+TINY_QWEN4_EXP: dict[str, Any] = dict(
+    layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    hc_count=3, hc_lowrank=16, ple_layer_ids=[3], ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
+    make_ngram_vocab_size_divisible_by=16, split_ngram_parts=2, indexer_n_heads=2, indexer_kv_heads=1,
+    indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, output_gate_type="sigmoid")
+
+
+def tiny_qwen4_exp(path: str | os.PathLike, seed: int = 0, images: bool = False, **config_overrides) -> Path:
+    """Build the tiny random ``Qwen4ExpForCausalLM`` (``TINY_QWEN4_EXP`` on the tiny text model's sizes), or
+    with ``images=True`` the image-text ``Qwen4ExpForConditionalGeneration`` (plus the tiny vision tower and
+    its image processor), and save it at ``path``. Every norm gain, the PLE conv (zeros at init) and the
+    hyper-connections' mixes are drawn off their init, so each part moves the logits."""
+    from transformers import Qwen4ExpConfig, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, \
+        Qwen4ExpTextConfig
+    tokenizer = tiny_tokenizer()
+    dense = tiny_text_config()
+    text = Qwen4ExpTextConfig(**{key: getattr(dense, key) for key in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_conv_kernel_dim", "rope_parameters", "max_position_embeddings")},
+        **TINY_MOE, **{**TINY_QWEN4_EXP, **config_overrides}, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    drawn = ("norm_key.weight", "norm_query.weight", "norm_conv.weight", "ple.conv1d.weight", "hc_norm.weight")
+    if not images:
+        return _save(Qwen4ExpForCausalLM, text, path, seed, tokenizer, drawn=drawn)
+    config = Qwen4ExpConfig(text_config=text.to_dict(), vision_config=tiny_vision_config(),
+                            **_image_token_ids(tokenizer))
+    return _save(Qwen4ExpForConditionalGeneration, config, path, seed, tokenizer, image_processor=True, drawn=drawn)
+
+
 def _image_token_ids(tokenizer) -> dict:
     return {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
 
 
-def _save(model_class, config, path, seed: int, tokenizer, image_processor: bool = False) -> Path:
+def _save(model_class, config, path, seed: int, tokenizer, image_processor: bool = False,
+          drawn: tuple[str, ...] = ()) -> Path:
     """Build ``model_class(config)`` seeded, with its text norm gains off zero and its routers spread
-    (at their init std 0.02 every token would route nearly alike), and save it with ``tokenizer``."""
+    (at their init std 0.02 every token would route nearly alike), and the parameters whose names end
+    with one of ``drawn`` drawn like the norm gains, and save it with ``tokenizer``."""
     path = Path(path)
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "visual" not in name and (name.endswith("norm.weight") or name.endswith("layernorm.weight")):
+            if "visual" not in name and (name.endswith(("norm.weight", "layernorm.weight", *drawn))):
                 parameter.normal_(0.0, 0.3)
             if name.endswith("mlp.gate.weight"):
                 parameter.normal_(0.0, 0.5)
@@ -286,12 +322,23 @@ def video_prompt(processor, videos: int = 1, images: int = 0, text: str = "what 
                                          add_generation_prompt=True, enable_thinking=False)
 
 
+def _cache_root(cache_dir) -> Path:
+    return Path(cache_dir or os.environ.get("QGRAPH_CACHE") or Path.home() / ".cache" / "qgraph")
+
+
 def cached_tiny_qwen3_5(cache_dir: str | os.PathLike | None = None) -> Path:
     """The tiny checkpoint in qgraph's cache dir, built on first use."""
-    root = Path(cache_dir or os.environ.get("QGRAPH_CACHE") or Path.home() / ".cache" / "qgraph")
-    path = root / "tiny-qwen3_5"
+    path = _cache_root(cache_dir) / "tiny-qwen3_5"
     if not (path / "config.json").exists():
         tiny_qwen3_5(path)
+    return path
+
+
+def cached_tiny_qwen4_exp(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tiny qwen4_exp text checkpoint in qgraph's cache dir, built on first use."""
+    path = _cache_root(cache_dir) / "tiny-qwen4_exp"
+    if not (path / "config.json").exists():
+        tiny_qwen4_exp(path)
     return path
 
 

@@ -10,6 +10,7 @@ from qgraph.families import register_family
 from qgraph.families.qwen3_5 import QWEN3_5
 from qgraph.families.qwen3_5_moe import QWEN3_5_MOE
 from qgraph.families.qwen3_next import QWEN3_NEXT
+from qgraph.families.qwen4_exp import QWEN4_EXP
 
 VISION_HOSTS = set(qwen_vision.IMAGES.hosts)
 
@@ -82,9 +83,9 @@ def test_qwen3_next_is_the_moe_family_without_images():
 
 
 def test_families_are_registered_in_order():
-    assert list(FAMILIES) == [QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT]
+    assert list(FAMILIES) == [QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, QWEN4_EXP]
     assert register_family(QWEN3_5) is QWEN3_5  # registering it again changes nothing
-    assert list(FAMILIES) == [QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT]
+    assert list(FAMILIES) == [QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, QWEN4_EXP]
 
 
 def _model(model_type):
@@ -104,7 +105,7 @@ def test_register_family_refuses_a_model_type_already_registered(registry):
     copy = replace(QWEN3_5_MOE, name="another_moe", model_types=("another", "qwen3_5_moe_text"))
     with pytest.raises(ValueError, match=r"'another_moe'.*'qwen3_5_moe_text'.*'qwen3_5_moe_text'"):
         register_family(copy)
-    assert list(registry) == [QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT]
+    assert list(registry) == [QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, QWEN4_EXP]
 
 
 def test_a_registered_family_is_picked_by_family_for(registry):
@@ -119,4 +120,4 @@ def test_a_registered_family_is_picked_by_family_for(registry):
 
 
 def test_the_registry_is_restored_after_a_test():
-    assert [family.name for family in FAMILIES] == ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+    assert [family.name for family in FAMILIES] == ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text"]

@@ -13,7 +13,8 @@ from .registry import FAMILIES, family_for, register_family
 from .qwen3_5 import QWEN3_5
 from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen3_next import QWEN3_NEXT
+from .qwen4_exp import QWEN4_EXP
 
 # the shipped families are public too (``from qgraph.families import QWEN3_5``)
 __all__ = ["FAMILIES", "Family", "Images", "Kernels", "Memory", "Mixer", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_NEXT",
-           "RepeatedBlocks", "UnsupportedModel", "family_for", "register_family"]
+           "QWEN4_EXP", "RepeatedBlocks", "UnsupportedModel", "family_for", "register_family"]

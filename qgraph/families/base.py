@@ -158,6 +158,9 @@ class Family:
     # the routed experts' down projection ([experts, hidden, inner]), by spec name below the MLP's host: each
     # expert's write to the stream, for per-expert decompositions (qgraph.attribution); None for a dense MLP
     experts_down: str | None = None
+    # host kind -> the text blocks that carry it, where only some do (qwen4_exp's PLE on ple_layer_ids):
+    # (config) -> block indices; a host kind not here is on every block (a mixer's on the blocks with it)
+    host_blocks: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
 
     def __post_init__(self):
         part = self.images
@@ -259,7 +262,9 @@ class Family:
         if "{i}" in template:
             mixers = self.block_mixers(config)
             is_mixer = spec_host in {mixer.module for mixer in self.mixers.values()}
-            return [template.format(i=i) for i, mixer in enumerate(mixers) if not is_mixer or mixer == spec_host]
+            carried = self.host_blocks[spec_host](config) if spec_host in self.host_blocks else range(len(mixers))
+            return [template.format(i=i) for i, mixer in enumerate(mixers)
+                    if (not is_mixer or mixer == spec_host) and i in carried]
         if "{j}" in template:
             return [template.format(j=j) for j in range(self.vision_blocks(config))]
         return [template]

@@ -46,6 +46,7 @@ class Port(Rule):
 
 
 HEADS = (("heads", "num_heads", "head_dim"),)
+STREAMS = (("heads", "streams", "hidden_size"),)  # hyper-connections' streams, side by side in one axis
 BATCH1 = (("batch1",),)
 
 
@@ -125,6 +126,26 @@ class Routing(Rule):
     @property
     def read_only(self) -> bool:
         return self.part == "indices"
+
+
+@dataclass(frozen=True)
+class Applied(Rule):
+    """What elementwise ops make of a module's port (the module's weights, activated inline): the port's
+    node followed user by user through ``ops`` (aten op names, in order: ``("div", "sigmoid", "mul")``),
+    the last one's output, served through ``view`` (``Port``'s)."""
+
+    module: str  # relative to the host
+    side: str  # "input" or "output"
+    ops: tuple[str, ...]
+    view: tuple = ()
+
+
+@dataclass(frozen=True)
+class Selection(Rule):
+    """A tensor of the host's sparse-attention token selection, found from its ``qgraph::qsa_select``
+    call (``kernels.qsa``): ``scores`` the block scores it reads, ``tokens`` the selection it returns."""
+
+    part: str  # scores | tokens
 
 
 @dataclass(frozen=True)

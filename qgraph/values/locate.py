@@ -19,11 +19,12 @@ from torch.fx import Graph, Node
 
 from ..errors import InvalidArgument, InvalidType
 from ..families import Family
-from ..families.rules import (Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites,
-                              Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing, Rule, ScatterSource,
-                              VarlenAttention)
+from ..families.rules import (Applied, Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates,
+                              DeltaRuleWrites, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing,
+                              Rule, ScatterSource, Selection, VarlenAttention)
 from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
+from ..kernels.qsa import QSA_SELECT_OP
 from ..kernels.read_ops import ATTENTION_READ_OP, WRITES_OP
 from ..kernels import views
 from ..rewrites.swap import read_back
@@ -139,6 +140,27 @@ def _port(locator: Locator, host: str, rule: Port) -> Found | Missing:
         return Missing(f"module '{module}' is never called as a module in the forward, so it has "
                        f"no {rule.side} (its parameters are used directly, or it does not exist)")
     return Found(marker, views.resolve(rule.view, lambda dim: locator.family.dim(locator.config, dim)))
+
+
+@locates(Applied)
+def _applied(locator: Locator, host: str, rule: Applied) -> Found | Missing:
+    found = _port(locator, host, Port(rule.module, rule.side))
+    if isinstance(found, Missing):
+        return found
+    node = found.node
+    for op in rule.ops:
+        node = next((user for user in node.users if getattr(user.target, "__name__", "").split(".")[0] == op), None)
+        if node is None:
+            return Missing(f"no {op} applied to {rule.module or host}'s {rule.side} in this program")
+    return Found(node, views.resolve(rule.view, lambda dim: locator.family.dim(locator.config, dim)))
+
+
+@locates(Selection)
+def _selection(locator: Locator, host: str, rule: Selection) -> Found | Missing:
+    select = next((n for n in locator.scopes.get(host, ()) if n.target is QSA_SELECT_OP), None)
+    if select is None:
+        return Missing(f"no sparse-attention token selection (qgraph::qsa_select) under '{host}'")
+    return Found(select.args[0] if rule.part == "scores" else select)
 
 
 @locates(DeltaRule)

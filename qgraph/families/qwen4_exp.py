@@ -1,0 +1,177 @@
+"""Qwen3.8-Flash-Next, "a Qwen4 prototype" (``Qwen4ExpForCausalLM``, and the image-text
+``Qwen4ExpForConditionalGeneration`` with Qwen3.5's vision tower; text model_type ``qwen4_exp_text``).
+
+Qwen3.5-MoE's hybrid taken further. Its blocks (gated DeltaNet on ``linear_attention`` blocks, gated
+attention with a sparse token selection on ``indexed_attention`` blocks, the sparse MoE block of
+``qwen_moe`` on every block) read and write a residual stream ``hc_count`` streams wide:
+
+* **Hyper-connections** replace the pre-norms. Before the mixer and before the MLP a mix
+  (``attn_hyper_connection`` / ``mlp_hyper_connection``, named ``attention_mix`` / ``mlp_mix`` here)
+  norms each stream (``hc_norm``), weighs it per channel (``mix_weights = sigmoid(up(silu(down(normed) /
+  streams)))``) and averages the streams into what the mixer (the MLP) reads (``mixed_input``); the
+  mixer's output is added back into every stream times its injection weight (``injection_weights =
+  2 sigmoid(inject(normed) / streams)``). The embeddings enter as ``hc_count`` copies; after the last
+  block the final mix (``hyper_connection_mixer``, ``final_mix``) collapses the streams into what
+  ``lm_head`` reads. There is no final norm: ``final_norm_output`` is the final mix's output.
+  ``layer_input`` / ``layer_output`` (TransformerLens's ``hook_resid_pre`` / ``hook_resid_post``) are
+  the streams, ``[batch seq streams hidden_size]``.
+* **Per-layer n-gram embeddings** (``ple``, on the blocks of ``ple_layer_ids``, one-indexed): hashed
+  2..``ngram_size``-gram embeddings of the token ids gate a value per stream, then a dilated depthwise conv;
+  its output is added to the streams before the block's mix (``ple_output``).
+* **QSA**: the attention's indexer pools keys in blocks and each query keeps its best blocks and the
+  incomplete tail. transformers selects in a Python loop over rows and queries with data-dependent
+  shapes; while exporting, ``_select_tokens`` runs ``select_tokens`` (``kernels.qsa``: the same
+  selection vectorized, then the one ``qgraph::qsa_select`` node), so one program serves every prompt.
+
+Blocks of one kind differ where a PLE layer sits, so the export traces every block (no repeated blocks).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+
+from ..kernels import qsa
+from . import qwen_moe
+from .base import Memory, Mixer
+from .qwen3_5 import ALIASES as QWEN3_5_ALIASES
+from .qwen3_5 import DIMS as QWEN3_5_DIMS
+from .qwen3_5 import VALUES as QWEN3_5_VALUES
+from .qwen3_5 import MIXERS as QWEN3_5_MIXERS
+from .qwen3_5 import MODULE_RENAMES as QWEN3_5_RENAMES
+from .qwen3_5_moe import QWEN3_5_MOE
+from .qwen_vision import IMAGES
+from .registry import register_family
+from .rules import STREAMS, Applied, Port, Selection, ValueSpec
+
+# Module paths as the spec names them: the hyper-connections are the mixes they compute
+MODULE_RENAMES = (
+    (r"^model\.(?:language_model\.)?layers\.(\d+)\.attn_hyper_connection", r"layers.\1.attention_mix"),
+    (r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp_hyper_connection", r"layers.\1.mlp_mix"),
+    (r"^model\.(?:language_model\.)?hyper_connection_mixer", "final_mix"),
+    *QWEN3_5_RENAMES,  # the text stack's prefix, and the vision tower's as Qwen3.5 names it
+)
+
+MIXERS = {
+    "linear_attention": QWEN3_5_MIXERS["linear_attention"],
+    # its keys and values grow, and the indexer's raw keys with them (the decode pass's part: not yet carried)
+    "indexed_attention": Mixer("self_attn", "gated attention with QSA", (
+        Memory("keys", ("num_kv_heads", "past", "head_dim")),
+        Memory("values", ("num_kv_heads", "past", "head_dim"))),
+        heads=("o_proj", "num_heads")),
+}
+
+HOSTS = {
+    "model": "",
+    "final_mix": "final_mix",
+    "layer": "layers.{i}",
+    "ple": "layers.{i}.ple",
+    "attention_mix": "layers.{i}.attention_mix",
+    "mlp_mix": "layers.{i}.mlp_mix",
+    "linear_attn": "layers.{i}.linear_attn",
+    "self_attn": "layers.{i}.self_attn",
+    "mlp": "layers.{i}.mlp",
+    **qwen_moe.HOSTS,
+}
+
+DIMS = {**{name: source for name, source in QWEN3_5_DIMS.items() if name != "intermediate_size"}, **qwen_moe.DIMS,
+        "streams": "hc_count", "index_heads": "indexer_n_heads", "index_dim": "indexer_head_dim"}
+
+RESIDUAL = "Residual [batch seq hidden_size]"
+STREAMED = "Streams [batch seq streams hidden_size]"
+
+
+def _mix_values(host: str, what: str, injects: bool) -> tuple[ValueSpec, ...]:
+    """A hyper-connection's values: the normed streams, its mix weights, what it hands ``what``, and
+    (before a mixer or the MLP) the weights its output is added back into each stream with."""
+    values = (
+        ValueSpec("normed_streams", host, STREAMED, "Each stream after the mix's RMSNorm (its hc_norm, per stream)",
+                  Port("hc_norm", "output", view=STREAMS)),
+        ValueSpec("mix_weights", host, STREAMED,
+                  "Each stream's per-channel weight in the mix, sigmoid(up(silu(down(normed_streams) / streams)))",
+                  Applied("input_mix_weight_up", "output", ("sigmoid",), view=STREAMS)),
+        ValueSpec("mixed_input", host, RESIDUAL, f"What {what} reads: the mean over the streams of mix_weights * "
+                  "normed_streams", Port("", "output")),
+    )
+    if not injects:
+        return values
+    return (*values, ValueSpec(
+        "injection_weights", host, "Injection [batch seq streams]",
+        f"The weight {what}'s output is added into each stream with, 2 sigmoid(inject(normed_streams) / streams)",
+        Applied("block_inject_weight", "output", ("div", "sigmoid", "mul"))))
+
+
+_SKIPPED = {("model", "final_norm_output"), ("layer", "attention_norm_output"), ("layer", "mlp_norm_output"),
+            ("layer", "layer_input"), ("layer", "layer_mid"), ("layer", "layer_output")}
+_MODEL = tuple(spec for spec in QWEN3_5_VALUES if spec.host == "model" and (spec.host, spec.name) not in _SKIPPED)
+_LAYER = tuple(spec for spec in QWEN3_5_VALUES if spec.host == "layer" and (spec.host, spec.name) not in _SKIPPED)
+_MIXER = tuple(spec for spec in QWEN3_5_VALUES if spec.host in ("linear_attn", "self_attn"))
+
+VALUES = (
+    *_MODEL,
+    ValueSpec("final_norm_output", "model", RESIDUAL,
+              "What lm_head reads: the final mix's collapse of the streams (there is no final norm: its per-stream "
+              "norm takes the place)", Port("final_mix", "output")),
+    *_mix_values("final_mix", "lm_head", injects=False),
+    ValueSpec("layer_input", "layer", STREAMED, "The streams entering the block (before its PLE layer, if any)",
+              Port("", "input", view=STREAMS)),
+    ValueSpec("layer_mid", "layer", STREAMED, "The streams after the mixer's injection", Port("mlp_mix", "input",
+                                                                                           view=STREAMS)),
+    ValueSpec("layer_output", "layer", STREAMED, "The streams leaving the block", Port("", "output", view=STREAMS)),
+    *_LAYER,
+    ValueSpec("ple_output", "ple", STREAMED, "What the per-layer n-gram embedding adds to each stream before the "
+              "block's mix", Port("", "output", view=STREAMS)),
+    *_mix_values("attention_mix", "the mixer", injects=True),
+    *_mix_values("mlp_mix", "the MLP", injects=True),
+    *_MIXER,
+    ValueSpec("block_scores", "self_attn", "BlockScores [batch query blocks]",
+              "The indexer's score of each block of the row's keys for each query, sum over its heads of relu(q . "
+              "pooled block key) / sqrt(index_dim); -inf where the block is not a complete block of the keys the "
+              "query sees", Selection("scores")),
+    ValueSpec("selected_tokens", "self_attn", "Selection [batch query key]",
+              "The keys each query's attention may read: its indexer_budget / indexer_compress_ratio best blocks "
+              "and the incomplete tail of the keys it sees (nothing on a padded query)", Selection("tokens")),
+    *qwen_moe.VALUES,
+)
+
+# TransformerLens names: Qwen3.5's, where the streams are the residual stream (hook_resid_pre/mid/post are
+# [batch seq streams hidden_size]); ln2.hook_normalized stays what the MLP is called with (the MLP mix's
+# mixed_input); ln1.hook_normalized has no value here (no input_layernorm: the attention mix's mixed_input
+# is the nearest, under its own name), so a file naming it is read as Qwen3.5's without a model
+ALIASES = {name: hosts for name, hosts in QWEN3_5_ALIASES.items() if name != "blocks.{i}.ln1.hook_normalized"}
+
+
+def select_tokens(self, hidden_states, q, raw_keys, full_cos, full_sin, attention_mask, **kwargs):
+    """``Qwen4ExpTextQSAIndexer._select_tokens`` while exporting: the selection its loop makes, vectorized
+    (``kernels.qsa``): the same ``[batch 1 query key]`` mask."""
+    visible = (attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0)[:, 0]
+    rotary = sys.modules[type(self).__module__].apply_rotary_pos_emb  # the model's own rotary
+    scores = qsa.block_scores(q, raw_keys, full_cos, full_sin, visible, self.k_layernorm, rotary,
+                              self.compress_ratio)
+    return torch.ops.qgraph.qsa_select(scores, visible, self.compress_ratio, self.block_topk).unsqueeze(1)
+
+
+def _ple_blocks(config) -> list[int]:
+    return [layer - 1 for layer in config.get_text_config().ple_layer_ids]
+
+
+# Qwen3.5-MoE's text family (its no_ports, rotary and M-RoPE rows, cache indices, the MoE block's export
+# patches, forward arguments, alias_instead and experts_down) with this model's own tables
+QWEN4_EXP = register_family(replace(
+    QWEN3_5_MOE.without_images(),
+    name="qwen4_exp_text",
+    model_types=("qwen4_exp_text",),
+    classes="Qwen4ExpForCausalLM and Qwen4ExpForConditionalGeneration",
+    values=VALUES,
+    hosts=HOSTS,
+    mixers=MIXERS,
+    dims=DIMS,
+    module_renames=MODULE_RENAMES,
+    readout=("final_mix", "lm_head"),
+    kernels=replace(QWEN3_5_MOE.kernels, module="transformers.models.qwen4_exp.modeling_qwen4_exp"),
+    repeated_blocks=(),
+    aliases=ALIASES,
+    export_methods={"_select_tokens": select_tokens},
+    host_blocks={"ple": _ple_blocks},
+).with_images(IMAGES))

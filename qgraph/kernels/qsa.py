@@ -1,0 +1,91 @@
+"""QSA's token selection (Qwen3.8-Flash-Next's ``indexed_attention`` blocks) as one program for every prompt.
+
+transformers' indexer (``Qwen4ExpTextQSAIndexer._select_tokens``) loops over batch rows and queries: for
+each query it takes the keys the attention mask lets it see (``nonzero``), groups them in order into
+blocks of ``ratio`` tokens, pools each complete block's raw keys (mean, ``k_layernorm``, the rotary at the
+block's first token), scores the blocks against the query's index heads (``sum_h relu(q_h . k) / sqrt(d)``),
+keeps the ``top`` best complete blocks (``topk``) and the incomplete tail. The shapes depend on the data,
+so ``torch.export`` cannot follow it, and it runs once per query.
+
+Here the same selection is two steps:
+
+* ``block_scores`` (plain torch, traced): the row's blocks are its keys that its last query sees, in
+  groups of ``ratio``, pooled once per row; every query scores every block in one matmul; a block that
+  is not among the query's complete blocks scores ``-inf``. For the masks transformers builds here
+  (causal, with padding anywhere) each query's visible keys are the first ones of its row's last
+  query, so its blocks are the row's first ``visible // ratio`` blocks: the loop's blocks, with the
+  same pooled keys (the same ops on the same rows). On a left-padded row the blocks start at the first
+  real token; a padded query sees no key, has no block and selects nothing.
+* ``qgraph::qsa_select`` (one opaque node): the blocks each query keeps and the tokens that makes,
+  ``[batch query key]``. Its kernel runs ``topk`` once per distinct number of complete blocks, on
+  exactly the slices the loop runs it on (the first ``count`` scores of each query with ``count``
+  blocks), so even tied scores (a relu sum of 0) pick the blocks the loop picks.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def block_scores(q: torch.Tensor, raw_keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 visible: torch.Tensor, norm: Callable, rotary: Callable, ratio: int) -> torch.Tensor:
+    """Every query's score of every block of its row, float32 ``[batch query blocks]`` (``-inf`` where the
+    block is not one of the query's complete blocks). ``q`` ``[batch query heads dim]`` is the normed,
+    rotated index queries; ``raw_keys`` ``[batch key dim]``; ``cos``/``sin`` ``[batch key rotary]`` every
+    key's rotary; ``visible`` ``[batch query key]`` the attention mask; ``norm`` the indexer's
+    ``k_layernorm``, ``rotary`` the model's ``apply_rotary_pos_emb``."""
+    batch, keys, dim = raw_keys.shape
+    blocks = keys // ratio
+    row = visible[:, -1]  # what the row's last query sees: every real key of a causal mask
+    order = torch.sort((~row).to(torch.uint8), dim=-1, stable=True).indices  # the row's keys first, in order
+    tokens = order[:, :blocks * ratio].reshape(batch, blocks, ratio)
+    groups = raw_keys.gather(1, tokens.reshape(batch, -1, 1).expand(-1, -1, dim)).reshape(batch, blocks, ratio, dim)
+    pooled = norm(groups.float().mean(dim=2).to(raw_keys.dtype))
+    starts = tokens[..., 0:1].expand(-1, -1, cos.shape[-1])  # each block's first token
+    block_keys = rotary(pooled.unsqueeze(2), cos=cos.gather(1, starts), sin=sin.gather(1, starts),
+                        unsqueeze_dim=2).squeeze(2)
+    # [batch query*heads dim] @ [batch dim blocks]: one matmul per row (not the keys broadcast to every query)
+    scores = torch.matmul(q.float().flatten(1, 2), block_keys.float().transpose(-1, -2)).unflatten(1, q.shape[1:3])
+    scores = torch.relu(scores).sum(dim=2) / math.sqrt(dim)  # [batch query blocks]
+    count = visible.sum(-1) // ratio
+    complete = torch.arange(blocks, device=scores.device) < count.unsqueeze(-1)
+    return scores.masked_fill(~complete, -math.inf)
+
+
+@torch.library.custom_op("qgraph::qsa_select", mutates_args=())
+def qsa_select(scores: torch.Tensor, visible: torch.Tensor, ratio: int, top: int) -> torch.Tensor:
+    """The tokens each query keeps, ``[batch query key]`` bool: its ``top`` best-scored complete blocks
+    (``scores`` ``[batch query blocks]``) and the incomplete tail of its ``visible`` keys (``[batch query key]``),
+    blocks of ``ratio`` visible keys in order."""
+    count = visible.sum(-1) // ratio  # complete blocks per query
+    blocks = scores.shape[-1]
+    flat, order = count.flatten(), count.flatten().argsort(stable=True)  # queries grouped by their count
+    ranked = scores.flatten(0, -2)[order]
+    picked = torch.full((flat.shape[0], top), blocks, dtype=torch.long, device=scores.device)  # blocks: none
+    start = 0
+    for n, size in zip(*(part.tolist() for part in torch.unique_consecutive(flat[order], return_counts=True))):
+        if n:  # the loop's topk on the loop's slices (the first n scores), batched over the queries with n blocks
+            picked[start:start + size, :min(top, n)] = ranked[start:start + size, :n].topk(min(top, n), dim=-1).indices
+        start += size
+    chosen = torch.zeros(flat.shape[0], blocks + 1, dtype=torch.bool, device=scores.device).scatter(-1, picked, True)
+    chosen = torch.zeros_like(chosen).index_copy(0, order, chosen).view(*scores.shape[:-1], blocks + 1)  # unsorted
+    block = torch.div(visible.cumsum(-1) - 1, ratio, rounding_mode="floor").clamp_min(0)  # each key's block
+    kept = chosen.gather(-1, block) | (block >= count.unsqueeze(-1))  # a chosen block, or the tail
+    return visible & kept
+
+
+@qsa_select.register_fake
+def _(scores, visible, ratio, top):
+    return torch.empty_like(visible)
+
+
+def _no_gradient(ctx, grad):
+    return None, None, None, None
+
+
+qsa_select.register_autograd(_no_gradient)  # a boolean selection: nothing flows back through it
+
+
+QSA_SELECT_OP = torch.ops.qgraph.qsa_select.default

@@ -1,0 +1,252 @@
+"""Qwen3.8-Flash-Next (``qwen4_exp``, issue 58): the tiny checkpoint, QSA's selection, the program and its values.
+
+The tiny checkpoint (``qgraph.testing.tiny_qwen4_exp``: 4 blocks, 3 streams, a PLE layer on block 2, QSA on
+blocks 1 and 3 with a budget of 2 blocks of 4) is exported once per attention implementation; every
+value is compared with forward hooks on the HF forward or with its module's arithmetic from its weights,
+and the selection with transformers' own loop (bit-equal masks), left padding included; the image-text model
+with an image; the DeltaNet's states with the float64 recurrence.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+import qgraph
+from conftest import hf_logits, random_ids
+from qgraph.families.qwen4_exp import select_tokens
+from qgraph.testing import tiny_qwen4_exp
+
+IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_exp"))
+
+
+@pytest.fixture(scope="module", params=IMPLEMENTATIONS)
+def loaded(request, checkpoint):
+    """(model, program with every value) under one attention implementation; under sdpa without the attention
+    pattern, so its attention stays the fused sdpa node the HF forward runs (asking for the pattern decomposes it)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=request.param).eval()
+    ig = qgraph.instrument(model, values=["**"])
+    if request.param == "sdpa":
+        pattern = ("attention_scores", "attention_probabilities")
+        ig = qgraph.instrument(model, values=[name for name in ig.values if not name.endswith(pattern)])
+    return model, ig
+
+
+def padded(seq: int = 37, pads: tuple = (0, 9, 30), seed: int = 5):
+    """A batch whose rows are left-padded by ``pads`` tokens (by default the last row's 7 tokens have no
+    complete block past the budget; its padded queries see nothing)."""
+    ids = random_ids(len(pads), seq, seed=seed)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 256
+    return ids, mask
+
+
+def hooked(model, ids, mask):
+    """The HF forward with hooks on every block, mix, PLE layer, indexer and MoE router: (logits, {key: what
+    the hook saw})."""
+    seen: dict = {}
+    modules = {"final_mix": model.model.hyper_connection_mixer}
+    for i, layer in enumerate(model.model.layers):
+        modules.update({f"{i}.layer": layer, f"{i}.attention_mix": layer.attn_hyper_connection,
+                        f"{i}.mlp_mix": layer.mlp_hyper_connection, f"{i}.gate": layer.mlp.gate})
+        if layer.ple is not None:
+            modules[f"{i}.ple"] = layer.ple
+        if hasattr(layer, "self_attn"):
+            modules[f"{i}.indexer"] = layer.self_attn.indexer
+    with contextlib.ExitStack() as hooks:
+        for key, module in modules.items():
+            hooks.callback(module.register_forward_hook(
+                lambda module, args, output, key=key: seen.__setitem__(key, (args[0], output))).remove)
+        return hf_logits(model, ids, mask), seen
+
+
+def test_checkpoint_has_every_new_part(checkpoint):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(checkpoint)
+    assert config.model_type == "qwen4_exp_text" and config.hc_count == 3 and config.ple_layer_ids == [3]
+    assert config.layer_types.count("indexed_attention") == 2
+    assert config.indexer_budget // config.indexer_compress_ratio == 2
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_vectorized_selection_equals_transformers_loop(checkpoint, implementation, monkeypatch):
+    """The indexer's mask with ``select_tokens`` in place of its loop, bit for bit, on random and left-padded
+    batches (the tiny indexer's two heads tie at relu 0 often: the ties pick what the loop picks)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=implementation).eval()
+    whole = (random_ids(2, 70, seed=2), torch.ones(2, 70, dtype=torch.long))
+    for ids, mask in (padded(), whole, padded(13, (0, 9, 11), seed=7)):
+        logits, loop = hooked(model, ids, mask)
+        with monkeypatch.context() as patch:
+            patch.setattr(Qwen4ExpTextQSAIndexer, "_select_tokens", select_tokens)
+            vectorized_logits, vectorized = hooked(model, ids, mask)
+        for i in (1, 3):
+            assert torch.equal(vectorized[f"{i}.indexer"][1], loop[f"{i}.indexer"][1]), (implementation, i)
+        assert torch.equal(vectorized_logits, logits)
+    chosen = loop["1.indexer"][1][0, 0]  # (the last batch's) row 0: 13 real tokens, 3 blocks: 2 kept + tail 1
+    assert int(chosen[-1].sum()) == 9 and not loop["1.indexer"][1][2, 0, :11].any()  # padded queries: nothing
+
+
+def test_logits_equal_the_hf_forward_for_every_prompt(loaded):
+    """One program, prompts of several batch sizes and lengths (a selection that keeps all, and one that drops)."""
+    model, ig = loaded
+    for ids, mask in (padded(), (random_ids(1, 5, seed=3), torch.ones(1, 5, dtype=torch.long)),
+                      (random_ids(2, 70, seed=4), torch.ones(2, 70, dtype=torch.long))):
+        logits, _ = hooked(model, ids, mask)
+        assert torch.equal(ig(ids, mask).logits, logits)
+
+
+def test_stream_and_mix_values_equal_hooks_and_weights(loaded):
+    model, ig = loaded
+    ids, mask = padded()
+    out, (logits, seen) = ig(ids, mask), hooked(model, ids, mask)
+    batch, seq = ids.shape
+    streams = lambda x: x.unflatten(-1, (3, 64))  # noqa: E731
+    for i, layer in enumerate(model.model.layers):
+        assert torch.equal(out[f"layers.{i}.layer_input"], streams(seen[f"{i}.layer"][0]))
+        assert torch.equal(out[f"layers.{i}.layer_output"], streams(seen[f"{i}.layer"][1]))
+        assert out[f"layers.{i}.layer_input"].shape == (batch, seq, 3, 64)
+        for mix, module in (("attention_mix", layer.attn_hyper_connection), ("mlp_mix", layer.mlp_hyper_connection)):
+            stream_in, (mixed, _, injection) = seen[f"{i}.{mix}"]
+            assert torch.equal(out[f"layers.{i}.{mix}.mixed_input"], mixed)
+            assert torch.equal(out[f"layers.{i}.{mix}.injection_weights"], injection)
+            normed = module.hc_norm(stream_in)
+            weights = torch.sigmoid(module.input_mix_weight_up(torch.nn.functional.silu(
+                module.input_mix_weight_down(normed) / 3)))
+            assert torch.equal(out[f"layers.{i}.{mix}.normed_streams"], streams(normed))
+            assert torch.allclose(out[f"layers.{i}.{mix}.mix_weights"], streams(weights), atol=1e-6)
+            assert torch.allclose((out[f"layers.{i}.{mix}.mix_weights"] * streams(normed)).mean(-2), mixed, atol=1e-6)
+        assert torch.equal(out[f"layers.{i}.layer_mid"], streams(seen[f"{i}.mlp_mix"][0]))
+    assert torch.equal(out["layers.2.ple.ple_output"], streams(seen["2.ple"][1]))
+    assert "layers.0.ple.ple_output" not in ig.values  # only the blocks of ple_layer_ids carry one
+    assert torch.equal(out["final_norm_output"], seen["final_mix"][1])
+    assert torch.equal(out["final_mix.mixed_input"], seen["final_mix"][1])
+    head = model.lm_head.weight
+    assert torch.allclose(out["final_norm_output"] @ head.T, logits, atol=1e-5)
+
+
+def test_selection_values_equal_the_loop_and_the_indexer_arithmetic(loaded):
+    model, ig = loaded
+    ids, mask = padded()
+    out, (_, seen) = ig(ids, mask), hooked(model, ids, mask)
+    for i in (1, 3):
+        selected = out[f"layers.{i}.self_attn.selected_tokens"]
+        assert selected.dtype == torch.bool and torch.equal(selected, seen[f"{i}.indexer"][1][:, 0])
+        # kept: per query min(visible, budget + the tail); a padded query keeps nothing
+        assert int(selected[0, -1].sum()) == 8 + 37 % 4 and not selected[2, :30].any()
+    # block scores of row 1 (9 pads), query 20 by the loop's arithmetic: its 12 keys make 3 blocks
+    indexer, hidden = model.model.layers[1].self_attn.indexer, seen["1.attention_mix"][1][0]
+    scores = out["layers.1.self_attn.block_scores"]
+    assert scores.shape == (3, 37, 9) and torch.isinf(scores[1, 20, 3:]).all()
+    q, k = indexer.index_qk_proj(hidden[1]).split([2 * 16, 16], dim=-1)
+    q = indexer.q_layernorm(q.unflatten(-1, (2, 16)))
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(37).expand(3, 1, -1))
+    rotate = lambda x, at: _rotary(x, cos[0, at], sin[0, at])  # noqa: E731
+    q = rotate(q[20], 20)
+    for block in range(3):
+        first = 9 + 4 * block
+        pooled = indexer.k_layernorm(k[first:first + 4].float().mean(0))
+        expected = torch.relu(q @ rotate(pooled, first)).sum() / math.sqrt(16)
+        assert torch.allclose(scores[1, 20, block], expected, atol=1e-5)
+
+
+def _rotary(x, cos, sin):
+    rot = cos.shape[-1]
+    head, tail = x[..., :rot], x[..., rot:]
+    return torch.cat([head * cos + torch.cat([-head[..., rot // 2:], head[..., :rot // 2]], -1) * sin, tail], -1)
+
+
+def test_moe_and_mixer_values_equal_hooks(loaded):
+    model, ig = loaded
+    ids, mask = padded()
+    out, (_, seen) = ig(ids, mask), hooked(model, ids, mask)
+    for i in range(4):
+        gate_in, (router_logits, _, indices) = seen[f"{i}.gate"]
+        assert torch.equal(out[f"layers.{i}.mlp.router_logits"].flatten(0, 1), router_logits)
+        assert torch.equal(out[f"layers.{i}.mlp.router_indices"].flatten(0, 1), indices)
+        assert torch.equal(out[f"layers.{i}.mlp_input"], seen[f"{i}.mlp_mix"][1][0])
+    deltanet = model.model.layers[0].linear_attn
+    mixed = seen["0.attention_mix"][1][0] * mask[..., None]  # the DeltaNet zeroes padded tokens first
+    assert torch.allclose(out["layers.0.linear_attn.betas"], deltanet.in_proj_b(mixed).sigmoid(), atol=1e-6)
+    decays = -deltanet.A_log.float().exp() * torch.nn.functional.softplus(deltanet.in_proj_a(mixed).float()
+                                                                           + deltanet.dt_bias)
+    assert torch.allclose(out["layers.0.linear_attn.decays"], decays, atol=1e-6)
+    gate = model.model.layers[1].self_attn.q_proj(seen["1.attention_mix"][1][0]).unflatten(-1, (4, 64))[..., 32:]
+    assert torch.allclose(out["layers.1.self_attn.attention_gate"], gate, atol=1e-6)
+
+
+def test_support_lists_the_new_values(loaded):
+    model, ig = loaded
+    table = qgraph.support(model)
+    for name in ("layers.0.layer_input", "layers.1.attention_mix.mix_weights", "layers.1.mlp_mix.injection_weights",
+                 "final_mix.mix_weights", "final_norm_output", "layers.2.ple.ple_output",
+                 "layers.3.self_attn.selected_tokens", "layers.3.self_attn.block_scores",
+                 "layers.0.linear_attn.states", "layers.0.mlp.router_weights"):
+        assert table[name].available and (name in ig.values or table[name].by_name_only), name
+    assert table["layers.1.attention_mix.mix_weights"].layout == "Streams [batch seq streams hidden_size]"
+
+
+def test_the_image_text_model_with_an_image(tmp_path):
+    """Qwen4ExpForConditionalGeneration (the tiny tower): logits, the selection (over M-RoPE positions) and the
+    vision features as the HF forward computes them."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from qgraph.testing import load_processor, video_prompt
+    path = tiny_qwen4_exp(tmp_path, images=True)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    processor = load_processor(path)
+    text = video_prompt(processor, videos=0, images=1, text="what is this?")  # a user turn with one image
+    pixels = (np.random.default_rng(2).random((48, 80, 3)) * 255).astype("uint8")
+    inputs = processor(text=text, images=[Image.fromarray(pixels)])
+    ig = qgraph.instrument(model, values=["vision.image_features", "layers.1.self_attn.selected_tokens",
+                                          "layers.0.layer_output"])
+    out = ig(**inputs)
+    seen = {}
+    indexer = model.model.language_model.layers[1].self_attn.indexer
+    handle = indexer.register_forward_hook(lambda module, args, output: seen.__setitem__("selected", output))
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+    finally:
+        handle.remove()
+    assert torch.equal(out.logits, logits)
+    assert torch.equal(out["layers.1.self_attn.selected_tokens"], seen["selected"][:, 0])
+    assert out["layers.0.layer_output"].shape == (*inputs["input_ids"].shape, 3, 64)
+    assert int(inputs["input_ids"].shape[1]) > 12  # past the budget: the selection drops keys
+    assert int(out["layers.1.self_attn.selected_tokens"][0, -1].sum()) < inputs["input_ids"].shape[1]
+
+
+def test_deltanet_states_equal_the_float64_recurrence(checkpoint):
+    """The DeltaNet values of the PLE block: its states after every token and its head outputs are the gated delta
+    rule run in float64 over the program's own queries, keys, values, decays and betas."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    names = ("attention_queries", "attention_keys", "attention_values", "decays", "betas", "states",
+             "attention_head_outputs", "state_output")
+    ig = qgraph.instrument(model, values=[f"layers.2.linear_attn.{name}" for name in names])
+    ids, mask = padded()
+    out = ig(ids, mask)
+    q, k, v, g, beta, states, heads, final = (out[f"layers.2.linear_attn.{name}"].double() for name in names)
+    q, k = ((x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(2, dim=2) for x in (q, k))
+    q = q / math.sqrt(q.shape[-1])
+    state = torch.zeros(*states.shape[:1], *states.shape[2:], dtype=torch.float64)
+    for t in range(ids.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        write = (v[:, t] - (state * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
+        state = state + k[:, t, ..., None] * write[..., None, :]
+        assert torch.allclose(states[:, t], state, atol=1e-4)
+        assert torch.allclose(heads[:, t], (state * q[:, t, ..., None]).sum(-2), atol=1e-4)
+    assert torch.allclose(final, state, atol=1e-4)
