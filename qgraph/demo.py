@@ -16,13 +16,12 @@ import torch
 from .compat import attn_implementation
 from .edits import Zero
 from .errors import InternalError
-from .families import family_for
+from .families import Mixer, family_for
 from .instrument import InstrumentedModel, instrument
 from .reprs import blocks_text
 from .values.support import add_text_row, plain_table, plain_text
 
 HEAD = 0  # the head the demo's edit zeroes
-MIXERS = {"linear_attention": "gated DeltaNet", "full_attention": "gated attention"}
 NEXT = [("qgraph demo --table", "every standard value: layout, shape, blocks that have it"),
         ("qgraph demo --tree", "the module tree, each module annotated with its values"),
         ("qgraph support --model PATH", "the value table of your own checkpoint"),
@@ -30,30 +29,40 @@ NEXT = [("qgraph demo --table", "every standard value: layout, shape, blocks tha
         ("docs/getting-started.md", "then values.md, edits.md, cli.md: the repository's docs")]
 
 
-def default_values(kinds: list[str]) -> list[str]:
+def block_mixers(model) -> list[Mixer]:
+    """The token mixer of each text block, as the model's family says (``Family.mixers``)."""
+    family = family_for(model)
+    return [family.mixers[kind] for kind in family.kinds(model.config)]
+
+
+def default_values(mixers: list[Mixer]) -> list[str]:
     """What the demo captures unless ``--values`` says: the residual stream at up to four blocks (the
-    first, the last, evenly between), the first DeltaNet block's decays, the last attention block's
-    pattern and ``next_token_probs``: a table of at most eight rows, whatever the model's size."""
-    blocks = sorted({round(i * (len(kinds) - 1) / 3) for i in range(4)})
+    first, the last, evenly between), the first recurrent (DeltaNet) block's decays, the last attention
+    block's pattern and ``next_token_probs``: a table of at most eight rows, whatever the model's size."""
+    blocks = sorted({round(i * (len(mixers) - 1) / 3) for i in range(4)})
     values = [f"layers.{block}.layer_output" for block in blocks]
-    if "linear_attention" in kinds:
-        values.append(f"layers.{kinds.index('linear_attention')}.linear_attn.decays")
-    if "full_attention" in kinds:
-        values.append(f"layers.{last_attention(kinds)}.self_attn.attention_probabilities")
+    recurrent = next((block for block, mixer in enumerate(mixers) if mixer.recurrent), None)
+    if recurrent is not None:
+        values.append(f"layers.{recurrent}.{mixers[recurrent].module}.decays")
+    attention = last_attention(mixers)
+    if attention is not None:
+        values.append(f"layers.{attention}.{mixers[attention].module}.attention_probabilities")
     return values + ["next_token_probs"]
 
 
-def last_attention(kinds: list[str]) -> int | None:
-    """The index of the last full-attention block (None if the model has none)."""
-    found = [block for block, kind in enumerate(kinds) if kind == "full_attention"]
+def last_attention(mixers: list[Mixer]) -> int | None:
+    """The index of the last attention block (a mixer that keeps a key/value cache; None if none)."""
+    found = [block for block, mixer in enumerate(mixers) if not mixer.recurrent]
     return found[-1] if found else None
 
 
-def edited_value(kinds: list[str], catalogue) -> str | None:
+def edited_value(mixers: list[Mixer], catalogue) -> str | None:
     """The value the demo's edit zeroes a head of: the last attention block's per-head outputs."""
-    block = last_attention(kinds)
-    name = f"layers.{block}.self_attn.attention_head_outputs"
-    return name if block is not None and name in catalogue else None
+    block = last_attention(mixers)
+    if block is None:
+        return None
+    name = f"layers.{block}.{mixers[block].module}.attention_head_outputs"
+    return name if name in catalogue else None
 
 
 class Demo:
@@ -64,10 +73,11 @@ class Demo:
     def __init__(self, model, tokenizer, path, values=None, embedded: bool = False):
         self.model, self.tokenizer, self.path, self.embedded = model, tokenizer, path, embedded
         self.kinds = family_for(model).kinds(model.config)
+        self.mixers = block_mixers(model)
         start = time.perf_counter()
-        self.ig: InstrumentedModel = instrument(model, values=values or default_values(self.kinds))
+        self.ig: InstrumentedModel = instrument(model, values=values or default_values(self.mixers))
         self.seconds = time.perf_counter() - start
-        self.edited = edited_value(self.kinds, self.ig.catalogue)
+        self.edited = edited_value(self.mixers, self.ig.catalogue)
 
     def lines(self, prompt: str) -> list[str]:
         """The demo's screen for ``prompt``."""
@@ -82,7 +92,7 @@ class Demo:
                                                 for i, p in zip(top.indices.tolist(), top.values.tolist())))
         if self.edited is not None:
             lines += ["", *self.edit_effect(self.edited, inputs, last_logits(out))]
-        block = last_attention(self.kinds)
+        block = last_attention(self.mixers)
         block = 0 if block is None else block
         lines += ["", "next:", *(f"  {command.format(block=block):<42}{what.format(block=block)}"
                                  for command, what in NEXT)]
@@ -92,8 +102,8 @@ class Demo:
         """What was loaded: the checkpoint, its blocks and kinds, its attention, the instrument."""
         config = self.model.config.get_text_config()
         where = {kind: [block for block, k in enumerate(self.kinds) if k == kind] for kind in dict.fromkeys(self.kinds)}
-        blocks = ", ".join(f"{blocks_text(indices)} {kind}" + (f" ({MIXERS[kind]})" if kind in MIXERS else "")
-                           for kind, indices in where.items())
+        titles = {kind: mixer.title for kind, mixer in zip(self.kinds, self.mixers)}
+        blocks = ", ".join(f"{blocks_text(indices)} {kind} ({titles[kind]})" for kind, indices in where.items())
         attention = attn_implementation(self.model.config)
         lines = [f"checkpoint: {'the embedded tiny Qwen3.5 at ' if self.embedded else ''}{self.path}",
                  f"  {type(self.model).__name__}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}, "

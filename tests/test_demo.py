@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import qgraph
 from qgraph import cli
-from qgraph.demo import default_values
+from qgraph.demo import block_mixers, default_values
 from qgraph.values.support import plain_text
 
 PROMPT = "The Eiffel Tower is in the city of"  # the demo's default prompt
@@ -65,7 +65,7 @@ def test_fits_one_screen_and_says_the_weights_are_random(screens):
 
 def test_statistics_are_those_of_the_values_instrument_captures(screens, reference):
     model, inputs = reference
-    values = default_values(["linear_attention"] * 3 + ["full_attention"])
+    values = default_values(block_mixers(model))
     with torch.no_grad():
         out = qgraph.instrument(model, values=values)(**inputs)
     rows = {found.group(1): found.groups()[1:] for line in screens["short"].splitlines() if (found := ROW.match(line))}
@@ -125,6 +125,6 @@ def test_table_and_tree_print_the_long_forms(screens, reference):
     table = long.split("== support table ==\n", 1)[1].split("\n== annotated module tree", 1)[0]
     assert plain_text(qgraph.support(model).to_rich()) in table
     tree = long.split("== annotated module tree (* = captured) ==\n", 1)[1]
-    ig = qgraph.instrument(model, values=default_values(["linear_attention"] * 3 + ["full_attention"]))
+    ig = qgraph.instrument(model, values=default_values(block_mixers(model)))
     assert tree.rstrip("\n") == ig.tree()
     assert len(long.splitlines()) > 200  # the long forms are long
