@@ -9,7 +9,9 @@ Every number printed is computed here from the calls shown; tests/test_demo.py r
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -65,6 +67,15 @@ def edited_value(mixers: list[Mixer], catalogue) -> str | None:
     return name if name in catalogue else None
 
 
+def short_path(path, width: int = 60) -> str:
+    """``path`` for a line of the screen: the home folder as ``~``, and only its end past ``width`` characters."""
+    text = str(path)
+    home = str(Path.home())
+    if text.startswith(home + os.sep):
+        text = "~" + text[len(home):]
+    return text if len(text) <= width else "…" + text[-(width - 1):]
+
+
 class Demo:
     """The demo of one loaded model: ``instrument`` it (``values`` None: ``default_values``), then
     ``lines(prompt)`` runs the prompt, plain and with the edit, and says what came out. ``embedded``: the
@@ -105,7 +116,7 @@ class Demo:
         titles = {kind: mixer.title for kind, mixer in zip(self.kinds, self.mixers)}
         blocks = ", ".join(f"{blocks_text(indices)} {kind} ({titles[kind]})" for kind, indices in where.items())
         attention = attn_implementation(self.model.config)
-        lines = [f"checkpoint: {'the embedded tiny Qwen3.5 at ' if self.embedded else ''}{self.path}",
+        lines = [f"checkpoint: {'the embedded tiny Qwen3.5 at ' if self.embedded else ''}{short_path(self.path)}",
                  f"  {type(self.model).__name__}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}, "
                  f"attention {attention}",
                  f"  {len(self.kinds)} blocks: {blocks}"]

@@ -152,7 +152,7 @@ class _Checked:
 
 
 def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON has")
+    raise InvalidArgument(f"{name} is not a number JSON has")  # a ValueError: _parse names the file
 
 
 def _parse(path: Path, max_bytes: int):

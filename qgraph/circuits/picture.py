@@ -18,8 +18,12 @@ def _hex(rgb: tuple[int, int, int]) -> str:
     return "#" + "".join(f"{c:02x}" for c in rgb)
 
 
+MAX_PIXELS = 8000  # the PNG's longer side at most: a long prompt's layout is wide, and 160 dpi of it is tens of MB
+
+
 def png(graph, place: Layout, title: str, subtitle: str, dpi: int = 160) -> bytes:
-    """The picture of ``graph`` laid out as ``place``, ``dpi`` dots per 96 layout pixels' inch."""
+    """The picture of ``graph`` laid out as ``place``, ``dpi`` dots per 96 layout pixels' inch (less where the
+    longer side would pass ``MAX_PIXELS``)."""
     # lazy: matplotlib (a second or so) only when a PNG is asked for
     from matplotlib.figure import Figure as Canvas
     from matplotlib.lines import Line2D
@@ -74,5 +78,6 @@ def png(graph, place: Layout, title: str, subtitle: str, dpi: int = 160) -> byte
               ncol=len(names), frameon=False, fontsize=11 * PIXEL, handlelength=1.6, columnspacing=1.2,
               handletextpad=0.4, borderaxespad=0)
     buffer = io.BytesIO()
-    canvas.savefig(buffer, format="png", dpi=dpi, facecolor="white")
+    canvas.savefig(buffer, format="png", dpi=min(dpi, MAX_PIXELS * 96 / max(place.width, place.height)),
+                   facecolor="white")
     return buffer.getvalue()
