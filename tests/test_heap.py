@@ -17,11 +17,18 @@ from qgraph.kernels import heap
 pytestmark = pytest.mark.skipif(heap.size() == 0, reason="the heap is glibc's on Linux only")
 
 MIB = 1 << 20
+# the scenario's exit status where its control fails: something torch or Python allocated while the values were
+# made (a table grown, at a point that varies from run to run) stayed above them and pins the heap's top, so
+# glibc trims nothing with or without qgraph
+PINNED = 3
 
 
 def _values(mib: int = 300) -> list[torch.Tensor]:
     """``mib`` MiB in 1 MiB tensors, written: what a call's values take from the heap."""
-    return [torch.ones(MIB // 4) for _ in range(mib)]
+    values: list = [None] * mib  # the list's array first: grown as it filled, it would land among the values
+    for i in range(mib):
+        values[i] = torch.ones(MIB // 4)
+    return values
 
 
 def _resident() -> int:
@@ -40,11 +47,16 @@ def _faulted_mib(call) -> float:
 def _kept_until_released() -> None:
     """The scenario, in a fresh process (``__main__`` below): there the values land at the heap's top,
     where glibc trims. In a long-lived process they may land in free chunks below it, never trimmed."""
-    heap.release()  # glibc's trim threshold: 64 MiB, nothing kept
+    # the process's first tensors: what torch sets up at its first ops lands among them and stays, which would
+    # keep the heap's top from being trimmed; then glibc's trim threshold: 64 MiB, nothing kept
+    first = _values()
+    del first
+    heap.release()
     values = _values()
     resident = _resident()
     del values
-    assert _resident() < resident - 200 * MIB  # the control: glibc gives the dropped values' heap back
+    if _resident() > resident - 200 * MIB:  # the control: glibc gives the dropped values' heap back
+        sys.exit(PINNED)
 
     values = _values()
     heap.keep()  # what a call does after it ran
@@ -61,9 +73,12 @@ def _kept_until_released() -> None:
 
 def test_the_heap_values_grew_stays_for_the_next_values_until_released():
     root = str(Path(__file__).resolve().parents[1])
-    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])})
-    assert done.returncode == 0, done.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    for _ in range(8):  # a process whose heap's top is pinned shows nothing either way: another one
+        done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120, env=env)
+        if done.returncode != PINNED:
+            break
+    assert done.returncode == 0, done.stderr[-3000:] or "in 8 processes the heap's top was pinned"
 
 
 def test_a_call_keeps_its_heap_and_release_buffers_gives_it_back(sdpa_model):
