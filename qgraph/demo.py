@@ -116,8 +116,8 @@ class Demo:
         titles = {kind: mixer.title for kind, mixer in zip(self.kinds, self.mixers)}
         blocks = ", ".join(f"{blocks_text(indices)} {kind} ({titles[kind]})" for kind, indices in where.items())
         attention = attn_implementation(self.model.config)
-        where = f"checkpoint: {'the embedded tiny Qwen3.5 at ' if self.embedded else ''}"
-        lines = [where + short_path(self.path, 100 - len(where)),
+        opening = f"checkpoint: {'the embedded tiny Qwen3.5 at ' if self.embedded else ''}"
+        lines = [opening + short_path(self.path, 100 - len(opening)),
                  f"  {type(self.model).__name__}, hidden size {config.hidden_size}, vocabulary {config.vocab_size}, "
                  f"attention {attention}",
                  f"  {len(self.kinds)} blocks: {blocks}"]

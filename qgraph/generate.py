@@ -329,6 +329,9 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     (``SETTINGS``); unknown keyword arguments raise a TypeError, unsupported ones (``num_beams > 1``,
     ``num_return_sequences > 1``, ...) a NotImplementedError, values HF refuses an InvalidArgument naming
     them, all before any work (``check_settings``)."""
+    if ig.family.not_generating:
+        raise NotSupported(f"generate does not run {ig.family.name} models yet: {ig.family.not_generating}. "
+                           "A call (ig(ids)) runs the whole prompt, with its values")
     if any(generation_kwargs.get(key) is not None for key in image_keys(ig.family)):
         raise NotSupported("generate with images is not supported yet: generate takes text only "
                            "(input_ids, attention_mask); a text-only prompt works on the image-text model")

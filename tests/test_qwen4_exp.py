@@ -250,3 +250,9 @@ def test_deltanet_states_equal_the_float64_recurrence(checkpoint):
         assert torch.allclose(states[:, t], state, atol=1e-4)
         assert torch.allclose(heads[:, t], (state * q[:, t, ..., None]).sum(-2), atol=1e-4)
     assert torch.allclose(final, state, atol=1e-4)
+
+
+def test_generate_refuses_by_name_before_any_work(loaded):
+    _, ig = loaded
+    with pytest.raises(qgraph.errors.NotSupported, match="indexer keeps a cache"):
+        ig.generate(torch.zeros(1, 5, dtype=torch.long), max_new_tokens=2)

@@ -161,6 +161,9 @@ class Family:
     # host kind -> the text blocks that carry it, where only some do (qwen4_exp's PLE on ple_layer_ids):
     # (config) -> block indices; a host kind not here is on every block (a mixer's on the blocks with it)
     host_blocks: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # why generate cannot run this family yet (what a decoding step would have to carry that qgraph does not),
+    # said by ``generate`` before any work; None: it generates
+    not_generating: str | None = None
 
     def __post_init__(self):
         part = self.images

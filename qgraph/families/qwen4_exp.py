@@ -174,4 +174,6 @@ QWEN4_EXP = register_family(replace(
     aliases=ALIASES,
     export_methods={"_select_tokens": select_tokens},
     host_blocks={"ple": _ple_blocks},
+    not_generating="the sparse attention's indexer keeps a cache of its own keys between decoding steps, "
+                   "which qgraph does not carry yet",
 ).with_images(IMAGES))
