@@ -406,3 +406,14 @@ def test_a_fixed_edit_past_the_call_is_an_edit_error(sdpa_model, tmp_path):
     ids = random_ids(2, 7, seed=5)
     assert torch.equal(ig(ids).logits, program(ids).logits)
     assert not torch.equal(ig(ids).logits, qgraph.instrument(sdpa_model, values=["layers.2.layer_output"])(ids).logits)
+
+
+def test_a_glob_resolves_in_the_order_an_instrumented_model_resolves_it(sdpa_model, tmp_path):
+    # values asked out of the program's order: the file's catalogue follows the program's order, not the asked one
+    asked = ["layers.1.linear_attn.decays", "layers.0.linear_attn.betas", "layers.1.linear_attn.betas",
+             "layers.0.linear_attn.decays"]
+    ig = qgraph.instrument(sdpa_model, values=asked)
+    loaded = qgraph.load(ig.save(tmp_path / "ordered.qgraph"), weights=sdpa_model)
+    for pattern in ("layers.*.linear_attn.*", ["layers.1.linear_attn.*", "layers.0.linear_attn.*"]):
+        local = [name for name in ig.resolve(pattern) if name in asked]
+        assert local != asked and loaded.resolve(pattern) == local

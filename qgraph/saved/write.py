@@ -120,7 +120,9 @@ def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
         "logits": program.returns_logits, "outputs": program.tapped, "values": ig.values,
         "layouts": {name: program.catalogue[name].layout for name in program.tapped if name in program.catalogue},
         # what the loaded program resolves names and draws pictures from (values.catalogue.ServedEntry)
-        "catalogue": {name: entry_data(program.catalogue[name]) for name in dict.fromkeys([*ig.values, *slots])},
+        # in the program's catalogue order, so a glob resolves in the order an instrumented model's does
+        "catalogue": {name: entry_data(entry) for name, entry in program.catalogue.items()
+                      if name in {*ig.values, *slots}},
         "slots": slots, "inputs": recipes,
         "derived": {name: {"how": how, "sources": sources} for name, (how, sources) in program.derivations.items()},
         "parameters": {target: [list(tensor.shape), str(tensor.dtype)] for target, tensor in sorted(reads.items())},
