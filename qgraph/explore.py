@@ -89,6 +89,10 @@ _SCRIPT = """(function () {
     if (value.plot) {
       var plot = document.createElement("div");
       plot.className = "qg-plot"; plot.innerHTML = value.plot; detail.appendChild(plot);
+      // a script set through innerHTML does not run: each plot's hover script (qgraph/plots/hover.py) made anew
+      plot.querySelectorAll("script:not([type])").forEach(function (old) {
+        var script = document.createElement("script"); script.textContent = old.textContent; old.replaceWith(script);
+      });
     } else if (value.shape && value.noplot) {
       var note = document.createElement("div");
       note.className = "qg-note"; note.textContent = value.noplot; detail.appendChild(note);
@@ -331,7 +335,7 @@ def _add_captured(data: dict, out, plots: int) -> None:
             facts["noplot"] = f"not plotted here (explore plots the first {plots} values; pass plots=N for more)"
             continue
         try:
-            facts["plot"] = inline_svg(out.plot(name).svg, "[id=detail] .qg-plot")
+            facts["plot"] = out.plot(name)._repr_html_()  # the figure that answers a hover
             budget -= 1
         except QgraphError as why:
             facts["noplot"] = f"no plot: {why}"

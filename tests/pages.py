@@ -45,3 +45,11 @@ def hover_grids(page: str) -> list[dict]:
     for grid in grids:
         grid["cells"] = grid["values"].split(" ")
     return grids
+
+
+def hover(driver, element, fx: float, fy: float) -> None:
+    """The pointer at ``(fx, fy)`` of ``element``'s box (fractions from its top left corner)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    box = element.rect
+    ActionChains(driver).move_to_element_with_offset(element, int((fx - 0.5) * box["width"]),
+                                                     int((fy - 0.5) * box["height"])).perform()

@@ -11,6 +11,8 @@ import shutil
 import subprocess
 
 import pytest
+
+from tests.pages import hover_grids
 import torch
 
 import qgraph
@@ -76,7 +78,10 @@ def test_a_click_shows_layout_availability_and_the_stats_and_plot_of_what_out_ho
     assert facts["shape"] == "[1 9 4]" and facts["dtype"] == "float32"
     assert facts["stats"] == {k: f"{v:.6g}" for k, v in [("mean", decays.mean().item()), ("std", decays.std().item()),
                                                          ("min", decays.min().item()), ("max", decays.max().item())]}
-    assert facts["plot"].startswith("<svg") and "head 3" in facts["plot"]
+    assert "<svg" in facts["plot"] and "head 3" in facts["plot"]
+    (grid,) = hover_grids(facts["plot"])  # the plot answers a hover: each cell the value qgraph computed
+    cells = [float(cell) for cell in grid["cells"]]
+    assert cells == [float(format(float(v), ".3g")) for v in decays[0].T.flatten()]  # heads (down) x tokens
     assert data["layers.3.layer_output"]["stats"]["max"] == f"{out['layers.3.layer_output'].max().item():.6g}"
     states = data["layers.0.linear_attn.states"]  # not captured: what it is and how to get it, no numbers
     assert "made on request" in states["availability"] and "shape" not in states

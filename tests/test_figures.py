@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qgraph
-from tests.pages import browser, console_errors, hover_grids as grids  # noqa: F401 - browser is a fixture
+from tests.pages import browser, console_errors, hover, hover_grids as grids  # noqa: F401 - browser is a fixture
 from tests.test_plots import ATTN, DELTA, PROMPTS, ig_plots, run  # noqa: F401 - ig_plots and run are fixtures
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -145,14 +145,6 @@ def test_a_patching_sweep_plots_each_values_metric_at_each_location(ig_plots, ru
 
 
 # -- in Chromium ----------------------------------------------------------------------------------------------
-
-
-def hover(driver, element, fx: float, fy: float) -> None:
-    """The pointer at ``(fx, fy)`` of ``element``'s box (fractions from its top left corner)."""
-    from selenium.webdriver.common.action_chains import ActionChains
-    box = element.rect
-    ActionChains(driver).move_to_element_with_offset(element, int((fx - 0.5) * box["width"]),
-                                                     int((fy - 0.5) * box["height"])).perform()
 
 
 @pytest.mark.slow  # starts a Chromium process

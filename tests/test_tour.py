@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pages import browser, console_errors  # noqa: F401 - browser is a fixture
+from tests.pages import browser, console_errors, hover  # noqa: F401 - browser is a fixture
 
 pytestmark = pytest.mark.slow  # the notebook run on a Jupyter kernel and opened in Chromium (python -m pytest -m slow)
 
@@ -104,6 +104,10 @@ def test_a_click_on_an_explorer_value_fills_the_detail(tour, browser, tmp_path):
     detail = browser.find_element(By.ID, "detail")
     assert detail.text != before and "layers.0.linear_attn.decays" in detail.text
     assert detail.find_elements(By.CSS_SELECTOR, "svg"), "the captured value's plot is not in #detail"
+    image = detail.find_element(By.CSS_SELECTOR, "svg image")  # the plot answers a hover there too
+    hover(browser, image, 0.5 / 9, 0.5 / 4)  # head 0 (top), the first token
+    tip = detail.find_element(By.CSS_SELECTOR, ".qg-tip")
+    assert tip.is_displayed() and "head 0" in tip.text and "decays" in tip.text
     assert console_errors(browser) == []
     target = (_screenshots() or tmp_path) / "tour-explore.png"
     browser.save_screenshot(str(target))
