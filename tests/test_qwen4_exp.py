@@ -27,12 +27,26 @@ def checkpoint(tmp_path_factory):
     return tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_exp"))
 
 
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    """The checkpoint's model under an attention implementation, each loaded once: the instruments of one model
+    object share its export (a fresh export of this model is most of a test's time)."""
+    from transformers import AutoModelForCausalLM
+    made: dict = {}
+
+    def model(implementation: str):
+        if implementation not in made:
+            made[implementation] = AutoModelForCausalLM.from_pretrained(
+                checkpoint, attn_implementation=implementation).eval()
+        return made[implementation]
+    return model
+
+
 @pytest.fixture(scope="module", params=IMPLEMENTATIONS)
-def loaded(request, checkpoint):
+def loaded(request, models):
     """(model, program with every value) under one attention implementation; under sdpa without the attention
     pattern, so its attention stays the fused sdpa node the HF forward runs (asking for the pattern decomposes it)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=request.param).eval()
+    model = models(request.param)
     ig = qgraph.instrument(model, values=["**"])
     if request.param == "sdpa":
         pattern = ("attention_scores", "attention_probabilities")
@@ -229,11 +243,10 @@ def test_the_image_text_model_with_an_image(tmp_path):
     assert int(out["layers.1.self_attn.selected_tokens"][0, -1].sum()) < inputs["input_ids"].shape[1]
 
 
-def test_deltanet_states_equal_the_float64_recurrence(checkpoint):
+def test_deltanet_states_equal_the_float64_recurrence(models):
     """The DeltaNet values of the PLE block: its states after every token and its head outputs are the gated delta
     rule run in float64 over the program's own queries, keys, values, decays and betas."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    model = models("eager")
     names = ("attention_queries", "attention_keys", "attention_values", "decays", "betas", "states",
              "attention_head_outputs", "state_output")
     ig = qgraph.instrument(model, values=[f"layers.2.linear_attn.{name}" for name in names])
