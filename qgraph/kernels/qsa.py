@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import NotSupported
+
 
 def block_scores(q: torch.Tensor, raw_keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  visible: torch.Tensor, norm: Callable, rotary: Callable, ratio: int) -> torch.Tensor:
@@ -59,6 +61,11 @@ def qsa_select(scores: torch.Tensor, visible: torch.Tensor, ratio: int, top: int
     """The tokens each query keeps, ``[batch query key]`` bool: its ``top`` best-scored complete blocks
     (``scores`` ``[batch query blocks]``) and the incomplete tail of its ``visible`` keys (``[batch query key]``),
     blocks of ``ratio`` visible keys in order."""
+    row = visible[:, -1:]  # the keys block_scores made the row's blocks of
+    if not torch.equal(visible, row & (row.cumsum(-1) <= visible.sum(-1, keepdim=True))):
+        raise NotSupported("sparse attention's selection here takes each query's visible keys to be the first "
+                           "ones its row's last query sees (a causal mask, with padding); this attention mask "
+                           "is another kind: pass a causal attention_mask of 0s and 1s per token")
     count = visible.sum(-1) // ratio  # complete blocks per query
     blocks = scores.shape[-1]
     flat, order = count.flatten(), count.flatten().argsort(stable=True)  # queries grouped by their count
