@@ -279,3 +279,30 @@ def test_a_mask_whose_queries_see_other_keys_than_a_causal_one_is_refused():
     window = causal & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)  # a sliding window: not a prefix of the row
     with pytest.raises(qgraph.errors.NotSupported, match="causal attention_mask"):
         qsa_select(scores, window, 2, 1)
+
+
+def test_blocks_of_one_kind_repeat_one_traced_block(tmp_path, monkeypatch):
+    """Two PLE blocks of one kind (0 and 2) and two QSA blocks (1 and 3): the export traces block 0, 1 and 2 (the
+    second PLE's n-gram table differs in size, so it is a variant) and repeats block 1 for block 3. Block 2 reads
+    a size block 0's PLE computed (export shares ``seq + 2``): it moves before the blocks, so the repeat holds,
+    and the program's values equal the HF forward's."""
+    from transformers import AutoModelForCausalLM
+
+    from qgraph.export import trace
+    repeated = []
+    real = trace.repeat_blocks
+    monkeypatch.setattr(trace, "repeat_blocks", lambda *args: repeated.append(real(*args)) or repeated[-1])
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen4_exp(tmp_path, ple_layer_ids=[1, 3])).eval()
+    ig = qgraph.instrument(model, values=["layers.*.layer_output", "layers.0.ple.ple_output",
+                                          "layers.2.ple.ple_output"])
+    assert len(repeated) == 1 and repeated[0] is not None
+    assert [entry.split(":")[0] for entry in ig.exported.apart] == ["model.layers.2.ple.ple_embedding.ngram_embedding"]
+    ids, mask = padded()
+    logits, seen = hooked(model, ids, mask)
+    with torch.no_grad():
+        out = ig(ids, attention_mask=mask)
+    torch.testing.assert_close(out.logits, logits, rtol=0, atol=1e-6)
+    for i in range(4):
+        assert torch.equal(out[f"layers.{i}.layer_output"].flatten(-2), seen[f"{i}.layer"][1])
+    for i in (0, 2):
+        assert torch.equal(out[f"layers.{i}.ple.ple_output"].flatten(-2), seen[f"{i}.ple"][1])

@@ -140,7 +140,12 @@ class _Repeater:
         runs = {position: [] for position in range(count)}
         phase = 0  # 0: prefix, 1: in the blocks, 2: suffix
         self.prefix, self.suffix, last = [], [], -1
+        shared = _shared_sizes(nodes, positions)
+        placed: set[Node] = set()  # the nodes of the blocks' runs
         for node, position in zip(nodes, positions):
+            if node in shared and placed.isdisjoint(node.all_input_nodes):
+                self.prefix.append(node)  # a size of the inputs that later blocks read: computed before them
+                continue
             if position is None:
                 if phase == 1:
                     if last != count - 1:
@@ -152,6 +157,7 @@ class _Repeater:
                 raise _Unrepeatable(f"{node} of block {position} out of order")
             phase, last = 1, position
             runs[position].append(node)
+            placed.add(node)
         if last != count - 1:
             raise _Unrepeatable("a seed block has no nodes")
         self.runs = runs
@@ -291,6 +297,33 @@ class _Repeater:
         return compat.exported_program(
             compat.lazy_graph_module(seed.graph_module, graph), graph, ExportGraphSignature(specs, output_specs),
             state_dict, seed.range_constraints, module_call_graph, constants, seed.verifier)
+
+
+def _shared_sizes(nodes: list[Node], positions: list[int | None]) -> set[Node]:
+    """The sizes (symbolic ints, floats, bools: no tensor) a block computes and another block reads, with
+    the sizes they are computed from in their block. Export computes an expression of the inputs' sizes
+    once and lets every later block read it (a PLE's ``seq + 2``); such a size moves before the blocks,
+    if it reads nothing else of a block (``_split`` checks)."""
+    position = dict(zip(nodes, positions))
+    shared: set[Node] = set()
+
+    def share(node: Node) -> None:
+        if node in shared or position.get(node) is None or not _sizes_only(node):
+            return
+        shared.add(node)
+        for arg in node.all_input_nodes:
+            share(arg)
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if position.get(arg) is not None and position[arg] != position[node]:
+                share(arg)
+    return shared
+
+
+def _sizes_only(node: Node) -> bool:
+    """Whether ``node`` computes a size (a symbolic int, float or bool), no tensor."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat,
+                                                                              torch.SymBool))
 
 
 def _copy_placeholder(graph: torch.fx.Graph, node: Node, name: str) -> Node:

@@ -60,11 +60,17 @@ def signature(block: torch.nn.Module, by_class: dict[str, list[str]]) -> Signatu
         for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             values[(path, name)] = f"{tuple(tensor.shape)} {tensor.dtype}"
         for attribute in by_class.get(class_name(type(module)), ()):
-            values[(path, attribute)] = repr(getattr(module, attribute, "<unset>"))
+            values[(path, attribute)] = _text(getattr(module, attribute, "<unset>"))
         config = module.__dict__.get("config")
         for attribute in by_class.get(class_name(type(config)), ()) if config is not None else ():
-            values[(f"{path}.config" if path else "config", attribute)] = repr(getattr(config, attribute, "<unset>"))
+            values[(f"{path}.config" if path else "config", attribute)] = _text(getattr(config, attribute, "<unset>"))
     return values
+
+
+def _text(value) -> str:
+    """A read value as the signature holds it: a submodule by its class (its own parts are compared at its
+    own path), anything else by its repr."""
+    return class_name(type(value)) if isinstance(value, torch.nn.Module) else repr(value)
 
 
 def _why(path: str, values: Signature, first: int, first_values: Signature) -> str:

@@ -23,7 +23,8 @@ attention with a sparse token selection on ``indexed_attention`` blocks, the spa
   shapes; while exporting, ``_select_tokens`` runs ``select_tokens`` (``kernels.qsa``: the same
   selection vectorized, then the one ``qgraph::qsa_select`` node), so one program serves every prompt.
 
-Blocks of one kind differ where a PLE layer sits, so the export traces every block (no repeated blocks).
+The export traces the first block of each kind and repeats it, as for Qwen3.5; a PLE block differs from its
+kind's first block (a module more), so it is traced as a variant of its own (``qgraph.export.variants``).
 """
 from __future__ import annotations
 
@@ -170,7 +171,6 @@ QWEN4_EXP = register_family(replace(
     module_renames=MODULE_RENAMES,
     readout=("final_mix", "lm_head"),
     kernels=replace(QWEN3_5_MOE.kernels, module="transformers.models.qwen4_exp.modeling_qwen4_exp"),
-    repeated_blocks=(),
     aliases=ALIASES,
     export_methods={"_select_tokens": select_tokens},
     host_blocks={"ple": _ple_blocks},
