@@ -76,6 +76,7 @@ HOSTS = {
     **qwen_moe.HOSTS,
 }
 
+
 def _orders(config) -> int:
     """The PLE's n-gram orders: 2 to ``ngram_size``."""
     return config.get_text_config().ngram_size - 1

@@ -91,8 +91,8 @@ _QGRAPH = {
         chunk_gated_delta_rule_writes.default delta_rule_attention.default
         moe_expert_neurons.default moe_experts_down.default edit_slot.default""",
     "qgraph's sparse-attention selection (kernels/qsa.py): a new bool mask from its scores and mask, its arguments "
-    "checked by its fake at load (dtypes, sizes that agree, an int ratio and budget) and its allocations its "
-    "tensors' sizes, whatever the budget": """
+    "checked by its fake at load (dtypes, sizes that agree, an int ratio and budget), allocating by its tensors' "
+    "sizes alone, whatever the budget": """
         qsa_select.default""",
 }
 OPS: dict[str, str] = {f"aten.{name}": reason for reason, names in _GROUPS.items() for name in names.split()}
