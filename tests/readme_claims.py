@@ -236,6 +236,15 @@ def viewing_a_graph(ns):
     assert all(Path(name).stat().st_size > 1000 for name in ("graph.html", "graph.png", "graph.svg", "graph-paper.svg"))
 
 
+def qwen4_saved(ns):
+    # "the values and logits of ig(ids)": the loaded qwen4_exp program's, selections and n-gram embeddings included
+    out, loaded = ns["out"], ns["loaded"]
+    assert {"layers.3.self_attn.selected_tokens", "layers.2.ple.ngram_embeddings"} <= set(ns["ig"].values)
+    for name in ns["ig"].values:
+        torch.testing.assert_close(loaded[name], out[name], rtol=0, atol=1e-6)
+    torch.testing.assert_close(loaded.logits, out.logits, rtol=0, atol=1e-6)
+
+
 CLAIMS = {  # the section and a line of its block -> the check of what the page says it gives
     ("Reading values", "out.logits"): reading_values,
     ("The main job", "effective_attention"): main_job,
@@ -254,6 +263,7 @@ CLAIMS = {  # the section and a line of its block -> the check of what the page 
     ("Mixtures of experts", "tiny_qwen3_5_moe("): mixtures_of_experts,
     ("Activation patching", "positions=\"each\""): patching,
     ("Saved programs", "ig.save("): saved_programs,
+    ("Saved programs and serving", "qgraph.load(ig.save("): qwen4_saved,
     ("Stages", "stages=2)"): stages_cut,
     ("Gradients through the stages", "loss=fn"): stages_with_loss,
     ("Serving a lab", "qgraph.remote("): serving,

@@ -74,7 +74,7 @@ def hooked(model, ids, mask):
         modules.update({f"{i}.layer": layer, f"{i}.attention_mix": layer.attn_hyper_connection,
                         f"{i}.mlp_mix": layer.mlp_hyper_connection, f"{i}.gate": layer.mlp.gate})
         if layer.ple is not None:
-            modules[f"{i}.ple"] = layer.ple
+            modules.update({f"{i}.ple": layer.ple, f"{i}.ngrams": layer.ple.ple_embedding})
         if hasattr(layer, "self_attn"):
             modules[f"{i}.indexer"] = layer.self_attn.indexer
     with contextlib.ExitStack() as hooks:
@@ -148,6 +148,35 @@ def test_stream_and_mix_values_equal_hooks_and_weights(loaded):
     assert torch.equal(out["final_mix.mixed_input"], seen["final_mix"][1])
     head = model.lm_head.weight
     assert torch.allclose(out["final_norm_output"] @ head.T, logits, atol=1e-5)
+
+
+def test_ngram_embeddings_equal_the_hook_and_each_orders_hash(loaded):
+    """The PLE layer's n-gram embeddings, apart per order and hash head: the embedding module's output (a hook), and
+    its arithmetic from its buffers and table: the ``order`` tokens ending at a token (eos before the prompt, and
+    before an eos among them: a new segment) times the order's multipliers, xor-ed, modulo each head's prime, past
+    its offset, a row of the table."""
+    model, ig = loaded
+    ids, mask = padded()
+    ids[0, 20] = eos = model.config.eos_token_id  # an eos inside a prompt (and row 1's pads are eos too)
+    out, (_, seen) = ig(ids, mask), hooked(model, ids, mask)
+    values = out["layers.2.ple.ngram_embeddings"]
+    assert values.shape == (3, 37, 2, 2, 16)  # orders 2 and 3, 2 heads each, 16 wide
+    assert torch.equal(values.flatten(-3), seen["2.ngrams"][1])
+    assert "layers.0.ple.ngram_embeddings" not in ig.values
+    embedding = model.model.layers[2].ple.ple_embedding
+    multipliers, primes, offsets = (buffer.tolist() for buffer in (
+        embedding.layer_multipliers, embedding.ngram_heads_vocab_sizes, embedding.ngram_heads_offsets))
+    for row, token in ((0, 0), (0, 1), (0, 20), (0, 21), (0, 22), (0, 36), (1, 9), (1, 10)):
+        tokens = ids[row].tolist()
+        for order in (2, 3):
+            hashed = 0
+            for shift in range(order):
+                source = token - shift
+                hashed ^= (tokens[source] if source >= 0 and eos not in tokens[source:token] else eos) * multipliers[shift]
+            for head in range(2):
+                index = (order - 2) * 2 + head
+                expected = embedding.ngram_embedding.weight[hashed % primes[index] + offsets[index]]
+                assert torch.equal(values[row, token, order - 2, head], expected), (row, token, order, head)
 
 
 def test_selection_values_equal_the_loop_and_the_indexer_arithmetic(loaded):

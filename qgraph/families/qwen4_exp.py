@@ -17,7 +17,8 @@ attention with a sparse token selection on ``indexed_attention`` blocks, the spa
   the streams, ``[batch seq streams hidden_size]``.
 * **Per-layer n-gram embeddings** (``ple``, on the blocks of ``ple_layer_ids``, one-indexed): hashed
   2..``ngram_size``-gram embeddings of the token ids gate a value per stream, then a dilated depthwise conv;
-  its output is added to the streams before the block's mix (``ple_output``).
+  its output is added to the streams before the block's mix (``ple_output``). Each order's embeddings are
+  looked up apart (``heads_per_ngram`` hash heads each), so they are a value apart (``ngram_embeddings``).
 * **QSA**: the attention's indexer pools keys in blocks and each query keeps its best blocks and the
   incomplete tail. transformers selects in a Python loop over rows and queries with data-dependent
   shapes; while exporting, ``_select_tokens`` runs ``select_tokens`` (``kernels.qsa``: the same
@@ -76,8 +77,22 @@ HOSTS = {
     **qwen_moe.HOSTS,
 }
 
+
+def _orders(config) -> int:
+    """The PLE's n-gram orders: 2 to ``ngram_size``."""
+    return config.get_text_config().ngram_size - 1
+
+
+def _ngram_dim(config) -> int:
+    """The width of one n-gram head's embedding (the PLE embedding's width split over every order's heads)."""
+    text = config.get_text_config()
+    return text.ple_embed_dim // (_orders(config) * text.heads_per_ngram)
+
+
 DIMS = {**{name: source for name, source in QWEN3_5_DIMS.items() if name != "intermediate_size"}, **qwen_moe.DIMS,
-        "streams": "hc_count", "index_heads": "indexer_n_heads", "index_dim": "indexer_head_dim"}
+        "streams": "hc_count", "index_heads": "indexer_n_heads", "index_dim": "indexer_head_dim",
+        "orders": _orders, "ngram_heads": "heads_per_ngram", "ngram_dim": _ngram_dim,
+        "order_dim": lambda config: config.get_text_config().heads_per_ngram * _ngram_dim(config)}
 
 RESIDUAL = "Residual [batch seq hidden_size]"
 STREAMED = "Streams [batch seq streams hidden_size]"
@@ -121,6 +136,11 @@ VALUES = (
                                                                                            view=STREAMS)),
     ValueSpec("layer_output", "layer", STREAMED, "The streams leaving the block", Port("", "output", view=STREAMS)),
     *_LAYER,
+    ValueSpec("ngram_embeddings", "ple", "NGrams [batch seq orders ngram_heads ngram_dim]",
+              "Each token's hashed n-gram embeddings, apart per order (the 2-gram ending at the token, then the "
+              "3-gram, ...) and per hash head: what the PLE layer's projections read, flattened",
+              Port("ple_embedding", "output", view=(("heads", "orders", "order_dim"), ("heads", "ngram_heads",
+                                                                                       "ngram_dim")))),
     ValueSpec("ple_output", "ple", STREAMED, "What the per-layer n-gram embedding adds to each stream before the "
               "block's mix", Port("", "output", view=STREAMS)),
     *_mix_values("attention_mix", "the mixer", injects=True),

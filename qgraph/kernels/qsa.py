@@ -20,6 +20,12 @@ Here the same selection is two steps:
   ``[batch query key]``. Its kernel runs ``topk`` once per distinct number of complete blocks, on
   exactly the slices the loop runs it on (the first ``count`` scores of each query with ``count``
   blocks), so even tied scores (a relu sum of 0) pick the blocks the loop picks.
+
+The op is on the positive list of what a saved program may call (``saved.allowed``), so its arguments may
+be a hostile file's: both its kernel and its fake (which the sandbox's fake run calls at load) refuse by
+name what ``block_scores`` never hands it (``check_arguments``: dtypes, ranks, sizes that disagree, a
+ratio or budget that is not a non-negative int), and the kernel allocates by its tensors' sizes alone (a
+budget past the blocks picks them all), so what it makes is bounded by what it is given.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import NotSupported
+from ..errors import InvalidArgument, NotSupported
 
 
 def block_scores(q: torch.Tensor, raw_keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -61,6 +67,7 @@ def qsa_select(scores: torch.Tensor, visible: torch.Tensor, ratio: int, top: int
     """The tokens each query keeps, ``[batch query key]`` bool: its ``top`` best-scored complete blocks
     (``scores`` ``[batch query blocks]``) and the incomplete tail of its ``visible`` keys (``[batch query key]``),
     blocks of ``ratio`` visible keys in order."""
+    check_arguments(scores, visible, ratio, top)
     row = visible[:, -1:]  # the keys block_scores made the row's blocks of
     if not torch.equal(visible, row & (row.cumsum(-1) <= visible.sum(-1, keepdim=True))):
         raise NotSupported("sparse attention's selection here takes each query's visible keys to be the first "
@@ -70,6 +77,7 @@ def qsa_select(scores: torch.Tensor, visible: torch.Tensor, ratio: int, top: int
     blocks = scores.shape[-1]
     flat, order = count.flatten(), count.flatten().argsort(stable=True)  # queries grouped by their count
     ranked = scores.flatten(0, -2)[order]
+    top = min(top, blocks)  # a budget past the blocks keeps them all: nothing allocated by the budget itself
     picked = torch.full((flat.shape[0], top), blocks, dtype=torch.long, device=scores.device)  # blocks: none
     start = 0
     for n, size in zip(*(part.tolist() for part in torch.unique_consecutive(flat[order], return_counts=True))):
@@ -83,8 +91,30 @@ def qsa_select(scores: torch.Tensor, visible: torch.Tensor, ratio: int, top: int
     return visible & kept
 
 
+def check_arguments(scores: torch.Tensor, visible: torch.Tensor, ratio, top) -> None:
+    """Refuse arguments ``block_scores`` and the indexer never make (``InvalidArgument``, naming them): float
+    ``[batch query blocks]`` scores, a bool ``[batch query key]`` mask of the same batch and queries on the
+    same device, ``blocks == key // ratio``, and ``ratio`` >= 1 and ``top`` >= 0 plain ints (the config's)."""
+    where = "qgraph::qsa_select"
+    for name, value, least in (("ratio", ratio, 1), ("top", top, 0)):
+        if type(value) is not int or value < least:
+            raise InvalidArgument(f"{where} takes {name} as an int of at least {least} (the indexer's config), "
+                                  f"not {value!r}")
+    if not scores.is_floating_point() or scores.dim() != 3:
+        raise InvalidArgument(f"{where} takes float scores [batch query blocks], not {scores.dtype} "
+                              f"{list(scores.shape)}")
+    if visible.dtype != torch.bool or visible.dim() != 3:
+        raise InvalidArgument(f"{where} takes a bool mask [batch query key], not {visible.dtype} {list(visible.shape)}")
+    if scores.device != visible.device or scores.shape[:2] != visible.shape[:2] or \
+            scores.shape[2] != visible.shape[2] // ratio:
+        raise InvalidArgument(f"{where} takes scores [batch query key // ratio] beside a mask [batch query key] on "
+                              f"one device, not {list(scores.shape)} ({scores.device}) and {list(visible.shape)} "
+                              f"({visible.device}) with ratio {ratio}")
+
+
 @qsa_select.register_fake
 def _(scores, visible, ratio, top):
+    check_arguments(scores, visible, ratio, top)
     return torch.empty_like(visible)
 
 

@@ -1,18 +1,19 @@
 """The positive list of what a saved program may call: the op overloads ``ig.save`` writes, each group with its
 reason, and the size arithmetic ``torch.export`` puts between them. Nothing else resolves.
 
-How it was chosen: every overload that ``ig.save`` wrote for the three families (Qwen3.5, its mixture of
-experts, Qwen3-Next), sdpa and eager attention, every standard value, edit slots, fixed edits, SAEs of each
-architecture, transcoders of each activation, DeltaNet states and bf16 weights (a survey of their graphs), plus
-the functional siblings that the supported transformers releases write for the same modules (a mask by
-``masked_fill`` rather than ``where``, ``bmm`` rather than ``matmul``). Each is a pure function of its tensors:
-no op here opens a file, prints, warns, reads or advances a random generator, or touches state outside its
-arguments. No ``.out`` overload, no ``_foreach`` op, no higher-order op (a subgraph) and no TorchScript builtin
-is here. Three ops write in place (``INPLACE``); the sandbox lets them write only tensors the graph made itself.
-Which results are new storage is a positive list too (``FRESH``): every other op's result is taken to alias all
-its tensor arguments, annotated or not (a view, a cast to the dtype it has, ``_unsafe_view``, a list of views).
-Two ops take a random generator when told to (``dropout`` with ``train=True``, ``sdpa`` with a dropout
-probability); ``CONSTANT`` pins those arguments to what makes them pure.
+How it was chosen: every overload that ``ig.save`` wrote for the four families (Qwen3.5, its mixture of experts,
+Qwen3-Next, Qwen3.8-Flash-Next with its n-gram hashes and sparse attention), sdpa and eager attention, every
+standard value, edit slots, fixed edits, SAEs of each architecture, transcoders of each activation, DeltaNet
+states and bf16 weights (a survey of their graphs), plus the functional siblings that the supported transformers
+releases write for the same modules (a mask by ``masked_fill`` rather than ``where``, ``bmm`` rather than
+``matmul``). Each is a pure function of its tensors: no op here opens a file, prints, warns, reads or advances a
+random generator, or touches state outside its arguments. No ``.out`` overload, no ``_foreach`` op, no
+higher-order op (a subgraph) and no TorchScript builtin is here. Three ops write in place (``INPLACE``); the
+sandbox lets them write only tensors the graph made itself. Which results are new storage is a positive list too
+(``FRESH``): every other op's result is taken to alias all its tensor arguments, annotated or not (a view, a
+cast to the dtype it has, ``_unsafe_view``, a list of views). Two ops take a random generator when told to
+(``dropout`` with ``train=True``, ``sdpa`` with a dropout probability); ``CONSTANT`` pins those arguments to
+what makes them pure.
 
 The writer refuses to write an op that is not here (``saved.fxdata.target_name``), so what one qgraph writes,
 the same qgraph reads; a new op enters by a line here, with its reason.
@@ -36,15 +37,15 @@ _GROUPS = {
         _log_softmax.default""",
     "comparisons, logic and selection by mask": """
         eq.Tensor eq.Scalar ne.Tensor ne.Scalar lt.Tensor lt.Scalar le.Tensor le.Scalar gt.Tensor gt.Scalar
-        ge.Tensor ge.Scalar __and__.Tensor __or__.Tensor __xor__.Tensor logical_and.default
+        ge.Tensor ge.Scalar __and__.Tensor __or__.Tensor __xor__.Tensor bitwise_xor.Tensor logical_and.default
         logical_or.default logical_not.default bitwise_and.Tensor bitwise_or.Tensor bitwise_not.default
         where.self where.Scalar where.ScalarOther where.ScalarSelf masked_fill.Scalar masked_fill.Tensor
         isnan.default isinf.default""",
     "reductions and ordering": """
         sum.default sum.dim_IntList mean.default mean.dim amax.default amin.default max.dim min.dim max.default
         min.default argmax.default argmin.default any.default any.dim all.default all.dim topk.default sort.default
-        argsort.default cumsum.default prod.dim_int var.correction var.dim std.dim norm.ScalarOpt_dim
-        linalg_vector_norm.default logsumexp.default""",
+        argsort.default sort.stable cumsum.default cummax.default prod.dim_int var.correction var.dim std.dim
+        norm.ScalarOpt_dim linalg_vector_norm.default logsumexp.default""",
     "linear algebra, convolution and attention": """
         linear.default matmul.default mm.default bmm.default addmm.default baddbmm.default
         conv1d.default embedding.default scaled_dot_product_attention.default""",
@@ -89,6 +90,10 @@ _QGRAPH = {
         chunk_gated_delta_rule.default chunk_gated_delta_rule_states.default moe_experts.default
         chunk_gated_delta_rule_writes.default delta_rule_attention.default
         moe_expert_neurons.default moe_experts_down.default edit_slot.default""",
+    "qgraph's sparse-attention selection (kernels/qsa.py): a new bool mask from its scores and mask, its arguments "
+    "checked by its fake at load (dtypes, sizes that agree, an int ratio and budget), allocating by its tensors' "
+    "sizes alone, whatever the budget": """
+        qsa_select.default""",
 }
 OPS: dict[str, str] = {f"aten.{name}": reason for reason, names in _GROUPS.items() for name in names.split()}
 OPS.update({f"qgraph.{name}": reason for reason, names in _QGRAPH.items() for name in names.split()})

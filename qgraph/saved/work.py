@@ -4,10 +4,12 @@ Bytes are bounded by the sandbox's fake run (``saved.sandbox``); this bounds tim
 run is given a count of floating-point operations from its op and its arguments' shapes (sympy expressions
 of the call's size symbols): a contraction (``mm``, ``matmul``, ``linear``, ``einsum``, ``conv1d``,
 ``sdpa``, qgraph's delta-rule and expert kernels) its multiply-adds, counted twice; any other op the
-elements it reads and writes (an elementwise op's work, within a small factor; ``sort`` and ``topk`` 16
-times that). The graph's work is their sum. What the count is checked against is the caller's: a saved
-program refuses a call over ``max_work`` (``qgraph.load``), the server a function edit that would do more
-than its request's own forward (``serve``).
+elements it reads and writes (an elementwise op's work, within a small factor; ``sort``, ``topk`` and
+``qgraph::qsa_select`` 16 times that: the selection is a ``topk`` of each query's scores and about a dozen
+passes over its mask, its loop once per distinct number of blocks, at most once per query). The graph's
+work is their sum. What the count is checked against is the caller's: a saved program refuses a call over
+``max_work`` (``qgraph.load``), the server a function edit that would do more than its request's own
+forward (``serve``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from .. import compat
 from .fxdata import OP_OVERLOAD
 
 CHUNK = 64  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
+# ops whose work is a sort's: 16 x the elements they read and write
+_ORDERING = ("aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.topk.default",
+             "qgraph.qsa_select.default")
 _UNWRITTEN = ("aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default")  # no element touched
 
 
@@ -101,7 +106,7 @@ def node_work(target: str, args: list, kwargs: dict, out) -> sympy.Expr:
     if target in _UNWRITTEN:
         return sympy.Integer(0)
     traffic = sum((_numel(t) for t in _tensors((args, kwargs)) + _tensors(out)), sympy.Integer(0))
-    if target in ("aten.sort.default", "aten.argsort.default", "aten.topk.default"):
+    if target in _ORDERING:
         traffic *= 16
     return traffic + (_contraction(target, args, out) or 0)
 
