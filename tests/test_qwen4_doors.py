@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import qgraph
 from qgraph.testing import tiny_qwen4_exp
 
+from conftest import program_cache_on
 from hostile import OPS, nodes_of, rewrite
 
 VALUES = ["layers.*.layer_output", "layers.1.attention_mix.*", "layers.3.mlp_mix.injection_weights", "layers.2.ple.*",
@@ -39,7 +40,14 @@ def model(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def saved(model, tmp_path_factory):
+def cache_on(tmp_path_factory):
+    """The disk cache of exported programs on: the server's process loads the program this one exported."""
+    with program_cache_on(tmp_path_factory, "qwen4-doors-cache"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def saved(model, tmp_path_factory, cache_on):
     """(the local instrument, its program saved with its weights beside it)."""
     local = qgraph.instrument(model, values=VALUES, edits=SLOTS)
     return local, local.save(tmp_path_factory.mktemp("saved") / "qwen4.qgraph", weights=True)
@@ -70,6 +78,7 @@ def padded():
     return ids, mask
 
 
+@pytest.mark.slow  # the remote door starts a server process
 def test_every_door_gives_the_local_values_and_logits(doors, model):
     ids, mask = padded()
     outs = {door: instrument(ids, mask) for door, instrument in doors.items()}
@@ -90,6 +99,7 @@ def test_every_door_gives_the_local_values_and_logits(doors, model):
         torch.testing.assert_close(local.logits, model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # the remote door starts a server process
 def test_an_edit_of_the_streams_is_the_same_through_every_door(doors):
     """A steering vector per stream added to block 1's streams: the same logits and later streams on every door,
     and not the unedited ones."""
