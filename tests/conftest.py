@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import qgraph
-from qgraph.testing import tiny_qwen3_5
+from qgraph.testing import tiny_qwen3_5, tiny_qwen4_exp
 
 ALL = ["**"]  # every available value: standard values and module ports
 
@@ -164,6 +164,29 @@ def eager_model(checkpoint):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     assert model.config._attn_implementation == "eager"
     return model
+
+
+@pytest.fixture(scope="session")
+def qwen4_checkpoint(tmp_path_factory):
+    """The tiny ``qwen4_exp`` text checkpoint (``qgraph.testing.tiny_qwen4_exp``), built once per worker."""
+    return tiny_qwen4_exp(tmp_path_factory.mktemp("tiny-qwen4_exp"))
+
+
+@pytest.fixture(scope="session")
+def qwen4_models(qwen4_checkpoint):
+    """``models(implementation)``: the tiny qwen4_exp model under ``"eager"`` or ``"sdpa"``, each loaded once per
+    worker and shared by the qwen4 test files: the instruments of one model object share its export (a fresh
+    export of this model is most of each file's time). Nothing changes these models (qgraph never does); a test
+    that hooks one removes its hooks."""
+    from transformers import AutoModelForCausalLM
+    made: dict = {}
+
+    def models(implementation: str = "sdpa"):
+        if implementation not in made:
+            made[implementation] = AutoModelForCausalLM.from_pretrained(
+                qwen4_checkpoint, attn_implementation=implementation).eval()
+        return made[implementation]
+    return models
 
 
 def _snapshot(model):

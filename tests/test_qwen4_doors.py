@@ -16,7 +16,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import qgraph
-from qgraph.testing import tiny_qwen4_exp
 
 from conftest import program_cache_on
 from hostile import OPS, nodes_of, rewrite
@@ -29,14 +28,13 @@ SELECT = "torch.ops.qgraph.qsa_select.default"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_exp"))
+def checkpoint(qwen4_checkpoint):
+    return qwen4_checkpoint
 
 
 @pytest.fixture(scope="module")
-def model(checkpoint):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+def model(qwen4_models):
+    return qwen4_models("sdpa")
 
 
 @pytest.fixture(scope="module")

@@ -23,23 +23,14 @@ IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_exp"))
+def checkpoint(qwen4_checkpoint):
+    return qwen4_checkpoint
 
 
 @pytest.fixture(scope="module")
-def models(checkpoint):
-    """The checkpoint's model under an attention implementation, each loaded once: the instruments of one model
-    object share its export (a fresh export of this model is most of a test's time)."""
-    from transformers import AutoModelForCausalLM
-    made: dict = {}
-
-    def model(implementation: str):
-        if implementation not in made:
-            made[implementation] = AutoModelForCausalLM.from_pretrained(
-                checkpoint, attn_implementation=implementation).eval()
-        return made[implementation]
-    return model
+def models(qwen4_models):
+    """The checkpoint's model under an attention implementation, shared by the qwen4 test files (conftest)."""
+    return qwen4_models
 
 
 @pytest.fixture(scope="module", params=IMPLEMENTATIONS)
@@ -172,7 +163,8 @@ def test_ngram_embeddings_equal_the_hook_and_each_orders_hash(loaded):
             hashed = 0
             for shift in range(order):
                 source = token - shift
-                hashed ^= (tokens[source] if source >= 0 and eos not in tokens[source:token] else eos) * multipliers[shift]
+                seen = tokens[source] if source >= 0 and eos not in tokens[source:token] else eos
+                hashed ^= seen * multipliers[shift]
             for head in range(2):
                 index = (order - 2) * 2 + head
                 expected = embedding.ngram_embedding.weight[hashed % primes[index] + offsets[index]]
