@@ -12,6 +12,11 @@ layout (kind)                  what the figure shows
                                is a grid of values (blocks, down) × tokens (across)
 ``Features`` / ``Neurons``     SAE and transcoder features (MLP neurons too): every token's top features,
                                as a grid of those features (down) × tokens (across)
+``Streams`` / ``Injection``    hyper-connections' streams and injection weights: each stream's norm
+                               (weight), streams × tokens; a glob is blocks (up) × streams, the mean
+                               over the tokens or at ``position=`` (``plots.streams``)
+``Selection``                  QSA's kept keys, query × key, beside each head's full attention with the
+                               kept keys outlined (``plots.selection``)
 =============================  ==========================================================================
 
 Every heatmap has its colour bar (``plots.scale``: signed values diverging and centred at zero), tokens
@@ -21,10 +26,10 @@ feature) (``plots.hover``). Each figure keeps the numbers it drew in ``fig.data`
 ``limits``: its colour scale's). Options: ``batch=`` (the
 row, default 0) for all; ``heads=[...]`` and ``image=`` (vision) for patterns; ``head=`` and
 ``position=`` (whose matrix) for states; ``top=`` (features per token) and ``rows=`` (the most features
-drawn) for features. Tokens label the axes: ``tokens=[...]`` (strings, one per token) or, by default,
-the call's tokens, decoded by ``tokenizer=`` or the model's tokenizer when its folder
-(``config.name_or_path``; a server's model by its hub id; the Hugging Face cache, never the network)
-has one, else their ids.
+drawn) for features; ``position=`` (one token; default the mean) for a glob of streams; ``heads=`` for a
+selection. Tokens label the axes: ``tokens=[...]`` (strings, one per token) or, by default, the call's tokens,
+decoded by ``tokenizer=`` or the model's tokenizer when its folder (``config.name_or_path``; a server's model
+by its hub id; the Hugging Face cache, never the network) has one, else their ids.
 """
 from __future__ import annotations
 
@@ -33,8 +38,14 @@ from ..figure import Figure
 from .common import KINDS, kind_of, layout_of  # noqa: F401 - explore reads these
 from .draw import DRAW, residual_grid
 from .lens_grid import lens_figure  # noqa: F401 - lens reads lens_figure
+from .selection import selection_figure
+from .streams import stream_grid, stream_tokens
 
 __all__ = ["KINDS", "lens_figure", "plot"]
+
+FIGURES = {**DRAW, "Streams": stream_tokens, "Injection": stream_tokens, "Selection": selection_figure}
+# a glob's figure: one value per row; the values of one glob are all of one kind (Residual and Patches alike)
+GRIDS = {"Residual": residual_grid, "Patches": residual_grid, "Streams": stream_grid, "Injection": stream_grid}
 
 
 # -- what to draw ---------------------------------------------------------------------------------------
@@ -47,12 +58,14 @@ def plot(out, name: str, tokens=None, tokenizer=None, **options) -> Figure:
     names = _select(out, name)
     kinds = {n: kind_of(layout_of(out, n)) for n in names}
     if len(names) > 1:
-        if not all(kinds[n] in ("Residual", "Patches") for n in names):
+        alike = {"Patches": "Residual"}
+        if any(kinds[n] not in GRIDS for n in names) or len({alike.get(kinds[n], kinds[n]) for n in names}) > 1:
             found = ", ".join(f"{n} ({layout_of(out, n) or 'no layout'})" for n in names[:4])
             raise NotSupported(f"'{name}' selects {len(names)} values ({found}{', ...' if len(names) > 4 else ''}): a "
-                               f"glob plots residual-stream values (blocks × tokens); plot the others one by one")
-        _check_options("Residual", options)
-        return residual_grid(out, names, tokens, tokenizer, **options)
+                               f"glob plots residual-stream values (blocks × tokens) or values of one kind of "
+                               f"hyper-connection streams (blocks × streams); plot the others one by one")
+        _check_options(kinds[names[0]], options)
+        return GRIDS[kinds[names[0]]](out, names, tokens, tokenizer, **options)
     name, kind = names[0], kinds[names[0]]
     if kind is None:
         layout = layout_of(out, name)
@@ -60,7 +73,7 @@ def plot(out, name: str, tokens=None, tokenizer=None, **options) -> Figure:
         raise NotSupported(f"'{name}' has {what}, which has no plot; these layouts plot: "
                            + ", ".join(f"{k} ({what})" for k, (what, _) in KINDS.items()))
     _check_options(kind, options)
-    return DRAW[kind](out, name, tokens, tokenizer, **options)
+    return FIGURES[kind](out, name, tokens, tokenizer, **options)
 
 
 def _select(out, pattern: str) -> list[str]:

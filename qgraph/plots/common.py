@@ -21,6 +21,9 @@ KINDS = {
     "Patches": ("the vision tower's stream", ("batch",)),
     "Features": ("SAE and transcoder features", ("batch", "top", "rows")),
     "Neurons": ("MLP neurons", ("batch", "top", "rows")),
+    "Streams": ("hyper-connection streams", ("batch", "position")),
+    "Injection": ("hyper-connection injection weights", ("batch", "position")),
+    "Selection": ("QSA's kept keys beside the full attention", ("batch", "heads")),
 }
 
 

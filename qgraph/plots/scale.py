@@ -63,14 +63,18 @@ def colour_bar(figure, picture, axes, label: str):
     return bar
 
 
-def write_values(axes, grid: torch.Tensor, scale: Scale, most: int = 400) -> None:
-    """Each cell's number written in it (2 significant digits; the small ones, under 5% of the scale, left
-    to the colour) when ``grid`` has at most ``most`` cells."""
+def write_values(axes, grid: torch.Tensor, scale: Scale, most: int = 400, digits: int = 2) -> None:
+    """Each cell's number written in it (``digits`` significant digits; the small ones, under 5% of the
+    scale, left to the colour) when ``grid`` has at most ``most`` cells: white on a dark cell, black on a
+    light one (by the cell's colour, so it reads on any map)."""
     if grid.numel() > most:
         return
+    import matplotlib  # lazy: keeps matplotlib out of `import qgraph` (figures import it when drawn)
+    colours = matplotlib.colormaps[scale.colours]
     limit = max(abs(scale.low), abs(scale.high))
     for (row, column), value in zip(torch.cartesian_prod(torch.arange(grid.shape[0]), torch.arange(grid.shape[1])),
                                     grid.flatten().tolist()):
         if value == value and abs(value) >= 0.05 * limit:
-            axes.text(int(column), int(row), f"{value:.2g}", ha="center", va="center", fontsize=6,
-                      color="white" if abs(value) > 0.6 * limit else "black")
+            red, green, blue, _ = colours((value - scale.low) / (scale.high - scale.low))
+            axes.text(int(column), int(row), f"{value:.{digits}g}", ha="center", va="center", fontsize=6,
+                      color="white" if 0.299 * red + 0.587 * green + 0.114 * blue < 0.5 else "black")

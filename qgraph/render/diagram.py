@@ -24,13 +24,15 @@ class Box:
 
 @dataclass
 class Wire:
-    """One drawn edge; ``kind`` picks its style (data, spine, context, ghost)."""
+    """One drawn edge; ``kind`` picks its style (data, spine, context, ghost). ``streams`` > 1: a residual
+    stream that many streams wide, drawn as a bundle of that many lines."""
 
     src: str
     dst: str
     kind: str = "data"
     label: str = ""
     attrs: dict = field(default_factory=dict)
+    streams: int = 1
 
 
 @dataclass

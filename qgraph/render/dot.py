@@ -64,6 +64,8 @@ WIRE_STYLES = {
     "ghost": dict(color="#AAAAAA", style="dotted", arrowhead="none", penwidth="1.1"),
     "block": dict(color="#2B2B2B", arrowsize="0.7", penwidth="2.6", weight="30"),
 }
+BUNDLE = dict(penwidth="1.5", arrowsize="0.9", fontsize="9", fontcolor="#2B2B2B")  # several streams' wire
+BUNDLE_GAP = "#FFFFFF"  # between a bundle's lines
 CLUSTER_STYLES = {
     "block": dict(style="rounded,filled", fillcolor="#FBFBFB", color="#9A9A9A", penwidth="1.4", fontsize="13"),
     "mixer_attention": dict(style="rounded,filled", fillcolor="#F4F0FF", color="#9C86D9", fontsize="12"),
@@ -126,6 +128,8 @@ def to_graphviz(diagram) -> graphviz.Digraph:
                 same.edge(left, right, style="invis")
     for wire in sorted(diagram.wires, key=lambda w: w.kind not in ("spine", "block")):
         attrs = dict(WIRE_STYLES.get(wire.kind, WIRE_STYLES["data"]))
+        if wire.streams > 1:  # a bundle: that many parallel lines (Graphviz draws a colour list side by side)
+            attrs.update(BUNDLE, color=":".join([attrs["color"]] + [BUNDLE_GAP, attrs["color"]] * (wire.streams - 1)))
         attrs.update({k: str(v) for k, v in wire.attrs.items()})
         if wire.label:
             attrs["xlabel"] = wire.label

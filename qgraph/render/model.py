@@ -1,4 +1,5 @@
-"""The whole model drawn from its exported graph: embed → the blocks, each with its kind → norm → lm_head.
+"""The whole model drawn from its exported graph: embed → the blocks, each with its kind → norm → lm_head (the
+family's readout: a final mix of the streams on a model with several).
 
 Every graph node is grouped by the top-level module it runs in (``embed_tokens``, ``layers.3``,
 ``norm``, ``lm_head``, the vision tower's parts and ``projector`` when there is one); the model's own
@@ -191,7 +192,7 @@ class _Model(Drawing):
 
     def _main_path(self, flows) -> set:
         """The residual stream's boxes: the embedding, the blocks, the final norm, and the taps between."""
-        main = {("module", "embed_tokens"), ("module", "norm"), ("module", "lm_head"), ("output", "output"),
+        main = {("module", "embed_tokens"), *(("module", m) for m in self.view.family.readout), ("output", "output"),
                 ("module", "vision.patch_embed"), ("module", "projector")}
         main |= {("module", box) for box in self.runs.values()}
         ops = {f.dst for f in flows if isinstance(f.dst, tuple) and f.dst[0] == "op"}
@@ -263,7 +264,7 @@ class _Model(Drawing):
         if name == "rotary_emb":
             sub = f"{type_name}  ·  cos, sin for the attention blocks"
         box_kind = "rotary" if name == "rotary_emb" else ("norm" if "Norm" in type_name else "module")
-        attrs = {"group": "main"} if name in ("embed_tokens", "norm", "lm_head") else {}
+        attrs = {"group": "main"} if name in ("embed_tokens", *view.family.readout) else {}
         return Box(box_id, bold(name) + "<BR/>" + small(sub), box_kind, cluster, f"{name} ({view.types.get(name, '')})",
                    attrs)
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 from ..values.locate import Found
 from .diagram import Box, Diagram
 from .flow import build_flows, splice_taps
+from .graph import GraphView
 
 
 def located(entry):
@@ -44,6 +45,7 @@ class Drawing(ABC):
     """
 
     highlight: dict[str, str]
+    view: GraphView
     tap_ids: dict[str | tuple[str, str], list[str]]  # set by _tap_list; a str id is drawn as a tap box
 
     def _build(self, nodes) -> None:
@@ -127,7 +129,9 @@ class Drawing(ABC):
                 self.diagram.add(self._tap_box(tap_id, names))
 
     def _add_wires(self, flows, kind_of, ports_of=None) -> None:
-        """One wire per pair of drawn boxes a flow joins; ``kind_of(flow, src id, dst id)`` styles it."""
+        """One wire per pair of drawn boxes a flow joins; ``kind_of(flow, src id, dst id)`` styles it. A
+        residual stream's wire ("spine", "block") that carries several streams (hyper-connections) is
+        drawn as their bundle, labelled with their count where a bundle starts."""
         d, ids, seen = self.diagram, self._ids, set()
         for flow in flows:
             src = flow.src if isinstance(flow.src, str) else ids.get(flow.src)
@@ -135,7 +139,13 @@ class Drawing(ABC):
             if src not in d.boxes or dst not in d.boxes or src == dst or (src, dst) in seen:
                 continue
             seen.add((src, dst))
-            d.connect(src, dst, kind_of(flow, src, dst), **(ports_of(flow) if ports_of else {}))
+            wire = d.connect(src, dst, kind_of(flow, src, dst), **(ports_of(flow) if ports_of else {}))
+            if wire.kind in ("spine", "block"):
+                wire.streams = self.view.streams(flow.via)
+        bundled = {wire.dst for wire in d.wires if wire.streams > 1}
+        for wire in d.wires:  # a bundle says how many streams it holds where it starts
+            if wire.streams > 1 and wire.src not in bundled:
+                wire.label = f"{wire.streams} streams"
 
     def _tap_kind(self, names, default: str = "tap") -> str:
         styles = {self.highlight.get(n) for n in names}
