@@ -169,13 +169,13 @@ class GraphView:
     def streams(self, node: Node) -> int:
         """How many residual streams ``node``'s tensor holds side by side: the family's ``streams`` dim (a
         residual stream that hyper-connections make several wide) when its last axis is that many hidden
-        sizes; else 1."""
+        sizes, or its last two are the streams and the hidden size; else 1."""
         streams, hidden = self.family.dim(self.config, "streams"), self.family.dim(self.config, "hidden_size")
         value = node.meta.get("val")
         if not streams or not hidden or not isinstance(value, torch.Tensor) or not value.dim():
             return 1
-        width = value.shape[-1]
-        return streams if isinstance(width, int) and width == streams * hidden else 1
+        tail = [size if isinstance(size, int) else None for size in value.shape[-2:]]
+        return streams if tail[-1] == streams * hidden or tail == [streams, hidden] else 1
 
     def is_delta_rule(self, node: Node) -> bool:
         return node.target in DELTA_RULE_OPS

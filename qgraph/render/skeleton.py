@@ -129,9 +129,9 @@ class Drawing(ABC):
                 self.diagram.add(self._tap_box(tap_id, names))
 
     def _add_wires(self, flows, kind_of, ports_of=None) -> None:
-        """One wire per pair of drawn boxes a flow joins; ``kind_of(flow, src id, dst id)`` styles it. A
-        residual stream's wire ("spine", "block") that carries several streams (hyper-connections) is
-        drawn as their bundle, labelled with their count where a bundle starts."""
+        """One wire per pair of drawn boxes a flow joins; ``kind_of(flow, src id, dst id)`` styles it. A wire
+        that carries several residual streams side by side (hyper-connections) is drawn as their bundle,
+        labelled with their count where a bundle starts."""
         d, ids, seen = self.diagram, self._ids, set()
         for flow in flows:
             src = flow.src if isinstance(flow.src, str) else ids.get(flow.src)
@@ -140,8 +140,7 @@ class Drawing(ABC):
                 continue
             seen.add((src, dst))
             wire = d.connect(src, dst, kind_of(flow, src, dst), **(ports_of(flow) if ports_of else {}))
-            if wire.kind in ("spine", "block"):
-                wire.streams = self.view.streams(flow.via)
+            wire.streams = self.view.streams(flow.via)
         bundled = {wire.dst for wire in d.wires if wire.streams > 1}
         for wire in d.wires:  # a bundle says how many streams it holds where it starts
             if wire.streams > 1 and wire.src not in bundled:
