@@ -33,6 +33,8 @@ by its hub id; the Hugging Face cache, never the network) has one, else their id
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import InvalidArgument, InvalidType, NotSupported
 from ..figure import Figure
 from .common import KINDS, kind_of, layout_of  # noqa: F401 - explore reads these
@@ -45,7 +47,8 @@ __all__ = ["KINDS", "lens_figure", "plot"]
 
 FIGURES = {**DRAW, "Streams": stream_tokens, "Injection": stream_tokens, "Selection": selection_figure}
 # a glob's figure: one value per row; the values of one glob are all of one kind (Residual and Patches alike)
-GRIDS = {"Residual": residual_grid, "Patches": residual_grid, "Streams": stream_grid, "Injection": stream_grid}
+GRIDS: dict[str, Callable[..., Figure]] = {"Residual": residual_grid, "Patches": residual_grid,
+                                           "Streams": stream_grid, "Injection": stream_grid}
 
 
 # -- what to draw ---------------------------------------------------------------------------------------
@@ -58,14 +61,14 @@ def plot(out, name: str, tokens=None, tokenizer=None, **options) -> Figure:
     names = _select(out, name)
     kinds = {n: kind_of(layout_of(out, n)) for n in names}
     if len(names) > 1:
-        alike = {"Patches": "Residual"}
-        if any(kinds[n] not in GRIDS for n in names) or len({alike.get(kinds[n], kinds[n]) for n in names}) > 1:
+        kind, every = kinds[names[0]], set(kinds.values())
+        if kind is None or not every <= set(GRIDS) or len({"Residual" if k == "Patches" else k for k in every}) > 1:
             found = ", ".join(f"{n} ({layout_of(out, n) or 'no layout'})" for n in names[:4])
             raise NotSupported(f"'{name}' selects {len(names)} values ({found}{', ...' if len(names) > 4 else ''}): a "
                                f"glob plots residual-stream values (blocks × tokens) or values of one kind of "
                                f"hyper-connection streams (blocks × streams); plot the others one by one")
-        _check_options(kinds[names[0]], options)
-        return GRIDS[kinds[names[0]]](out, names, tokens, tokenizer, **options)
+        _check_options(kind, options)
+        return GRIDS[kind](out, names, tokens, tokenizer, **options)
     name, kind = names[0], kinds[names[0]]
     if kind is None:
         layout = layout_of(out, name)

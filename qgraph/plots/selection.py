@@ -77,11 +77,9 @@ def selection_figure(out, name: str, tokens=None, tokenizer=None, *, batch: int 
         drawn.append(axes)
         cells.append(Cells(axes, pattern[k], query_cells, key_cells, "full attention", f"head {head}"))
     colour_bar(figure, picture, drawn, "full attention (no selection)")
-    figure.suptitle(heading(name, batch=batch, rows=selected.shape[0], heads=chosen),
-                    fontsize=10)
+    figure.suptitle(heading(name, batch=batch, rows=selected.shape[0], heads=chosen), fontsize=10)
     return hover_figure(figure, name, {"kept": kept, "visible": visible, "pattern": pattern, "kept_share": share,
-                                       "heads": chosen, "tokens": labels,
-                                       "queries": asked, "keys": at,
+                                       "heads": chosen, "tokens": labels, "queries": asked, "keys": at,
                                        "limits": (scale.low, scale.high)}, cells)
 
 
