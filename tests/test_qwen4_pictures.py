@@ -15,7 +15,6 @@ import torch
 import qgraph
 from qgraph.errors import InvalidArgument, NotCaptured, NotSupported
 from qgraph.render import diagram
-from qgraph.testing import tiny_qwen4_exp
 from tests.pages import browser, console_errors, hover, hover_grids  # noqa: F401 - browser is a fixture
 
 PROMPTS = ["the cat sat on the mat and purred", "a dog ran home"]  # 33 and 14 byte tokens: row 1 left-padded
@@ -24,14 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def qwen4_checkpoint(tmp_path_factory):
-    return tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_pictures"))
-
-
-@pytest.fixture(scope="module")
-def qwen4(qwen4_checkpoint):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(qwen4_checkpoint).eval()
+def qwen4(qwen4_models):
+    return qwen4_models("sdpa")  # conftest's: its export shared with the other qwen4 test files
 
 
 @pytest.fixture(scope="module")
