@@ -76,6 +76,18 @@ def test_values_are_equal_through_every_door(doors):
     close(outs["remote"].logits, outs["local"].logits)
 
 
+def test_every_door_keeps_the_calls_mask_and_edits_on_its_output(doors):
+    """What a picture leaves out as pads and a decomposition reruns the call with: the call's attention mask and
+    its edits, on every door's output."""
+    tokens, mask = ids(4, seq=6).repeat(2, 1), torch.ones(2, 6, dtype=torch.long)
+    mask[1, :3] = 0
+    edits = {"layers.1.layer_output": qgraph.Zero(positions=[-1])}
+    for door, instrument in doors.items():
+        out = instrument(tokens, mask, edits=edits)
+        assert torch.equal(out.attention_mask, mask), door
+        assert out.edits == edits, door
+
+
 def test_patch_and_pictures_agree_through_every_door(doors):
     metric = lambda logits: logits[:, -1, 3].sum() - logits[:, -1, 7].sum()  # noqa: E731
     patched = {door: qgraph.patch(instrument, ids(2), ids(3), "layers.*.layer_output", metric, positions="each")

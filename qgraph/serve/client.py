@@ -188,7 +188,8 @@ class RemoteInstrument:
             watched = {name: (got[f"value.{name}"], ()) for name in self.resolve(grads)}
         values = {name: got[f"value.{name}"] for name in reply["values"]}
         return RemoteOutput(logits, values, reply["blocks"], watched, aliases=aliases(self.family, self.config),
-                            source=self, input_ids=tensors["input_ids"], request=(self.server, call, tensors))
+                            source=self, input_ids=tensors["input_ids"], request=(self.server, call, tensors),
+                            attention_mask=tensors.get("attention_mask"), edits=edits)
 
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens: int | None = None, edits=None,
                  steps=None, **settings):
@@ -225,8 +226,10 @@ class RemoteInstrument:
 class RemoteOutput(Output):
     """A remote call's ``Output``; its gradients come from the server (one more request, with d loss / d logits)."""
 
-    def __init__(self, logits, values, blocks, watched, *, aliases, source, input_ids, request):
-        super().__init__(logits, values, blocks, watched, aliases=aliases, source=source, input_ids=input_ids)
+    def __init__(self, logits, values, blocks, watched, *, aliases, source, input_ids, request, attention_mask=None,
+                 edits=None):
+        super().__init__(logits, values, blocks, watched, aliases=aliases, source=source, input_ids=input_ids,
+                         attention_mask=attention_mask, edits=edits)
         self._request = request
 
     def gradients(self, loss: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
