@@ -155,7 +155,8 @@ CASES = {
         lambda m: [(layers(m)[2].ple, on_output, streamwise(set_at((..., 1, slice(None)), 0.0)))]),
     "a vector added to the final mix's output at the last position": (
         {"final_mix.mixed_input": qgraph.Add(VECTOR, positions=-1)},
-        lambda m: [(m.model.hyper_connection_mixer, on_output, lambda x: torch.cat([x[:, :-1], x[:, -1:] + VECTOR], 1))]),
+        lambda m: [(m.model.hyper_connection_mixer, on_output,
+                    lambda x: torch.cat([x[:, :-1], x[:, -1:] + VECTOR], 1))]),
     "what lm_head reads doubled": (
         {"final_norm_output": qgraph.Scale(2.0)},
         lambda m: [(m.model.hyper_connection_mixer, on_output, lambda x: 2 * x)]),
@@ -178,7 +179,8 @@ def test_edited_streams_are_captured_as_edited(ig, clean, batch):
                             "layers.1.attention_mix.injection_weights": qgraph.Zero(streams=2),
                             "layers.3.attention_mix.mix_weights": qgraph.Zero(streams=[1, 2])})
     streams = out["layers.0.layer_output"]
-    assert not streams[:, :, 1].any() and torch.equal(streams[:, :, [0, 2]], clean["layers.0.layer_output"][:, :, [0, 2]])
+    assert not streams[:, :, 1].any()
+    assert torch.equal(streams[:, :, [0, 2]], clean["layers.0.layer_output"][:, :, [0, 2]])
     # the mixer of block 1 writes nothing into stream 2: it leaves the block's mixer part as it came in
     assert not out["layers.1.attention_mix.injection_weights"][..., 2].any()
     assert torch.equal(out["layers.1.layer_mid"][:, :, 2], out["layers.1.layer_input"][:, :, 2])
@@ -264,10 +266,10 @@ def test_a_key_forced_into_and_out_of_a_querys_selection(models, clean, batch, i
         (lambda mask: mask & ~unselect, set_at((0, 0, query, k_out), False)),
         (qgraph.Replace(True), lambda mask: mask.fill_(True)))
     causal = torch.ones(24, 24, dtype=torch.bool).tril()
-    attention = layers(model)[3].self_attn
+    attention, seen = layers(model)[3].self_attn, {}
     for edit, change in cases:
         out = ig(*batch, edits={"layers.3.self_attn.selected_tokens": edit})
-        seen: dict = {}
+        seen.clear()
         by_hand = lambda mask, change=change: seen.setdefault("mask", on_copy(change)(mask))  # noqa: E731
         with selection_edited_by_hand(model, by_hand), hooked(
                 attention.register_forward_hook(lambda _, args, output: seen.__setitem__("weights", output[1]))):
