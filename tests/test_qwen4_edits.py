@@ -18,29 +18,16 @@ import torch
 
 import qgraph
 from conftest import hf_logits, random_ids
-from qgraph.testing import tiny_qwen4_exp
 
 STREAMS, HIDDEN = 3, 64  # the tiny checkpoint's hc_count and hidden_size
 VECTOR = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(3))
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_exp"))
-
-
-@pytest.fixture(scope="module")
-def models(checkpoint):
-    """The checkpoint's model under an attention implementation, each loaded (and so exported) once."""
-    from transformers import AutoModelForCausalLM
-    made: dict = {}
-
-    def model(implementation: str = "eager"):
-        if implementation not in made:
-            made[implementation] = AutoModelForCausalLM.from_pretrained(
-                checkpoint, attn_implementation=implementation).eval()
-        return made[implementation]
-    return model
+def models(qwen4_models):
+    """The tiny model under ``"eager"`` (the default here: its attention pattern is a value) or ``"sdpa"``,
+    shared with the other qwen4 test files (conftest's ``qwen4_models``)."""
+    return lambda implementation="eager": qwen4_models(implementation)
 
 
 @pytest.fixture(scope="module")
