@@ -56,10 +56,14 @@ def check_data(data, where: str) -> None:
 
 
 def check_tensor(tensor: torch.Tensor, value: torch.Tensor, where: str, what: str = "the tensor") -> None:
-    """``tensor`` must live on ``value``'s device and be floating when ``value`` is."""
+    """``tensor`` must live on ``value``'s device, be floating when ``value`` is and bool when it is (a mask,
+    which a number or a float tensor would set by a silent cast)."""
     if tensor.device != value.device:
         raise EditError(f"{where}: {what} is on {tensor.device} but the value is on {value.device}: move it there "
                         f"(.to('{value.device}'))")
     if value.is_floating_point() and not tensor.is_floating_point():
         raise EditError(f"{where}: {what} is {tensor.dtype} but the value is {value.dtype}: give a floating tensor "
                         f"(.to({value.dtype}))")
+    if value.dtype == torch.bool and tensor.dtype != torch.bool:
+        raise EditError(f"{where}: {what} is {tensor.dtype} but the value is a bool mask: give True or False, or a "
+                        f"bool tensor (a comparison, or .bool() of it)")

@@ -3,10 +3,16 @@ value read downstream of it sees the edited tensor (and the value itself is capt
 
 Each edit but a bare function selects a region by the value's layout axes: ``batch=``, ``positions=``
 (the ``seq`` axis, the ``query`` axis of a pattern, the rows of a vision value), ``heads=`` (any heads
-axis), ``neurons=`` (an ``intermediate_size`` or SAE features axis) and ``experts=`` (a ``num_experts``
-axis: a MoE block's ``expert_weights`` or ``router_logits``). A selection is an index or a non-empty list
-of indices (negative ones count from the end). Any callable ``f(tensor) -> tensor`` is an edit too; it
-sees and returns the whole value.
+axis), ``neurons=`` (an ``intermediate_size`` or SAE features axis), ``experts=`` (a ``num_experts``
+axis: a MoE block's ``expert_weights`` or ``router_logits``), ``streams=`` (the ``streams`` axis of a
+hyper-connected residual stream and its mixes' weights) and ``keys=`` (the ``key`` axis of a pattern or
+a sparse attention's selection). A selection is an index or a non-empty list of indices (negative ones
+count from the end). Any callable ``f(tensor) -> tensor`` is an edit too; it sees and returns the whole
+value.
+
+A bool value (a sparse attention's ``selected_tokens``) is edited by ``Replace`` with True, False or a
+bool tensor, by ``Zero`` (all False) or by a function that returns a bool tensor; ``Add`` and ``Scale``
+have no meaning there and are refused, as is a number or a non-bool tensor given for it.
 
 Edits that read the forward: ``Read(name)`` stands wherever an edit takes a tensor
 (``Replace(Read("layers.2.layer_output"))``, ``Add(Read(...), scale=0.5)``): that value in the same
@@ -42,6 +48,8 @@ AXES = {
     "heads": ("num_heads", "num_kv_heads", "key_heads", "value_heads", "heads"),
     "neurons": ("intermediate_size", "shared_intermediate_size", "expert_intermediate_size", "d_sae"),
     "experts": ("num_experts",),
+    "streams": ("streams",),
+    "keys": ("key",),
 }
 TOKENS = ("seq", "query")  # the token axes a call's attention mask lines up with
 MASK = "attention_mask"  # the value an edit reads for the call's mask
@@ -96,6 +104,10 @@ class Region:
     heads: Sequence[int] | None = field(default=None, kw_only=True)
     neurons: Sequence[int] | None = field(default=None, kw_only=True)
     experts: Sequence[int] | None = field(default=None, kw_only=True)
+    streams: Sequence[int] | None = field(default=None, kw_only=True)
+    keys: Sequence[int] | None = field(default=None, kw_only=True)
+    # whether it edits a bool value (a mask: set or cleared, never summed or scaled)
+    on_masks: ClassVar[bool] = True
     # an affine map of the value (a * x + b, with a and b not depending on x): it may be edited inside a
     # kernel, as the map of zeros and of ones (``write_values``)
     affine: ClassVar[bool] = True
@@ -108,6 +120,10 @@ class Region:
 
     def apply(self, x: torch.Tensor, target: Target, forward: Forward | None = None) -> torch.Tensor:
         """``x`` with the selected region replaced by ``change`` of it; ``x`` itself is not modified."""
+        if x.dtype == torch.bool and not self.on_masks:
+            raise EditError(f"{type(self).__name__} at {target.describe()}: the value is a bool mask, which has no "
+                            f"sums or products; give Replace(True or False, with positions=/keys=/batch= for a "
+                            f"region), Replace(a bool tensor), Zero() (all False) or a function returning a bool mask")
         scope = Scope(self, x, target, forward or Forward())
         out = x.clone()
         out[scope.index] = self.change(x[scope.index], scope)
@@ -157,7 +173,9 @@ class Region:
         tensor = scope.read(data.name) if isinstance(data, Read) else data
         target = scope.target
         if not isinstance(tensor, torch.Tensor):  # a number or a nested list, checked at construction
-            tensor = torch.as_tensor(tensor, dtype=region.dtype, device=region.device)
+            # made the value's dtype; a mask's as given (True/False: a number is refused by check_tensor)
+            tensor = torch.as_tensor(tensor, dtype=None if region.dtype == torch.bool else region.dtype,
+                                     device=region.device)
         what = f"the value '{data.name}' it reads" if isinstance(data, Read) else "the tensor"
         check_tensor(tensor, region, f"{type(self).__name__} at {target.describe()}", what)
         what = what if isinstance(data, Read) else "a tensor"
@@ -239,6 +257,7 @@ class Add(Region):
     tensor: torch.Tensor | Read
     scale: float = 1.0
     relative: bool = False
+    on_masks: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -271,6 +290,7 @@ class Scale(Region):
     broadcast to it."""
 
     factor: float | torch.Tensor | Read
+    on_masks: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()

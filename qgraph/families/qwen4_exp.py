@@ -37,7 +37,6 @@ import torch
 from ..kernels import qsa
 from . import qwen_moe
 from .base import Memory, Mixer
-from .qwen3_5 import ALIASES as QWEN3_5_ALIASES
 from .qwen3_5 import DIMS as QWEN3_5_DIMS
 from .qwen3_5 import VALUES as QWEN3_5_VALUES
 from .qwen3_5 import MIXERS as QWEN3_5_MIXERS
@@ -156,11 +155,19 @@ VALUES = (
     *qwen_moe.VALUES,
 )
 
-# TransformerLens names: Qwen3.5's, where the streams are the residual stream (hook_resid_pre/mid/post are
-# [batch seq streams hidden_size]); ln2.hook_normalized stays what the MLP is called with (the MLP mix's
-# mixed_input); ln1.hook_normalized has no value here (no input_layernorm: the attention mix's mixed_input
-# is the nearest, under its own name), so a file naming it is read as Qwen3.5's without a model
-ALIASES = {name: hosts for name, hosts in QWEN3_5_ALIASES.items() if name != "blocks.{i}.ln1.hook_normalized"}
+# TransformerLens names are Qwen3.5's (the family's aliases, kept), where the streams are the residual stream
+# (hook_resid_pre/mid/post are [batch seq streams hidden_size]); ln2.hook_normalized stays what the MLP is
+# called with (the MLP mix's mixed_input); hook_attn_out / hook_mlp_out are what the mixer / the MLP writes,
+# before each stream's injection weight. ln1.hook_normalized (attention_norm_output) names no value here:
+# there is no input_layernorm, so on a model it is refused by name with the nearest value, and a file naming
+# it is read as Qwen3.5's without a model
+ALIAS_INSTEAD = {
+    **qwen_moe.ALIAS_INSTEAD,
+    "blocks.{i}.ln1.hook_normalized": (
+        "These blocks have no input_layernorm: the nearest value is layers.{i}.attention_mix.mixed_input, what the "
+        "mixer reads (each stream RMS-normed, weighed per channel and averaged: [batch seq hidden_size]); "
+        "layers.{i}.attention_mix.normed_streams is the streams after that mix's per-stream norm"),
+}
 
 
 def select_tokens(self, hidden_states, q, raw_keys, full_cos, full_sin, attention_mask, **kwargs):
@@ -178,7 +185,7 @@ def _ple_blocks(config) -> list[int]:
 
 
 # Qwen3.5-MoE's text family (its no_ports, rotary and M-RoPE rows, cache indices, the MoE block's export
-# patches, forward arguments, alias_instead and experts_down) with this model's own tables
+# patches, forward arguments, TransformerLens aliases and experts_down) with this model's own tables
 QWEN4_EXP = register_family(replace(
     QWEN3_5_MOE.without_images(),
     name="qwen4_exp_text",
@@ -191,7 +198,7 @@ QWEN4_EXP = register_family(replace(
     module_renames=MODULE_RENAMES,
     readout=("final_mix", "lm_head"),
     kernels=replace(QWEN3_5_MOE.kernels, module="transformers.models.qwen4_exp.modeling_qwen4_exp"),
-    aliases=ALIASES,
+    alias_instead=ALIAS_INSTEAD,
     export_methods={"_select_tokens": select_tokens},
     host_blocks={"ple": _ple_blocks},
     not_generating="the sparse attention's indexer keeps a cache of its own keys between decoding steps, "

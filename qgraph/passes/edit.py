@@ -119,15 +119,22 @@ class InsertEditSlots(BuildPass):
 
     A module port's slot feeds only that module (the marker's readers); a standard value's slot
     feeds every reader of the tensor, so e.g. an edit of ``layer_mid`` reaches both the MLP and the
-    residual add."""
+    residual add.
+
+    Slots at one tensor (a block's output is the next block's input) chain in catalogue order, the
+    first nearest the tensor: an edit of ``layers.2.layer_input`` applies after one of
+    ``layers.1.layer_output``, and each name is captured with the edits of the names before it (a
+    value's marker reads the slots placed before it, so its own slot goes after them)."""
 
     markers = True
 
     def call(self, graph_module) -> PassResult:
         graph, catalogue = graph_module.graph, self.build.program.catalogue
         placed: dict[str, list] = {}  # {name: its slot's nodes}
-        for name, slot in self.build.request.slots.items():
-            entry = catalogue[name]
+        order = {name: index for index, name in enumerate(catalogue)}
+        slots = self.build.request.slots
+        for name in sorted(slots, key=order.__getitem__):
+            slot, entry = slots[name], catalogue[name]
             location = entry.found  # made (MakeOnRequest) before the slots go in
             node = location.node
             if entry.spec is not None:  # a standard value: the tensor itself, not one module's view of it

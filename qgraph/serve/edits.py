@@ -77,7 +77,15 @@ def _data(value, key: str, tensors: dict) -> object:
 
 
 def _as_tensor(value) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=torch.float32)
+    """A tensor field's data as it travels: a number or list as float32, True/False (a mask's) as bool."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(value, dtype=torch.bool if _bools(value) else torch.float32)
+
+
+def _bools(value) -> bool:
+    """Whether ``value`` is True/False or a (nested) list of them."""
+    return isinstance(value, bool) or (isinstance(value, (list, tuple)) and bool(value) and all(map(_bools, value)))
 
 
 def decode(name: str, spec, tensors: dict[str, torch.Tensor], prefix: str, used: set):
@@ -132,7 +140,8 @@ def _tensor(key, tensors: dict, prefix: str, used: set, where: str) -> torch.Ten
     if not isinstance(key, str) or not key.startswith(prefix + ".") or key not in tensors:
         raise EditError(f"{where} names the tensor {str(key)[:60]!r}, which the body does not hold as {prefix}.*")
     tensor = tensors[key]
-    if not tensor.is_floating_point():
-        raise EditError(f"{where}: its tensor {key} is {tensor.dtype}; an edit's tensor is floating")
+    if not tensor.is_floating_point() and tensor.dtype != torch.bool:  # bool: a mask's (the value's dtype is checked)
+        raise EditError(f"{where}: its tensor {key} is {tensor.dtype}; an edit's tensor is floating (or bool, a "
+                        f"mask's)")
     used.add(key)
     return tensor
