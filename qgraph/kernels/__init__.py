@@ -8,7 +8,8 @@
 * ``delta_reads`` and ``read_ops``: a DeltaNet block read as attention, and its editable writes;
 * ``experts``: ``qgraph::moe_experts`` and its kin (MoE programs call them);
 * ``slot``: ``qgraph::edit_slot`` (saved programs call it);
-* ``qsa``: ``qgraph::qsa_select``, sparse attention's token selection (qwen4_exp programs call it).
+* ``qsa``: ``qgraph::qsa_blocks`` and ``qgraph::qsa_select``, sparse attention's token selection (qwen4_exp
+  programs call them).
 
 Importing any of them imports this package first, which imports ``grad`` (and with it ``ops``),
 ``experts``, ``slot`` and ``read_ops``: every ``qgraph::`` op, with its autograd, is registered before a program
@@ -18,4 +19,4 @@ from . import grad  # noqa: F401  (imports ops: the ops and their autograd)
 from . import experts  # noqa: F401  (qgraph::moe_experts, which MoE programs call)
 from . import slot  # noqa: F401  (qgraph::edit_slot, which saved programs call)
 from . import read_ops  # noqa: F401  (qgraph::delta_rule_attention and the writes kernel)
-from . import qsa  # noqa: F401  (qgraph::qsa_select, which qwen4_exp programs call)
+from . import qsa  # noqa: F401  (qgraph::qsa_blocks and qsa_select, which qwen4_exp programs call)

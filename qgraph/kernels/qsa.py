@@ -7,19 +7,23 @@ block's first token), scores the blocks against the query's index heads (``sum_h
 keeps the ``top`` best complete blocks (``topk``) and the incomplete tail. The shapes depend on the data,
 so ``torch.export`` cannot follow it, and it runs once per query.
 
-Here the same selection is two steps:
+Here the same selection is three steps:
 
-* ``block_scores`` (plain torch, traced): the row's blocks are its keys that its last query sees, in
-  groups of ``ratio``, pooled once per row; every query scores every block in one matmul; a block that
-  is not among the query's complete blocks scores ``-inf``. For the masks transformers builds here
-  (causal, with padding anywhere) each query's visible keys are the first ones of its row's last
-  query, so its blocks are the row's first ``visible // ratio`` blocks: the loop's blocks, with the
-  same pooled keys (the same ops on the same rows). On a left-padded row the blocks start at the first
-  real token; a padded query sees no key, has no block and selects nothing.
+* ``qgraph::qsa_blocks`` (one opaque node): the row's blocks, its keys that its last query sees in groups
+  of ``ratio`` (in order: on a left-padded row they start at the first real token), gathered once per row
+  with each block's first token. For the masks transformers builds here (causal, with padding anywhere)
+  each query's visible keys are the first ones of its row's last query, so its blocks are the row's first
+  ``visible // ratio`` blocks: the loop's blocks, with the same keys.
+* ``block_scores`` (plain torch, traced): each block pooled (mean, ``k_layernorm``, the rotary at its
+  first token: the same ops on the same rows as the loop), every query's score of every block in one
+  matmul, ``-inf`` where the block is not among the query's complete blocks. No size in it is the number of
+  keys or blocks (the op's results carry those): a cached decoding step (``passes.decode``) hands the op
+  more keys than it has queries, and the traced program follows.
 * ``qgraph::qsa_select`` (one opaque node): the blocks each query keeps and the tokens that makes,
   ``[batch query key]``. Its kernel runs ``topk`` once per distinct number of complete blocks, on
   exactly the slices the loop runs it on (the first ``count`` scores of each query with ``count``
-  blocks), so even tied scores (a relu sum of 0) pick the blocks the loop picks.
+  blocks), so even tied scores (a relu sum of 0) pick the blocks the loop picks. A one-token query with
+  cached keys (a decoding step) is the same selection over its ``[batch 1 past + 1]`` visible keys.
 
 The op is on the positive list of what a saved program may call (``saved.allowed``), so its arguments may
 be a hostile file's: both its kernel and its fake (which the sandbox's fake run calls at load) refuse by
@@ -44,22 +48,61 @@ def block_scores(q: torch.Tensor, raw_keys: torch.Tensor, cos: torch.Tensor, sin
     rotated index queries; ``raw_keys`` ``[batch key dim]``; ``cos``/``sin`` ``[batch key rotary]`` every
     key's rotary; ``visible`` ``[batch query key]`` the attention mask; ``norm`` the indexer's
     ``k_layernorm``, ``rotary`` the model's ``apply_rotary_pos_emb``."""
-    batch, keys, dim = raw_keys.shape
-    blocks = keys // ratio
-    row = visible[:, -1]  # what the row's last query sees: every real key of a causal mask
-    order = torch.sort((~row).to(torch.uint8), dim=-1, stable=True).indices  # the row's keys first, in order
-    tokens = order[:, :blocks * ratio].reshape(batch, blocks, ratio)
-    groups = raw_keys.gather(1, tokens.reshape(batch, -1, 1).expand(-1, -1, dim)).reshape(batch, blocks, ratio, dim)
+    groups, starts = torch.ops.qgraph.qsa_blocks(raw_keys, visible, ratio)
     pooled = norm(groups.float().mean(dim=2).to(raw_keys.dtype))
-    starts = tokens[..., 0:1].expand(-1, -1, cos.shape[-1])  # each block's first token
-    block_keys = rotary(pooled.unsqueeze(2), cos=cos.gather(1, starts), sin=sin.gather(1, starts),
+    firsts = starts.unsqueeze(-1).expand(-1, -1, cos.shape[-1])  # each block's first token
+    block_keys = rotary(pooled.unsqueeze(2), cos=cos.gather(1, firsts), sin=sin.gather(1, firsts),
                         unsqueeze_dim=2).squeeze(2)
     # [batch query*heads dim] @ [batch dim blocks]: one matmul per row (not the keys broadcast to every query)
     scores = torch.matmul(q.float().flatten(1, 2), block_keys.float().transpose(-1, -2)).unflatten(1, q.shape[1:3])
-    scores = torch.relu(scores).sum(dim=2) / math.sqrt(dim)  # [batch query blocks]
+    scores = torch.relu(scores).sum(dim=2) / math.sqrt(raw_keys.shape[-1])  # [batch query blocks]
     count = visible.sum(-1) // ratio
-    complete = torch.arange(blocks, device=scores.device) < count.unsqueeze(-1)
-    return scores.masked_fill(~complete, -math.inf)
+    block = torch.ones_like(starts).cumsum(-1) - 1  # each block's index, counted at run time
+    return scores.masked_fill(block.unsqueeze(1) >= count.unsqueeze(-1), -math.inf)
+
+
+def _block_tokens(visible: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``[batch blocks ratio]``: the keys of each block of each row, ``blocks = key // ratio``; a row's keys
+    that its last query sees come first, in order (the rest fill the blocks no query of the row completes)."""
+    batch, _, keys = visible.shape
+    blocks = keys // ratio
+    order = torch.sort((~visible[:, -1]).to(torch.uint8), dim=-1, stable=True).indices
+    return order[:, :blocks * ratio].reshape(batch, blocks, ratio)
+
+
+@torch.library.custom_op("qgraph::qsa_blocks", mutates_args=())
+def qsa_blocks(keys: torch.Tensor, visible: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks of each row's ``keys`` ``[batch key dim]``: their keys ``[batch blocks ratio dim]`` and
+    each block's first token ``[batch blocks]``, blocks of ``ratio`` of the keys the row's last query sees
+    (``visible`` ``[batch query key]``), in order."""
+    tokens = _block_tokens(visible, ratio)
+    batch, blocks, _ = tokens.shape
+    groups = keys.gather(1, tokens.reshape(batch, -1, 1).expand(-1, -1, keys.shape[-1]))
+    return groups.reshape(batch, blocks, ratio, keys.shape[-1]), tokens[..., 0].contiguous()
+
+
+@qsa_blocks.register_fake
+def _(keys, visible, ratio):
+    batch, count, dim = keys.shape
+    return keys.new_empty(batch, count // ratio, ratio, dim), keys.new_empty(batch, count // ratio, dtype=torch.long)
+
+
+def _keep_visible(ctx, inputs, output):
+    keys, visible, ratio = inputs
+    ctx.save_for_backward(visible)
+    ctx.ratio, ctx.shape = ratio, keys.shape
+
+
+def _scatter_back(ctx, grad_groups, grad_starts):
+    """Each block key's gradient added back at the key it was gathered from."""
+    visible, = ctx.saved_tensors
+    batch, _, dim = ctx.shape
+    tokens = _block_tokens(visible, ctx.ratio).reshape(batch, -1, 1).expand(-1, -1, dim)
+    grad = grad_groups.new_zeros(ctx.shape).scatter_add(1, tokens, grad_groups.reshape(batch, -1, dim))
+    return grad, None, None
+
+
+qsa_blocks.register_autograd(_scatter_back, setup_context=_keep_visible)
 
 
 @torch.library.custom_op("qgraph::qsa_select", mutates_args=())
@@ -126,3 +169,4 @@ qsa_select.register_autograd(_no_gradient)  # a boolean selection: nothing flows
 
 
 QSA_SELECT_OP = torch.ops.qgraph.qsa_select.default
+QSA_BLOCKS_OP = torch.ops.qgraph.qsa_blocks.default
