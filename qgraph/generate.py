@@ -118,7 +118,7 @@ class Decoder:
     def __init__(self, ig, values: list[str], options: dict, slots: dict):
         exported = export_model(ig.model, images=False)
         self.ig = ig
-        self.memory = ig.family.memory_hosts(ig.config)
+        self.memory = ig.family.memories(ig.config)
         self.prompt = self._build(ig, exported, values, options, slots, recurrent=False)
         self.decode = self._build(ig, exported, values, options, slots, recurrent=True)
         self.values = [name for name in values if name in self.present]
@@ -140,21 +140,24 @@ class Decoder:
 
 def empty_cache(family, config, batch: int, parameter: torch.Tensor) -> dict[str, torch.Tensor]:
     """The memory before a cached program's first step (``passes.decode.OpenCache``): no past keys and
-    values, zero states and contexts; in ``parameter``'s dtype (the states in float32) and on its device."""
+    values, zero states and contexts, in ``parameter``'s dtype (the states in float32); token ids filled
+    with their piece's id (``Memory.fill_id``); on ``parameter``'s device."""
     cache = {}
-    for host, mixer in family.memory_hosts(config):
-        for piece in mixer.memory:
-            sizes = [0 if dim == "past" else family.dim(config, dim) for dim in piece.dims]
-            cache[f"{host}.{piece.name}"] = torch.zeros(
-                batch, *sizes, dtype=torch.float32 if piece.float32 else parameter.dtype, device=parameter.device)
+    for host, piece in family.memories(config):
+        size = (batch, *(0 if dim == "past" else family.dim(config, dim) for dim in piece.dims))
+        key = f"{host}.{piece.name}"
+        if piece.fill_id is not None:
+            cache[key] = torch.full(size, piece.fill_id(config), dtype=torch.long, device=parameter.device)
+        else:
+            cache[key] = torch.zeros(size, dtype=torch.float32 if piece.float32 else parameter.dtype,
+                                     device=parameter.device)
     return cache
 
 
 def next_cache(memory, captured: dict) -> dict[str, torch.Tensor]:
     """The memory the next step reads, popped from a step's captured tensors (``memory``: the family's
-    ``memory_hosts``)."""
-    return {f"{host}.{piece.name}": captured.pop(f"{host}.cache_{piece.name}")
-            for host, mixer in memory for piece in mixer.memory}
+    ``memories``)."""
+    return {f"{host}.{piece.name}": captured.pop(f"{host}.cache_{piece.name}") for host, piece in memory}
 
 
 def causal_mask(full_mask: torch.Tensor, new: int) -> torch.Tensor:
@@ -375,7 +378,8 @@ def generate(ig, input_ids=None, attention_mask=None, *, max_new_tokens: int | N
     last = False
     for step in _steps(max_new_tokens):  # a hard bound: the prompt pass, then one pass per new token but the last
         new = new_ids.shape[1]
-        inputs = {"input_ids": new_ids, "attention_mask": full_mask[:, -new:], "positions": positions[:, -new:],
+        inputs = {"input_ids": new_ids, "attention_mask": full_mask[:, -new:],
+                  "positions": positions if ig.family.rotary_reads_past else positions[:, -new:],
                   "causal_mask": causal_mask(full_mask, new), **cache}
         program = decoder.prompt if step == 0 else decoder.decode
         active = {slots[name]: edit for name, edit in call_edits.items()} \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -286,9 +287,19 @@ def test_deltanet_states_equal_the_float64_recurrence(models):
     assert torch.allclose(final, state, atol=1e-4)
 
 
-def test_generate_refuses_by_name_before_any_work(loaded):
-    _, ig = loaded
-    with pytest.raises(qgraph.errors.NotSupported, match="indexer keeps a cache"):
+def test_generate_runs_with_every_value_and_a_family_that_cannot_is_refused_by_name(loaded, monkeypatch):
+    """These models generate (``tests/test_qwen4_generate.py`` checks the decoding against HF's), with every value
+    captured at every step; a family that declares it cannot (``Family.not_generating``) is still refused by
+    name, before any work."""
+    model, ig = loaded
+    ids = random_ids(1, 14, seed=9)
+    out = ig.generate(ids, max_new_tokens=3)
+    with torch.no_grad():
+        assert torch.equal(out.sequences, model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                         max_new_tokens=3, do_sample=False))
+    assert out.steps[3]["layers.3.self_attn.selected_tokens"].shape == (1, 1, 17)
+    monkeypatch.setattr(ig, "family", replace(ig.family, not_generating="its cache is not carried"))
+    with pytest.raises(qgraph.errors.NotSupported, match="qwen4_exp_text models yet: its cache is not carried"):
         ig.generate(torch.zeros(1, 5, dtype=torch.long), max_new_tokens=2)
 
 

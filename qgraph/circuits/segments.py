@@ -126,10 +126,11 @@ def run_segments(program, ids: torch.Tensor, pieces: list[tuple[int, int]], name
                   "attention_mask": torch.ones(1, end - start, dtype=torch.long, device=device), **leaves}
         if cache is not None:
             seen = torch.ones(1, end, dtype=torch.long, device=device)
-            inputs.update(positions=torch.arange(start, end, device=device)[None],
+            first = 0 if program.family.rotary_reads_past else start  # the rotary reads the new positions or all
+            inputs.update(positions=torch.arange(first, end, device=device)[None],
                           causal_mask=causal_mask(seen, end - start), **cache)
         logits, captured = program.run(inputs, eager=True)
         if cache is not None:
-            cache = next_cache(program.family.memory_hosts(model.config), captured)
+            cache = next_cache(program.family.memories(model.config), captured)
         segments.append(Segment(start, end, captured, leaves))
     return logits, segments

@@ -3,10 +3,11 @@
 A family file (``qwen3_5.py``) builds one ``Family`` and registers it (``registry``). The rest of
 qgraph asks the family, never the model's config or module names: which rule finds which value
 (``values``), how module paths are named (``module_renames``), which mixer each block carries
-(``mixers``), what a decoding step carries from one token to the next (``Mixer.memory``), where the
-rotary reads its position ids, which blocks trace alike (``repeated_blocks``), which delta-rule
-kernels its DeltaNet calls (``Kernels``), and, for an image-text model, its image part (``Images``:
-the image inputs, the export patches, and the vision tower's values, hosts, dims and blocks).
+(``mixers``), what a decoding step carries from one token to the next (``Mixer.memory``, and
+``memory`` for other hosts), where the rotary reads its position ids (the new tokens', or all so far),
+which blocks trace alike (``repeated_blocks``), which delta-rule kernels its DeltaNet calls
+(``Kernels``), and, for an image-text model, its image part (``Images``: the image inputs, the export
+patches, and the vision tower's values, hosts, dims and blocks).
 
 Families are composed by named operations: ``with_images`` adds an image part and ``without_images``
 removes exactly it; ``with_host_values`` swaps the values of one host (a dense MLP's for a MoE block's).
@@ -37,18 +38,24 @@ Check = Callable[["PretrainedConfig"], "str | None"]
 
 @dataclass(frozen=True)
 class Memory:
-    """One piece of memory a decoding step hands to the next, per block of a mixer kind.
+    """One piece of memory a decoding step hands to the next, per host (each block's mixer's, and the
+    other hosts a family names in ``Family.memory``).
 
     ``carries`` names the values a carried state enters and leaves by (``("state_input",
     "state_output")``): the decode pass feeds the first from the cache and taps the second. Without
-    it the memory is the attention's keys or values (``name`` is ``"keys"`` or ``"values"``), grown
-    by concatenating the new tokens'. ``dims`` are layout dims after the batch; ``past`` is the
+    it the memory grows: it is the tokens so far of the host's value ``grows`` (where None, the
+    attention's keys or values: ``name`` is ``"keys"`` or ``"values"``), the cached tokens concatenated
+    before the new ones along ``past``. ``dims`` are layout dims after the batch; ``past`` is the
     number of cached tokens (0 before the first step)."""
 
     name: str
     dims: tuple[str, ...]
     carries: tuple[str, str] | None = None
     float32: bool = False  # kept in float32 whatever the model's dtype (a recurrent state)
+    grows: str | None = None  # the host's value whose tokens so far it is (None: the attention's keys or values)
+    # token ids (a long tensor) rather than activations: before the first step, every entry is this function of
+    # the model's config (the id the model pads a prompt's history with); None: zeros
+    fill_id: Callable[[Any], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,13 @@ class Family:
     # host kind -> the text blocks that carry it, where only some do (qwen4_exp's PLE on ple_layer_ids):
     # (config) -> block indices; a host kind not here is on every block (a mixer's on the blocks with it)
     host_blocks: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # host kind -> what a decoding step carries for each host of that kind, beyond the blocks' mixers'
+    # (qwen4_exp's PLE layers: the token ids its n-gram hashes read back, its dilated conv's left context)
+    memory: dict[str, tuple[Memory, ...]] = field(default_factory=dict)
+    # whether the rotary reads every token's position so far, the cached tokens' too (a cached step feeds it
+    # them all, and the model slices the new tokens' itself: qwen4_exp's indexer rotates pooled blocks of
+    # cached keys at their first token's position); False: the new tokens' alone
+    rotary_reads_past: bool = False
     # why generate cannot run this family yet (what a decoding step would have to carry that qgraph does not),
     # said by ``generate`` before any work; None: it generates
     not_generating: str | None = None
@@ -273,9 +287,16 @@ class Family:
         return [template]
 
     def memory_hosts(self, config) -> list[tuple[str, Mixer]]:
-        """(host, mixer) of every text block's mixer, in block order: what a decoding step carries."""
+        """(host, mixer) of every text block's mixer, in block order."""
         return [(self.hosts[self.mixers[kind].module].format(i=i), self.mixers[kind])
                 for i, kind in enumerate(self.kinds(config))]
+
+    def memories(self, config) -> list[tuple[str, Memory]]:
+        """(host, piece) of every piece of memory a decoding step carries: each text block's mixer's, in
+        block order, then the other hosts' (``memory``)."""
+        return [*((host, piece) for host, mixer in self.memory_hosts(config) for piece in mixer.memory),
+                *((host, piece) for kind, pieces in self.memory.items() for host in self.hosts_of(kind, config)
+                  for piece in pieces)]
 
     def dim(self, config, name: str) -> int | None:
         """The size of a layout dim on this model (None for the call's own sizes, like ``seq``)."""

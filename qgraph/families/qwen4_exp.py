@@ -44,7 +44,7 @@ from .qwen3_5 import MODULE_RENAMES as QWEN3_5_RENAMES
 from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen_vision import IMAGES
 from .registry import register_family
-from .rules import STREAMS, Applied, Port, Selection, ValueSpec
+from .rules import STREAMS, Applied, PaddedContext, Port, Selection, ValueSpec
 
 # Module paths as the spec names them: the hyper-connections are the mixes they compute
 MODULE_RENAMES = (
@@ -54,14 +54,30 @@ MODULE_RENAMES = (
     *QWEN3_5_RENAMES,  # the text stack's prefix, and the vision tower's as Qwen3.5 names it
 )
 
+# what a decoding step carries: the DeltaNet's state and conv context; the attention's keys and values, and its
+# indexer's keys with them (a query's blocks pool every key it sees, cached ones included)
 MIXERS = {
     "linear_attention": QWEN3_5_MIXERS["linear_attention"],
-    # its keys and values grow, and the indexer's raw keys with them (the decode pass's part: not yet carried)
     "indexed_attention": Mixer("self_attn", "gated attention with QSA", (
         Memory("keys", ("num_kv_heads", "past", "head_dim")),
-        Memory("values", ("num_kv_heads", "past", "head_dim"))),
+        Memory("values", ("num_kv_heads", "past", "head_dim")),
+        Memory("index_keys", ("past", "index_dim"), grows="index_keys")),
         heads=("o_proj", "num_heads")),
 }
+
+
+def _eos(config) -> int:
+    """The id the PLE layers pad a token history with (the model's first eos id)."""
+    eos = config.get_text_config().eos_token_id
+    return eos[0] if isinstance(eos, list) else eos
+
+
+# and on each PLE layer: the last token ids its n-gram hashes read back (eos before a prompt, as the model pads
+# them), and its dilated conv's left context
+PLE_MEMORY = (
+    Memory("ngram_context", ("ngram_context",), ("ngram_context_input", "ngram_context_output"), fill_id=_eos),
+    Memory("conv", ("ple_channels", "ple_conv_context"), ("conv_state_input", "conv_state_output")),
+)
 
 HOSTS = {
     "model": "",
@@ -91,7 +107,14 @@ def _ngram_dim(config) -> int:
 DIMS = {**{name: source for name, source in QWEN3_5_DIMS.items() if name != "intermediate_size"}, **qwen_moe.DIMS,
         "streams": "hc_count", "index_heads": "indexer_n_heads", "index_dim": "indexer_head_dim",
         "orders": _orders, "ngram_heads": "heads_per_ngram", "ngram_dim": _ngram_dim,
-        "order_dim": lambda config: config.get_text_config().heads_per_ngram * _ngram_dim(config)}
+        "order_dim": lambda config: config.get_text_config().heads_per_ngram * _ngram_dim(config),
+        "ngram_context": _orders,  # the longest n-gram reads ngram_size - 1 tokens back
+        "ple_channels": lambda config: config.get_text_config().hc_count * config.get_text_config().hidden_size,
+        "ple_conv_context": lambda config: _ple_conv_context(config.get_text_config())}
+
+
+def _ple_conv_context(text) -> int:
+    return (text.ple_conv_kernel_size - 1) * text.ngram_size  # (kernel - 1) taps, dilated by the n-gram size
 
 RESIDUAL = "Residual [batch seq hidden_size]"
 STREAMED = "Streams [batch seq streams hidden_size]"
@@ -142,6 +165,19 @@ VALUES = (
                                                                                        "ngram_dim")))),
     ValueSpec("ple_output", "ple", STREAMED, "What the per-layer n-gram embedding adds to each stream before the "
               "block's mix", Port("", "output", view=STREAMS)),
+    ValueSpec("ngram_context_input", "ple", "NgramContext [batch ngram_context]",
+              "The token ids before the call's first that the n-gram hashes read (eos at a prompt's start, as the "
+              "model pads them); give a previous call's ngram_context_output to continue it",
+              PaddedContext("ple_embedding", "input")),
+    ValueSpec("ngram_context_output", "ple", "NgramContext [batch ngram_context]",
+              "The last ngram_size - 1 token ids the n-gram hashes read (padding as eos): the next call's "
+              "ngram_context_input", PaddedContext("ple_embedding", "output")),
+    ValueSpec("conv_state_input", "ple", "ConvState [batch ple_channels ple_conv_context]",
+              "The dilated conv's left context: zeros at a prompt's start; give a previous call's conv_state_output "
+              "(with its ngram_context_output as ngram_context_input) to continue it", PaddedContext("", "input")),
+    ValueSpec("conv_state_output", "ple", "ConvState [batch ple_channels ple_conv_context]",
+              "The conv input's last (ple_conv_kernel_size - 1) * ngram_size columns (the normed gated values of "
+              "every stream): the next call's conv_state_input", PaddedContext("", "output")),
     *_mix_values("attention_mix", "the mixer", injects=True),
     *_mix_values("mlp_mix", "the MLP", injects=True),
     *_MIXER,
@@ -149,6 +185,9 @@ VALUES = (
               "The indexer's score of each block of the row's keys for each query, sum over its heads of relu(q . "
               "pooled block key) / sqrt(index_dim); -inf where the block is not a complete block of the keys the "
               "query sees", Selection("scores")),
+    ValueSpec("index_keys", "self_attn", "IndexKeys [batch seq index_dim]",
+              "The indexer's key of each token (index_qk_proj's key part), before its blocks pool them: what a "
+              "decoding step caches for the selection", Selection("keys")),
     ValueSpec("selected_tokens", "self_attn", "Selection [batch query key]",
               "The keys each query's attention may read: its indexer_budget / indexer_compress_ratio best blocks "
               "and the incomplete tail of the keys it sees (nothing on a padded query)", Selection("tokens")),
@@ -201,6 +240,6 @@ QWEN4_EXP = register_family(replace(
     alias_instead=ALIAS_INSTEAD,
     export_methods={"_select_tokens": select_tokens},
     host_blocks={"ple": _ple_blocks},
-    not_generating="the sparse attention's indexer keeps a cache of its own keys between decoding steps, "
-                   "which qgraph does not carry yet",
+    memory={"ple": PLE_MEMORY},
+    rotary_reads_past=True,  # the indexer rotates each block of keys, cached ones too, at its first token's position
 ).with_images(IMAGES))

@@ -143,9 +143,25 @@ class Applied(Rule):
 @dataclass(frozen=True)
 class Selection(Rule):
     """A tensor of the host's sparse-attention token selection, found from its ``qgraph::qsa_select``
-    call (``kernels.qsa``): ``scores`` the block scores it reads, ``tokens`` the selection it returns."""
+    call (``kernels.qsa``): ``scores`` the block scores it reads, ``tokens`` the selection it returns;
+    or from its ``qgraph::qsa_blocks`` call: ``keys`` the tokens' keys its blocks are made of."""
 
-    part: str  # scores | tokens
+    part: str  # scores | tokens | keys
+
+
+@dataclass(frozen=True)
+class PaddedContext(Rule):
+    """The left context a causal computation of the host reads before a call's first token, where the
+    model pads the sequence with a constant (zeros before a conv, an id before n-gram hashes): ``input``
+    the context (that constant at a prompt's start), ``output`` the last columns of the context and the
+    call's own (the next call's context). ``module`` (relative to the host) is the module whose own ops
+    pad: its first left padding (``pad``, or ``cat`` of a constant before the sequence). Made on request
+    by giving the padding an explicit context (``rewrites.context.open_padding``)."""
+
+    by_name_only: ClassVar[bool] = True  # opens its module's padding when asked for
+
+    module: str
+    side: str  # "input" | "output"
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,17 @@ needs is a program output:
   is the input ``causal_mask`` (built by ``qgraph.generate`` from the full 2D mask, with the causal
   offset ``past``) instead of the one computed from ``attention_mask`` (which stays the program's
   ``[batch, new]`` input: the DeltaNet's padding mask and every reshape read its sizes);
-* each attention block: its keys and values (after the rotary, before the kv-head repeat) are
-  ``cat(past, new)`` with the past an input ``[batch, kv_heads, past, head_dim]``; the concatenated
-  tensors are tapped (``<host>.cache_keys``/``cache_values``: the next step's past). The located
-  ``attention_keys``/``values`` stay the new tokens' own;
-* each DeltaNet block: the kernel's initial state (``state_input``) and the conv's left context
-  (``conv_state_input``) are fed from inputs; ``state_output`` and ``conv_state_output`` are tapped
-  (``<host>.cache_state``/``cache_conv``). Edit slots on ``state_input`` still sit after the fed
-  node, so on a decode step ``state_input`` is the carried state (edited, if edited);
+* each growing memory (``Memory`` without ``carries``): an attention block's keys and values (after
+  the rotary, before the kv-head repeat), or the host's value it ``grows`` (qwen4_exp's indexer keys),
+  become ``cat(past, new)`` along the memory's ``past`` axis, the past an input (``[batch, kv_heads,
+  past, head_dim]`` for keys); the concatenated tensors are tapped (``<host>.cache_keys``/...: the
+  next step's past). The located values stay the new tokens' own;
+* each carried memory: the value it enters by is fed from an input, the value it leaves by tapped
+  (a DeltaNet's ``state_input``/``state_output`` and ``conv_state_input``/``conv_state_output`` as
+  ``<host>.cache_state``/``cache_conv``; a PLE layer's contexts). Edit slots on ``state_input`` still
+  sit after the fed node, so on a decode step ``state_input`` is the carried state (edited, if edited);
+* the positions: where the family's rotary reads every token's position (``rotary_reads_past``) the
+  input ``positions`` holds them all, ``[batch, past + new]``;
 * with ``recurrent=True`` (the one-token decode program) the chunked delta-rule op becomes the
   token-by-token one, as HF's decode path runs it.
 
@@ -67,17 +70,17 @@ class OpenCache(BuildPass):
         family, config = program.family, program.model.config
         locator = Locator(graph_module.graph, family, config)
         _feed_positions(program, locator)
-        memory = family.memory_hosts(config)
-        if any(not mixer.recurrent for _, mixer in memory):
+        memory = family.memories(config)
+        if any(piece.carries is None for _, piece in memory):  # a growing memory: attention reads the mask
             _feed_mask(program)
         seq_sizes = _seq_sizes(graph_module.graph)
         taps = self.build.taps
-        for host, mixer in memory:
-            for piece in mixer.memory:
-                if piece.carries:
-                    taps[f"{host}.cache_{piece.name}"] = _carry(program, host, piece)
-                else:
-                    taps[f"{host}.cache_{piece.name}"] = _grow(program, locator, host, piece, seq_sizes)
+        for host, piece in memory:
+            if piece.carries:
+                taps[f"{host}.cache_{piece.name}"] = _carry(program, host, piece)
+            else:
+                taps[f"{host}.cache_{piece.name}"] = _grow(program, locator, host, piece, seq_sizes)
+        for host, mixer in family.memory_hosts(config):
             if self.recurrent and mixer.recurrent:  # one token: the token-by-token kernel, as HF decodes
                 kernel = locator.kernel(host)
                 if kernel is not None and kernel.target is CHUNK_OP:
@@ -86,9 +89,9 @@ class OpenCache(BuildPass):
 
 
 def carried(family, config) -> list[str]:
-    """The values a cached step feeds from and taps into its memory (made before ``OpenCache`` runs)."""
-    return [f"{host}.{value}" for host, mixer in family.memory_hosts(config)
-            for piece in mixer.memory if piece.carries for value in piece.carries]
+    """The values a cached step feeds from, taps into its memory or grows (made before ``OpenCache`` runs)."""
+    return [f"{host}.{value}" for host, piece in family.memories(config)
+            for value in (piece.carries or ((piece.grows,) if piece.grows else ()))]
 
 
 def _feed_positions(program, locator) -> None:
@@ -137,17 +140,23 @@ def _feed_mask(program) -> None:
 
 
 def _grow(program, locator, host: str, piece, seq_sizes) -> Found:
-    """An attention's keys or values become ``cat(past, new)``, the past an input; returns the joined tensor."""
-    core = attention_core(locator.scopes.get(host, ()))
-    if core is None:
-        raise InternalError(f"no attention computation found under '{host}'")
-    node = getattr(core, piece.name)
-    shape = node.meta["val"].shape
+    """An attention's keys or values, or the host's value ``piece.grows``, become ``cat(past, new)`` along the
+    piece's ``past`` axis, the past an input; returns the joined tensor."""
+    if piece.grows:
+        node = program.catalogue[f"{host}.{piece.grows}"].location.node
+    else:
+        core = attention_core(locator.scopes.get(host, ()))
+        if core is None:
+            raise InternalError(f"no attention computation found under '{host}'")
+        node = getattr(core, piece.name)
+    axis = 1 + piece.dims.index("past")
+    example = [_BATCH_EXAMPLE, *node.meta["val"].shape[1:]]
+    example[axis] = 3
     past = program.add_input(f"cache.{host}.{piece.name}", lambda inputs, k=f"{host}.{piece.name}": inputs[k],
-                             torch.zeros(_BATCH_EXAMPLE, shape[1], 3, shape[3], dtype=node.meta["val"].dtype))
+                             torch.zeros(example, dtype=node.meta["val"].dtype))
     readers = list(node.users)
     with program.graph.inserting_after(node):
-        joined = _call(program.graph, aten.cat.default, [past, node], 2, scope=node)
+        joined = _call(program.graph, aten.cat.default, [past, node], axis, scope=node)
     for reader in readers:
         reader.replace_input_with(node, joined)
     _free_seq(joined, seq_sizes)

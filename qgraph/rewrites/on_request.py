@@ -14,6 +14,7 @@ from torch.fx import Node
 
 from ..errors import OutOfRange
 from ..kernels.experts import DOWN_OP, NEURONS_OP
+from .context import open_padding
 from .decompose import decompose_sdpa
 from .emit import emitter
 from .swap import open_conv_context, read_as_attention, swap_for_states, swap_for_writes
@@ -96,6 +97,16 @@ class OpenConvContext(Rewrite):
 
     def apply(self, program, node, name, option):
         open_conv_context(program.graph, node)
+
+
+@dataclass(frozen=True)
+class OpenPadding(Rewrite):
+    """A padded sequence's left context: the padding gets an explicit context (``rewrites.context``)."""
+
+    note = "asking for it opens the padding before the sequence into a context of its own"
+
+    def apply(self, program, node, name, option):
+        open_padding(program.graph, node)
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,17 @@ from torch.fx import Graph, Node
 from ..errors import InvalidArgument, InvalidType
 from ..families import Family
 from ..families.rules import (Applied, Attention, ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates,
-                              DeltaRuleWrites, Derived, Port, ProgramInput, ProgramOutput, ProjectionHalf, Routing,
-                              Rule, ScatterSource, Selection, VarlenAttention)
+                              DeltaRuleWrites, Derived, PaddedContext, Port, ProgramInput, ProgramOutput,
+                              ProjectionHalf, Routing, Rule, ScatterSource, Selection, VarlenAttention)
 from ..kernels.experts import DOWN_OP, MOE_EXPERTS_OP
 from ..kernels.ops import DELTA_RULE_OPS, MARK_OP, STATES_OP, VARLEN_ATTENTION_OP
-from ..kernels.qsa import QSA_SELECT_OP
+from ..kernels.qsa import QSA_BLOCKS_OP, QSA_SELECT_OP
 from ..kernels.read_ops import ATTENTION_READ_OP, WRITES_OP
 from ..kernels import views
+from ..rewrites.context import left_padding, opened
 from ..rewrites.swap import read_back
-from ..rewrites.on_request import (DecomposeSdpa, OpenConvContext, ReadAsAttention, Rewrite, SplitExperts,
-                                   SwapForStates, SwapForWrites)
+from ..rewrites.on_request import (DecomposeSdpa, OpenConvContext, OpenPadding, ReadAsAttention, Rewrite,
+                                   SplitExperts, SwapForStates, SwapForWrites)
 
 aten = torch.ops.aten
 
@@ -110,12 +111,16 @@ class Locator:
     def __init__(self, graph: Graph, family: Family, config):
         self.graph, self.family, self.config = graph, family, config
         self.ports: dict[str, Node] = {}
-        self.scopes: dict[str, list[Node]] = defaultdict(list)
+        self.scopes: dict[str, list[Node]] = defaultdict(list)  # module -> the nodes inside it, at any depth
+        self.own: dict[str, list[Node]] = defaultdict(list)  # module -> the nodes of its own ops (innermost)
         for node in graph.nodes:
             if node.target is MARK_OP:
                 self.ports[node.args[1]] = node
-            for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-                self.scopes[family.module_name(path)].append(node)
+            names = [family.module_name(path) for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+            for name in names:
+                self.scopes[name].append(node)
+            if names:
+                self.own[names[-1]].append(node)
 
     def locate(self, host: str, rule: Rule) -> Located:
         """Where ``rule`` finds its value on the module ``host`` (a spec name, "" for the model): what
@@ -157,10 +162,24 @@ def _applied(locator: Locator, host: str, rule: Applied) -> Found | Missing:
 
 @locates(Selection)
 def _selection(locator: Locator, host: str, rule: Selection) -> Found | Missing:
-    select = next((n for n in locator.scopes.get(host, ()) if n.target is QSA_SELECT_OP), None)
-    if select is None:
-        return Missing(f"no sparse-attention token selection (qgraph::qsa_select) under '{host}'")
-    return Found(select.args[0] if rule.part == "scores" else select)
+    op, name = (QSA_BLOCKS_OP, "qsa_blocks") if rule.part == "keys" else (QSA_SELECT_OP, "qsa_select")
+    call = next((n for n in locator.scopes.get(host, ()) if n.target is op), None)
+    if call is None:
+        return Missing(f"no sparse-attention token selection (qgraph::{name}) under '{host}'")
+    return Found(call.args[0] if rule.part in ("scores", "keys") else call)
+
+
+@locates(PaddedContext)
+def _padded_context(locator: Locator, host: str, rule: PaddedContext) -> Found | OnRequest | Missing:
+    module = ".".join(part for part in (host, rule.module) if part)
+    own = locator.own.get(module, ())
+    pair = next((pair for pair in map(opened, own) if pair is not None), None)
+    if pair is not None:
+        return Found(pair[0] if rule.side == "input" else pair[1])
+    padding = next((node for node in own if left_padding(node)), None)
+    if padding is None:
+        return Missing(f"no left padding of a sequence among the ops of '{module}'")
+    return OnRequest(padding, OpenPadding())
 
 
 @locates(DeltaRule)
