@@ -75,10 +75,15 @@ def test_every_family_fills_its_schema_consistently(family):
         assert spec.host in family.hosts, f"{spec.name}: host {spec.host!r} has no template"
     for mixer in family.mixers.values():
         assert mixer.module in family.hosts, f"mixer {mixer.module} has no host template"
-        names = {spec.name for spec in family.values if spec.host == mixer.module}
-        for piece in mixer.memory:
-            assert set(piece.dims) - {"past"} <= set(family.dims), f"{mixer.module}.{piece.name}: unknown dims"
-            assert not piece.carries or set(piece.carries) <= names, f"{piece.carries}: not values of {mixer.module}"
+    # what a decoding step carries: each mixer's memory, and other hosts' (qwen4_exp's PLE layers)
+    memory = [(mixer.module, mixer.memory) for mixer in family.mixers.values()] + list(family.memory.items())
+    for host, pieces in memory:
+        assert host in family.hosts, f"memory of {host}, which has no host template"
+        names = {spec.name for spec in family.values if spec.host == host}
+        for piece in pieces:
+            assert set(piece.dims) - {"past"} <= set(family.dims), f"{host}.{piece.name}: unknown dims"
+            assert not piece.carries or set(piece.carries) <= names, f"{piece.carries}: not values of {host}"
+            assert piece.grows is None or piece.grows in names, f"{piece.grows}: not a value of {host}"
     assert family.vision_mixer is None or family.images is not None
     assert mixer_modules <= set(family.hosts)
 
