@@ -4,7 +4,8 @@
 ``passes.decode.OpenCache``: the *prompt* program (the prompt in one pass, chunked delta rule) and the
 *decode* program (one token, the token-by-token delta rule). Both take the cache as inputs and
 return its successor as outputs: each attention block's keys and values (``[batch, kv_heads, past,
-head_dim]``, after the rotary), each DeltaNet block's recurrent state and conv context. Positions
+head_dim]``, after the rotary), each DeltaNet block's recurrent state and conv context, and what else
+the family declares (``Family.memories``: qwen4_exp's indexer keys and PLE contexts). Positions
 and the attention mask follow HF ``generate``: positions are ``cumsum(attention_mask) - 1`` (so
 left padding is skipped), the mask grows by a column of ones per step.
 
@@ -145,12 +146,9 @@ def empty_cache(family, config, batch: int, parameter: torch.Tensor) -> dict[str
     cache = {}
     for host, piece in family.memories(config):
         size = (batch, *(0 if dim == "past" else family.dim(config, dim) for dim in piece.dims))
-        key = f"{host}.{piece.name}"
-        if piece.fill_id is not None:
-            cache[key] = torch.full(size, piece.fill_id(config), dtype=torch.long, device=parameter.device)
-        else:
-            cache[key] = torch.zeros(size, dtype=torch.float32 if piece.float32 else parameter.dtype,
-                                     device=parameter.device)
+        dtype = torch.long if piece.fill_id else torch.float32 if piece.float32 else parameter.dtype
+        cache[f"{host}.{piece.name}"] = torch.full(size, piece.fill_id(config) if piece.fill_id else 0, dtype=dtype,
+                                                   device=parameter.device)
     return cache
 
 

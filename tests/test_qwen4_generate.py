@@ -14,32 +14,16 @@ import torch
 
 import qgraph
 from conftest import random_ids
-from qgraph.testing import tiny_qwen4_exp
+from test_qwen4_exp import checkpoint, models  # noqa: F401 - fixtures: the tiny checkpoint, its model per attention
 
 NEW = 6
 PROMPT, PADS = 24, 7  # the first row left-padded by 7: 17 real tokens, past the 8-token budget
 SELECTION = [f"layers.{i}.self_attn.selected_tokens" for i in (1, 3)]
-STEPPED = ["layers.0.layer_output", "layers.3.layer_output", "layers.2.ple.ple_output", "layers.2.attention_mix.mix_weights",
-           "layers.3.mlp_mix.injection_weights", "layers.3.self_attn.index_keys", "layers.3.self_attn.attention_head_outputs",
-           "final_norm_output"]
+STEPPED = ["layers.0.layer_output", "layers.3.layer_output", "layers.2.ple.ple_output",
+           "layers.2.attention_mix.mix_weights", "layers.3.mlp_mix.injection_weights", "layers.3.self_attn.index_keys",
+           "layers.3.self_attn.attention_head_outputs", "final_norm_output"]
 CONTEXTS = [f"layers.2.ple.{name}" for name in ("ngram_context_input", "ngram_context_output", "conv_state_input",
                                                 "conv_state_output")]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """The tiny checkpoint's model under an attention implementation, each loaded once (its instruments share
-    one export)."""
-    from transformers import AutoModelForCausalLM
-    checkpoint = tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_generate"))
-    made: dict = {}
-
-    def model(implementation: str):
-        if implementation not in made:
-            made[implementation] = AutoModelForCausalLM.from_pretrained(
-                checkpoint, attn_implementation=implementation).eval()
-        return made[implementation]
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +68,8 @@ def test_greedy_generate_equals_hf_and_its_selection_at_every_step(models, promp
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
     for block in (1, 3):
         for k in range(NEW):  # HF's k-th forward: the prompt's, then the one over new token k
-            assert torch.equal(out.steps[k][f"layers.{block}.self_attn.selected_tokens"], selections[block][k]), (block, k)
+            chosen = out.steps[k][f"layers.{block}.self_attn.selected_tokens"]
+            assert torch.equal(chosen, selections[block][k]), (block, k)
     for k in range(1, NEW + 1):  # every decoding step drops keys: its budget and the tail of the keys it sees
         chosen = out.steps[k]["layers.3.self_attn.selected_tokens"]
         assert chosen.shape == (2, 1, PROMPT + k)

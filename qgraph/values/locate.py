@@ -173,13 +173,12 @@ def _selection(locator: Locator, host: str, rule: Selection) -> Found | Missing:
 def _padded_context(locator: Locator, host: str, rule: PaddedContext) -> Found | OnRequest | Missing:
     module = ".".join(part for part in (host, rule.module) if part)
     own = locator.own.get(module, ())
-    pair = next((pair for pair in map(opened, own) if pair is not None), None)
+    pair = next(filter(None, map(opened, own)), None)  # (context, its last columns) once opened
     if pair is not None:
         return Found(pair[0] if rule.side == "input" else pair[1])
-    padding = next((node for node in own if left_padding(node)), None)
-    if padding is None:
-        return Missing(f"no left padding of a sequence among the ops of '{module}'")
-    return OnRequest(padding, OpenPadding())
+    padding = next(filter(left_padding, own), None)
+    return OnRequest(padding, OpenPadding()) if padding is not None else \
+        Missing(f"no left padding of a sequence among the ops of '{module}'")
 
 
 @locates(DeltaRule)
