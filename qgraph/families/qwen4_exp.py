@@ -26,6 +26,8 @@ attention with a sparse token selection on ``indexed_attention`` blocks, the spa
 
 The export traces the first block of each kind and repeats it, as for Qwen3.5; a PLE block differs from its
 kind's first block (a module more), so it is traced as a variant of its own (``qgraph.export.variants``).
+A decoding step carries what HF's cache holds: beyond Qwen3.5's, each indexer's keys (``MIXERS``) and each
+PLE layer's token and conv contexts (``PLE_MEMORY``); the rotary reads every position so far.
 """
 from __future__ import annotations
 
