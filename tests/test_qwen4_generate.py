@@ -14,7 +14,6 @@ import torch
 
 import qgraph
 from conftest import random_ids
-from test_qwen4_exp import checkpoint, models  # noqa: F401 - fixtures: the tiny checkpoint, its model per attention
 
 NEW = 6
 PROMPT, PADS = 24, 7  # the first row left-padded by 7: 17 real tokens, past the 8-token budget
@@ -57,8 +56,8 @@ def extended(mask, length: int):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("implementation", ("eager", "sdpa"))
-def test_greedy_generate_equals_hf_and_its_selection_at_every_step(models, prompts, implementation):
-    model = models(implementation)
+def test_greedy_generate_equals_hf_and_its_selection_at_every_step(qwen4_models, prompts, implementation):
+    model = qwen4_models(implementation)
     ids, mask = prompts
     out = qgraph.instrument(model, values=SELECTION).generate(ids, mask, max_new_tokens=NEW)
     reference, selections = hf_greedy(model, ids, mask)
@@ -78,11 +77,11 @@ def test_greedy_generate_equals_hf_and_its_selection_at_every_step(models, promp
         assert not chosen[0, 0, :PADS].any()  # the padding is never selected
 
 
-def test_each_step_equals_a_full_forward_at_its_position(models, prompts):
+def test_each_step_equals_a_full_forward_at_its_position(qwen4_models, prompts):
     """Step k's values at its one position are a full forward's at the last of the tokens so far: the streams, the
     PLE layer's output, the mixes, the indexer's keys, the attention, and the selection and block scores of a
     one-token query over its cached keys."""
-    ig = qgraph.instrument(models("sdpa"), values=[*STEPPED, *SELECTION, "layers.3.self_attn.block_scores"])
+    ig = qgraph.instrument(qwen4_models("sdpa"), values=[*STEPPED, *SELECTION, "layers.3.self_attn.block_scores"])
     ids, mask = prompts
     out = ig.generate(ids, mask, max_new_tokens=NEW)
     for k, step in enumerate(out.steps):
@@ -99,11 +98,11 @@ def test_each_step_equals_a_full_forward_at_its_position(models, prompts):
     assert out.steps[3]["layers.2.ple.ple_output"].abs().max() > 0.01  # not comparing zeros
 
 
-def test_the_ple_contexts_carry_the_last_tokens_and_conv_columns(models, prompts):
+def test_the_ple_contexts_carry_the_last_tokens_and_conv_columns(qwen4_models, prompts):
     """A step's n-gram context is the last two token ids so far (eos before a prompt and on its padding), and it
     and the conv context each step reads are what the step before left; each equals what a full forward over the
     tokens so far leaves."""
-    ig = qgraph.instrument(models("sdpa"), values=CONTEXTS)
+    ig = qgraph.instrument(qwen4_models("sdpa"), values=CONTEXTS)
     ids, mask = prompts
     out = ig.generate(ids, mask, max_new_tokens=NEW)
     first = out.steps[0]
@@ -123,8 +122,8 @@ def test_the_ple_contexts_carry_the_last_tokens_and_conv_columns(models, prompts
 
 
 @pytest.mark.compat
-def test_a_stream_edit_at_every_step_equals_a_hook_on_hf_generate(models, prompts):
-    model = models("sdpa")
+def test_a_stream_edit_at_every_step_equals_a_hook_on_hf_generate(qwen4_models, prompts):
+    model = qwen4_models("sdpa")
     ids, mask = prompts
     vector = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))  # one direction per stream
     ig = qgraph.instrument(model)

@@ -25,11 +25,12 @@ Here the same selection is three steps:
   blocks), so even tied scores (a relu sum of 0) pick the blocks the loop picks. A one-token query with
   cached keys (a decoding step) is the same selection over its ``[batch 1 past + 1]`` visible keys.
 
-The op is on the positive list of what a saved program may call (``saved.allowed``), so its arguments may
-be a hostile file's: both its kernel and its fake (which the sandbox's fake run calls at load) refuse by
-name what ``block_scores`` never hands it (``check_arguments``: dtypes, ranks, sizes that disagree, a
-ratio or budget that is not a non-negative int), and the kernel allocates by its tensors' sizes alone (a
-budget past the blocks picks them all), so what it makes is bounded by what it is given.
+The two ops are on the positive list of what a saved program may call (``saved.allowed``), so their arguments
+may be a hostile file's: each one's kernel and fake (which the sandbox's fake run calls at load) refuse by
+name what the indexer and ``block_scores`` never hand it (``check_blocks``, ``check_arguments``: dtypes,
+ranks, sizes that disagree, a ratio or budget that is not a non-negative int), and the kernels allocate by
+their tensors' sizes alone (a budget past the blocks picks them all), so what they make is bounded by what
+they are given.
 """
 from __future__ import annotations
 
@@ -75,14 +76,30 @@ def qsa_blocks(keys: torch.Tensor, visible: torch.Tensor, ratio: int) -> tuple[t
     """The blocks of each row's ``keys`` ``[batch key dim]``: their keys ``[batch blocks ratio dim]`` and
     each block's first token ``[batch blocks]``, blocks of ``ratio`` of the keys the row's last query sees
     (``visible`` ``[batch query key]``), in order."""
+    check_blocks(keys, visible, ratio)
     tokens = _block_tokens(visible, ratio)
     batch, blocks, _ = tokens.shape
     groups = keys.gather(1, tokens.reshape(batch, -1, 1).expand(-1, -1, keys.shape[-1]))
     return groups.reshape(batch, blocks, ratio, keys.shape[-1]), tokens[..., 0].contiguous()
 
 
+def check_blocks(keys: torch.Tensor, visible: torch.Tensor, ratio) -> None:
+    """Refuse arguments the indexer never hands ``qsa_blocks`` (``InvalidArgument``, naming them): float keys
+    ``[batch key dim]`` beside a bool ``[batch query key]`` mask of the same batch and keys on one device, and
+    ``ratio`` >= 1 a plain int (the config's)."""
+    where = "qgraph::qsa_blocks"
+    _check_int(where, "ratio", ratio, 1)
+    _check_mask(where, visible)
+    if not keys.is_floating_point() or keys.dim() != 3 or keys.device != visible.device or \
+            keys.shape[0] != visible.shape[0] or keys.shape[1] != visible.shape[2]:
+        raise InvalidArgument(f"{where} takes float keys [batch key dim] beside a mask [batch query key] on one "
+                              f"device, not {keys.dtype} {list(keys.shape)} ({keys.device}) and "
+                              f"{list(visible.shape)} ({visible.device})")
+
+
 @qsa_blocks.register_fake
 def _(keys, visible, ratio):
+    check_blocks(keys, visible, ratio)
     batch, count, dim = keys.shape
     return keys.new_empty(batch, count // ratio, ratio, dim), keys.new_empty(batch, count // ratio, dtype=torch.long)
 
@@ -139,20 +156,28 @@ def check_arguments(scores: torch.Tensor, visible: torch.Tensor, ratio, top) -> 
     ``[batch query blocks]`` scores, a bool ``[batch query key]`` mask of the same batch and queries on the
     same device, ``blocks == key // ratio``, and ``ratio`` >= 1 and ``top`` >= 0 plain ints (the config's)."""
     where = "qgraph::qsa_select"
-    for name, value, least in (("ratio", ratio, 1), ("top", top, 0)):
-        if type(value) is not int or value < least:
-            raise InvalidArgument(f"{where} takes {name} as an int of at least {least} (the indexer's config), "
-                                  f"not {value!r}")
+    _check_int(where, "ratio", ratio, 1)
+    _check_int(where, "top", top, 0)
     if not scores.is_floating_point() or scores.dim() != 3:
         raise InvalidArgument(f"{where} takes float scores [batch query blocks], not {scores.dtype} "
                               f"{list(scores.shape)}")
-    if visible.dtype != torch.bool or visible.dim() != 3:
-        raise InvalidArgument(f"{where} takes a bool mask [batch query key], not {visible.dtype} {list(visible.shape)}")
+    _check_mask(where, visible)
     if scores.device != visible.device or scores.shape[:2] != visible.shape[:2] or \
             scores.shape[2] != visible.shape[2] // ratio:
         raise InvalidArgument(f"{where} takes scores [batch query key // ratio] beside a mask [batch query key] on "
                               f"one device, not {list(scores.shape)} ({scores.device}) and {list(visible.shape)} "
                               f"({visible.device}) with ratio {ratio}")
+
+
+def _check_int(where: str, name: str, value, least: int) -> None:
+    if type(value) is not int or value < least:
+        raise InvalidArgument(f"{where} takes {name} as an int of at least {least} (the indexer's config), "
+                              f"not {value!r}")
+
+
+def _check_mask(where: str, visible: torch.Tensor) -> None:
+    if visible.dtype != torch.bool or visible.dim() != 3:
+        raise InvalidArgument(f"{where} takes a bool mask [batch query key], not {visible.dtype} {list(visible.shape)}")
 
 
 @qsa_select.register_fake

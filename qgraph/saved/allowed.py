@@ -90,10 +90,10 @@ _QGRAPH = {
         chunk_gated_delta_rule.default chunk_gated_delta_rule_states.default moe_experts.default
         chunk_gated_delta_rule_writes.default delta_rule_attention.default
         moe_expert_neurons.default moe_experts_down.default edit_slot.default""",
-    "qgraph's sparse-attention selection (kernels/qsa.py): a new bool mask from its scores and mask, its arguments "
-    "checked by its fake at load (dtypes, sizes that agree, an int ratio and budget), allocating by its tensors' "
-    "sizes alone, whatever the budget": """
-        qsa_select.default""",
+    "qgraph's sparse-attention selection (kernels/qsa.py): each row's blocks of keys gathered by its mask, and a "
+    "new bool mask from its scores and mask, their arguments checked by their fakes at load (dtypes, sizes that "
+    "agree, an int ratio and budget), allocating by their tensors' sizes alone, whatever the budget": """
+        qsa_blocks.default qsa_select.default""",
 }
 OPS: dict[str, str] = {f"aten.{name}": reason for reason, names in _GROUPS.items() for name in names.split()}
 OPS.update({f"qgraph.{name}": reason for reason, names in _QGRAPH.items() for name in names.split()})

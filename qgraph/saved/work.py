@@ -6,7 +6,8 @@ of the call's size symbols): a contraction (``mm``, ``matmul``, ``linear``, ``ei
 ``sdpa``, qgraph's delta-rule and expert kernels) its multiply-adds, counted twice; any other op the
 elements it reads and writes (an elementwise op's work, within a small factor; ``sort``, ``topk`` and
 ``qgraph::qsa_select`` 16 times that: the selection is a ``topk`` of each query's scores and about a dozen
-passes over its mask, its loop once per distinct number of blocks, at most once per query). The graph's
+passes over its mask, its loop once per distinct number of blocks, at most once per query; and
+``qgraph::qsa_blocks``, a stable sort of each row's mask and a gather of its keys). The graph's
 work is their sum. What the count is checked against is the caller's: a saved program refuses a call over
 ``max_work`` (``qgraph.load``), the server a function edit that would do more than its request's own
 forward (``serve``).
@@ -25,7 +26,7 @@ from .fxdata import OP_OVERLOAD
 CHUNK = 64  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
 # ops whose work is a sort's: 16 x the elements they read and write
 _ORDERING = ("aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.topk.default",
-             "qgraph.qsa_select.default")
+             "qgraph.qsa_select.default", "qgraph.qsa_blocks.default")
 _UNWRITTEN = ("aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default")  # no element touched
 
 
