@@ -138,3 +138,26 @@ def test_a_stream_edit_at_every_step_equals_a_hook_on_hf_generate(qwen4_models, 
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
     plain = ig.generate(ids, mask, max_new_tokens=NEW)
     assert not torch.equal(plain.sequences, out.sequences)  # the edit moves the tokens
+
+
+@pytest.mark.slow  # the remote door starts a server process
+def test_generate_through_every_door(qwen4_models, qwen4_checkpoint, prompts, tmp_path_factory):
+    """A ``qgraph serve`` of the checkpoint generates what the local instrument does, its values at every step
+    included; a saved program (one forward pass, no cache) refuses by name."""
+    from tests.serving import KEY, start_server
+    local = qgraph.instrument(qwen4_models("sdpa"), values=SELECTION)
+    ids, mask = prompts
+    mine = local.generate(ids, mask, max_new_tokens=NEW)
+    process, url = start_server(qwen4_checkpoint, tmp_path_factory.mktemp("serve"))
+    try:
+        served = qgraph.remote(url, api_key=KEY).instrument(SELECTION).generate(ids, mask, max_new_tokens=NEW)
+    finally:
+        process.kill()
+        process.wait(30)
+    assert torch.equal(served.sequences, mine.sequences) and len(served.steps) == len(mine.steps)
+    for k, step in enumerate(mine.steps):
+        for name in SELECTION:
+            assert torch.equal(served.steps[k][name], step[name]), (name, k)
+    loaded = qgraph.load(local.save(tmp_path_factory.mktemp("saved") / "qwen4.qgraph", weights=True))
+    with pytest.raises(qgraph.errors.NotSupported, match="one forward pass, saved without a cache"):
+        loaded.generate(ids, mask, max_new_tokens=2)
