@@ -105,10 +105,14 @@ def test_vectorized_selection_equals_transformers_loop(checkpoint, implementatio
 
 
 def test_logits_equal_the_hf_forward_for_every_prompt(loaded):
-    """One program, prompts of several batch sizes and lengths (a selection that keeps all, and one that drops)."""
+    """One program, prompts of several batch sizes and lengths (a selection that keeps all, and one that drops),
+    one token and fewer than two blocks of the indexer's included (the export's guards on the block count only pick
+    strides: ``Family.named_dims``)."""
     model, ig = loaded
+    short = [(random_ids(batch, length, seed=length), torch.ones(batch, length, dtype=torch.long))
+             for batch, length in ((1, 1), (2, 3), (1, 4), (2, 7))]
     for ids, mask in (padded(), (random_ids(1, 5, seed=3), torch.ones(1, 5, dtype=torch.long)),
-                      (random_ids(2, 70, seed=4), torch.ones(2, 70, dtype=torch.long))):
+                      (random_ids(2, 70, seed=4), torch.ones(2, 70, dtype=torch.long)), *short):
         logits, _ = hooked(model, ids, mask)
         assert torch.equal(ig(ids, mask).logits, logits)
 
@@ -266,25 +270,35 @@ def test_the_image_text_model_with_an_image(tmp_path):
 
 
 def test_deltanet_states_equal_the_float64_recurrence(models):
-    """The DeltaNet values of the PLE block: its states after every token and its head outputs are the gated delta
-    rule run in float64 over the program's own queries, keys, values, decays and betas."""
+    """The DeltaNet values of the PLE block: its states after every token, its head outputs and its effective
+    attention are the gated delta rule run in float64 over the program's own queries, keys, values, decays and
+    betas (the effective attention: the rule run on one-hot values, token s's value the s-th unit vector, so the
+    output at t is row t of the attention)."""
     model = models("eager")
     names = ("attention_queries", "attention_keys", "attention_values", "decays", "betas", "states",
-             "attention_head_outputs", "state_output")
+             "attention_head_outputs", "state_output", "effective_attention")
     ig = qgraph.instrument(model, values=[f"layers.2.linear_attn.{name}" for name in names])
     ids, mask = padded()
     out = ig(ids, mask)
-    q, k, v, g, beta, states, heads, final = (out[f"layers.2.linear_attn.{name}"].double() for name in names)
+    q, k, v, g, beta, states, heads, final, attention = (out[f"layers.2.linear_attn.{name}"].double()
+                                                         for name in names)
     q, k = ((x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(2, dim=2) for x in (q, k))
     q = q / math.sqrt(q.shape[-1])
+    length = ids.shape[1]
     state = torch.zeros(*states.shape[:1], *states.shape[2:], dtype=torch.float64)
-    for t in range(ids.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
+    unit = torch.zeros(*state.shape[:-1], length, dtype=torch.float64)  # the same rule over one-hot values
+    for t in range(length):
+        state, unit = (x * g[:, t].exp()[..., None, None] for x in (state, unit))
         write = (v[:, t] - (state * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
         state = state + k[:, t, ..., None] * write[..., None, :]
+        one_hot = torch.nn.functional.one_hot(torch.tensor(t), length).double()
+        unit = unit + k[:, t, ..., None] * ((one_hot - (unit * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None])[
+            ..., None, :]
         assert torch.allclose(states[:, t], state, atol=1e-4)
         assert torch.allclose(heads[:, t], (state * q[:, t, ..., None]).sum(-2), atol=1e-4)
+        torch.testing.assert_close(attention[:, :, t], (unit * q[:, t, ..., None]).sum(-2), rtol=1e-4, atol=1e-8)
     assert torch.allclose(final, state, atol=1e-4)
+    assert attention[:, :, -1, :-1].abs().max() > 1e-4  # it attends to earlier tokens (random decays are fast)
 
 
 def test_generate_runs_with_every_value_and_a_family_that_cannot_is_refused_by_name(loaded, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 
 from qgraph.families import FAMILIES
 from qgraph.families.rules import (ConvContext, DeltaRule, DeltaRuleReads, DeltaRuleStates, DeltaRuleWrites, Derived,
-                                   Port, ProgramInput, ProgramOutput, Routing, Rule, SAEPart)
+                                   PaddedContext, Port, ProgramInput, ProgramOutput, Routing, Rule, SAEPart)
 from qgraph.values.locate import LOCATORS, Locator, Missing
 from qgraph.values import derive
 
@@ -64,7 +64,8 @@ def test_traits_on_the_rule_classes():
                                         Port("", "output"), Derived((), "size"))] == \
         [True, False, True, False, True, True, False, False, True]
     assert {kind for kind in Rule.__subclasses__() if kind.by_name_only} == {DeltaRuleStates, ConvContext,
-                                                                             DeltaRuleReads, DeltaRuleWrites}
+                                                                             DeltaRuleReads, DeltaRuleWrites,
+                                                                             PaddedContext}
     assert {kind for kind in Rule.__subclasses__() if kind.region_edits_only} == {DeltaRuleWrites}
     assert [DeltaRuleReads("attention").read_only, DeltaRuleReads("initial_state").read_only] == [False, True]
     assert {kind for kind in Rule.__subclasses__() if kind.derived} == {Derived}

@@ -357,14 +357,15 @@ def export_dims(dynamic_shapes, named: bool | None = None):
     return torch.utils._pytree.tree_map(dynamic, dynamic_shapes, is_leaf=lambda dim: isinstance(dim, kind))
 
 
-def export(module: torch.nn.Module, kwargs: dict, dynamic_shapes) -> ExportedProgram:
+def export(module: torch.nn.Module, kwargs: dict, dynamic_shapes, named: bool = True) -> ExportedProgram:
     """``torch.export.export(module, (), kwargs, strict=False)`` over ``dynamic_shapes`` (``export_dims``).
     Where named dims fail for another reason the probe cannot see (torch 2.13 with transformers 5.9:
     the ViT's derived patch dims fail export's range check, "tgt_bound ... not a subset of src_bound"),
     the export runs once more with ``Dim.DYNAMIC`` dims; if that fails too, the first error is raised.
-    One at a time (``tracing``)."""
+    ``named=False`` (a family whose named dims are known to fail: ``Family.named_dims``) exports with
+    ``Dim.DYNAMIC`` dims at once, the trace that would follow the failed one. One at a time (``tracing``)."""
     with _TRACING:
-        named = _named_dims_solve_repeats()
+        named = named and _named_dims_solve_repeats()
         try:
             return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, named),
                                        strict=False)

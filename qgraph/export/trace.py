@@ -184,7 +184,7 @@ def _export(model, family: Family, images: bool, names: tuple[str, ...], blocks:
     with hooks_set_aside(model), export_patches(model, family.export_methods), _delta_rule_ops(model, family), \
             _port_markers(model, family), family_patches, patches, \
             constants.recording(twin) as reads:
-        program = compat.export(twin, example, dynamic)
+        program = compat.export(twin, example, dynamic, named=family.named_dims)
     return program, frozenset(read for read in reads if read[1] not in family.cache_indices)
 
 

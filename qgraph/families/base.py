@@ -175,6 +175,10 @@ class Family:
     # them all, and the model slices the new tokens' itself: qwen4_exp's indexer rotates pooled blocks of
     # cached keys at their first token's position); False: the new tokens' alone
     rotary_reads_past: bool = False
+    # whether export can take its batch and sequence dims as named ``Dim``s (which must hold for every size);
+    # False: it traces with ``Dim.DYNAMIC`` dims at once (``compat.export``), where the named ones are known to
+    # fail on a guard that does not change the values (said in the family, and its values tested at every length)
+    named_dims: bool = True
     # why generate cannot run this family yet (what a decoding step would have to carry that qgraph does not),
     # said by ``generate`` before any work; None: it generates
     not_generating: str | None = None
