@@ -32,6 +32,7 @@ def regional(sdpa_model):
             qgraph.instrument(sdpa_model, values=values, compile=True))
 
 
+@pytest.mark.slow  # it compiles with inductor: the slow tier
 def test_each_kind_of_block_compiles_once_and_serves_every_length(regional):
     eager, compiled = regional
     regions = compiled.program_for(False).runner.compiled.regions
@@ -46,6 +47,7 @@ def test_each_kind_of_block_compiles_once_and_serves_every_length(regional):
             assert counters["stats"]["unique_graphs"] - graphs == 4  # one graph per group, for every call
 
 
+@pytest.mark.slow  # it compiles with inductor: the slow tier
 def test_the_conv_backward_under_grad_compiles_one_graph_for_every_length():
     # the DeltaNet's causal conv: inductor's lowering of its backward fixed the length (qgraph.compat fixes it),
     # so every new length under grad mode compiled again
@@ -78,6 +80,7 @@ def slotted(sdpa_model):
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # it compiles with inductor: the slow tier
 def test_compiled_program_with_edit_slots(slotted):
     eager, compiled, fixed_eager, fixed_compiled = slotted
     edits = {"layers.0.layer_output": lambda x: x * 2, "layers.1.linear_attn.attention_head_outputs": qgraph.Zero(heads=[1])}

@@ -325,6 +325,7 @@ def test_param_grads_with_two_images_equal_hf(processor, vl_model):
     assert worst_param_difference(got, want) <= TOLERANCE
 
 
+@pytest.mark.slow  # it compiles with inductor: the slow tier
 def test_compiled_program_grads_equal_the_eager_programs(sdpa_model):
     ids, mask = left_padded(seq=20)
     values = ["layers.*.layer_output"]

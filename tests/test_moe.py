@@ -374,6 +374,7 @@ def test_the_experts_neurons_are_each_routed_experts_act_gate_times_up(family, p
         assert torch.equal(split.logits, eager_twin(input_ids=ids, attention_mask=mask).logits)
 
 
+@pytest.mark.slow  # it compiles with inductor: the slow tier
 def test_compiled_and_with_a_config_that_asks_for_router_logits(family):
     name, model, _ = family
     if name != "qwen3_5_moe":

@@ -163,6 +163,7 @@ def test_gradients_flow_through_a_read_as_through_hooks(sdpa_model, ig):
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # it compiles with inductor: the slow tier
 def test_fixed_reads_are_traced_saved_and_compiled(sdpa_model, ig, tmp_path):
     v = torch.randn(64, generator=torch.Generator().manual_seed(8))
     fixed = {R3: qgraph.Add(qgraph.Read(R1), scale=0.5), R2: qgraph.Add(v, scale=0.2, relative=True)}

@@ -284,6 +284,7 @@ def test_the_one_sae_of_a_block_answers_to_both_names(sdpa_model, run, sae, ids)
         ig(ids, edits={"layers.1.layer_output.sae.features": qgraph.Zero()})
 
 
+@pytest.mark.slow  # it compiles with inductor: the slow tier
 def test_compiled_features_equal_eager(sdpa_model, sae, ids, run):
     # dynamo + AOTAutograd over the SAE's nodes; inductor's codegen is tested in test_compile
     compiled = qgraph.instrument(sdpa_model, values=VALUES, saes={HOOK: sae}, compile={"backend": "aot_eager"})
