@@ -30,6 +30,7 @@ from .edits import needs
 from .errors import InvalidArgument, InvalidType, NotCaptured, NotSupported, QgraphError
 from .export import export_model
 from .inputs import image_keys, prepare
+from .decode_cache import causal_mask, empty_cache, next_cache
 from .values.names import canonical
 from .passes.decode import carried
 from .passes.edit import applying
@@ -137,36 +138,6 @@ class Decoder:
 
     def next_cache(self, captured: dict) -> dict[str, torch.Tensor]:
         return next_cache(self.memory, captured)
-
-
-def empty_cache(family, config, batch: int, parameter: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The memory before a cached program's first step (``passes.decode.OpenCache``): no past keys and
-    values, zero states and contexts, in ``parameter``'s dtype (the states in float32); token ids filled
-    with their piece's id (``Memory.fill_id``); on ``parameter``'s device."""
-    cache = {}
-    for host, piece in family.memories(config):
-        size = (batch, *(0 if dim == "past" else family.dim(config, dim) for dim in piece.dims))
-        dtype = torch.long if piece.fill_id else torch.float32 if piece.float32 else parameter.dtype
-        cache[f"{host}.{piece.name}"] = torch.full(size, piece.fill_id(config) if piece.fill_id else 0, dtype=dtype,
-                                                   device=parameter.device)
-    return cache
-
-
-def next_cache(memory, captured: dict) -> dict[str, torch.Tensor]:
-    """The memory the next step reads, popped from a step's captured tensors (``memory``: the family's
-    ``memories``)."""
-    return {f"{host}.{piece.name}": captured.pop(f"{host}.cache_{piece.name}") for host, piece in memory}
-
-
-def causal_mask(full_mask: torch.Tensor, new: int) -> torch.Tensor:
-    """``[batch, 1, new, past + new]``: key j is seen by new token i when it is not padding and
-    ``j <= past + i``."""
-    length = full_mask.shape[1]
-    past = length - new
-    keys = torch.arange(length, device=full_mask.device)
-    queries = torch.arange(new, device=full_mask.device) + past
-    causal = keys[None, :] <= queries[:, None]
-    return (causal[None, None] & full_mask.bool()[:, None, None, :])
 
 
 def _selected(steps, step: int, total_hint: int) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InternalError
+from ..decode_cache import causal_mask, empty_cache, next_cache
 from ..kernels.grad import keep_recomputation
 
 SEGMENT = 64  # tokens a segment of the forward holds (the DeltaNet kernel's chunk)
@@ -111,8 +112,6 @@ def run_segments(program, ids: torch.Tensor, pieces: list[tuple[int, int]], name
     ``[seq]``, a segment (``pieces``: their bounds) at a time, with zeros (leaves that take gradients) at the
     program inputs ``names``: the last segment's logits (None without) and every segment. Gradients flow
     between the segments through the cache."""
-    # lazy: qgraph.generate keeps transformers out until this is used
-    from ..generate import causal_mask, empty_cache, next_cache
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
     ids = ids.to(device)
