@@ -352,3 +352,14 @@ def test_blocks_of_one_kind_repeat_one_traced_block(tmp_path, monkeypatch):
         assert torch.equal(out[f"layers.{i}.layer_output"].flatten(-2), seen[f"{i}.layer"][1])
     for i in (0, 2):
         assert torch.equal(out[f"layers.{i}.ple.ple_output"].flatten(-2), seen[f"{i}.ple"][1])
+
+
+def test_a_transformers_that_selects_inside_the_indexers_forward_is_refused_by_name(loaded, monkeypatch):
+    """transformers 5.23 and 5.24 select inside the indexer's forward (no ``_select_tokens`` to swap while exporting):
+    instrumenting such a model is refused by name with the release that works, before any export."""
+    model, _ = loaded
+    indexer = type(model.model.layers[1].self_attn.indexer)
+    monkeypatch.delattr(indexer, "_select_tokens")
+    with pytest.raises(qgraph.UnsupportedModel, match=r"transformers \S+ selects the sparse attention's tokens inside "
+                                                      r"the indexer's forward.*pip install 'transformers>=5.25'"):
+        qgraph.instrument(model, values=["layers.0.layer_output"])

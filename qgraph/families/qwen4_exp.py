@@ -31,6 +31,7 @@ PLE layer's token and conv contexts (``PLE_MEMORY``); the rotary reads every pos
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import replace
 
@@ -225,6 +226,23 @@ def _ple_blocks(config) -> list[int]:
     return [layer - 1 for layer in config.get_text_config().ple_layer_ids]
 
 
+MODELING = "transformers.models.qwen4_exp.modeling_qwen4_exp"
+
+
+def _check(config) -> str | None:
+    """transformers 5.23 and 5.24 select the sparse attention's tokens inside the indexer's forward, a loop export
+    cannot follow; from 5.25 the selection is its own method (``_select_tokens``), which ``export_methods`` swaps
+    for the vectorized one while exporting."""
+    indexer = importlib.import_module(MODELING).Qwen4ExpTextQSAIndexer
+    if hasattr(indexer, "_select_tokens"):
+        return None
+    import transformers  # loaded with the model: only its version is read
+    return (f"transformers {transformers.__version__} selects the sparse attention's tokens inside the indexer's "
+            f"forward, a Python loop torch.export cannot follow; qgraph reads qwen4_exp models with transformers 5.25 "
+            f"or later, where the selection is a method of its own that qgraph replaces while exporting: pip install "
+            f"'transformers>=5.25'")
+
+
 # Qwen3.5-MoE's text family (its no_ports, rotary and M-RoPE rows, cache indices, the MoE block's export
 # patches, forward arguments, TransformerLens aliases and experts_down) with this model's own tables
 QWEN4_EXP = register_family(replace(
@@ -238,7 +256,8 @@ QWEN4_EXP = register_family(replace(
     dims=DIMS,
     module_renames=MODULE_RENAMES,
     readout=("final_mix", "lm_head"),
-    kernels=replace(QWEN3_5_MOE.kernels, module="transformers.models.qwen4_exp.modeling_qwen4_exp"),
+    kernels=replace(QWEN3_5_MOE.kernels, module=MODELING),
+    check=_check,
     alias_instead=ALIAS_INSTEAD,
     export_methods={"_select_tokens": select_tokens},
     host_blocks={"ple": _ple_blocks},
