@@ -71,6 +71,7 @@ def _kept_until_released() -> None:
     assert heap.kept() == 0 and _resident() < resident - 200 * MIB
 
 
+@pytest.mark.slow  # fresh Python processes of its own: the slow tier
 def test_the_heap_values_grew_stays_for_the_next_values_until_released():
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

@@ -36,6 +36,7 @@ def test_import_qgraph_imports_nothing_heavy():
     assert result["version"].count(".") >= 1
 
 
+@pytest.mark.slow  # fresh Python processes of its own: the slow tier
 def test_every_public_name_resolves():
     result = fresh("""
         import json, sys, types
@@ -51,6 +52,7 @@ def test_every_public_name_resolves():
     assert result["modeling"] == []  # qgraph's own modules never import transformers' modeling code
 
 
+@pytest.mark.slow  # fresh Python processes of its own: the slow tier
 def test_submodules_do_not_shadow_the_functions_of_their_name():
     """``qgraph.instrument``, ``qgraph.capture`` and ``qgraph.render`` are the functions, whichever of
     their modules was imported first (importing a submodule binds it on its package)."""
@@ -67,6 +69,7 @@ def test_submodules_do_not_shadow_the_functions_of_their_name():
     assert result == [True, True, True, True, False]
 
 
+@pytest.mark.slow  # fresh Python processes of its own: the slow tier
 def test_first_use_checks_the_versions_once():
     result = fresh("""
         import json
@@ -80,6 +83,7 @@ def test_first_use_checks_the_versions_once():
     assert result == [1]
 
 
+@pytest.mark.slow  # fresh Python processes of its own: the slow tier
 @pytest.mark.parametrize("module", ["qgraph.kernels.ops", "qgraph.kernels.buffers", "qgraph.program", "qgraph.saved"])
 def test_the_custom_ops_register_with_the_kernels(module):
     result = fresh(f"""
