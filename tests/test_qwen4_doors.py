@@ -39,7 +39,8 @@ def model(qwen4_models):
 
 @pytest.fixture(scope="module")
 def cache_on(tmp_path_factory):
-    """The disk cache of exported programs on: the server's process loads the program this one exported."""
+    """The disk cache of exported programs on: the server's process loads the program from it where this worker
+    exported the model here (one shared with other files may have been exported before: the server exports it)."""
     with program_cache_on(tmp_path_factory, "qwen4-doors-cache"):
         yield
 
