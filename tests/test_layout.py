@@ -54,11 +54,23 @@ def test_the_runner_runs_passes_in_order():
     assert torch.equal(module(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 4.0]))
 
 
-def test_a_failing_pass_is_named_with_the_ones_before_it():
+def test_a_broken_graph_fails_the_lint_naming_the_passes_run():
     with pytest.raises(RuntimeError) as caught:  # the lint's error, its type and message kept
         run_passes(_add_module(), [_Relu(), _Broken()])
     notes = "\n".join(getattr(caught.value, "__notes__", []))
-    assert "in pass _Broken, after _Relu" in notes
+    assert "fails its lint after the passes _Relu, _Broken" in notes
+
+
+class _Raises(GraphPass):
+    def call(self, graph_module):
+        raise KeyError("the pass's own error")
+
+
+def test_a_failing_pass_is_named_with_the_ones_before_it():
+    with pytest.raises(KeyError) as caught:
+        run_passes(_add_module(), [_Relu(), _Raises(), _Relu()])
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "in pass _Raises, after _Relu" in notes
 
 
 def test_a_users_error_in_a_pass_keeps_its_type(sdpa_model):

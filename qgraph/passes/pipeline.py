@@ -2,7 +2,7 @@
 
 Each entry is a ``BuildPass`` class (``passes.base``). ``build_passes(build)`` makes the ones the
 build wants (``wanted``) from it, and ``Program.build`` runs them once, in this order, through the one
-runner (``run_passes``: lint after each, a failure names the pass and those before it). Each pass
+runner (``run_passes``: a failure names the pass and those before it; the graph is linted after the last). Each pass
 reads what it needs from the ``Build`` and leaves there what the passes after it read; the port
 markers are read up to ``StripMarkers`` and gone after it (each pass's ``requires`` checks which).
 A diagram runs the first entry alone (``Program.make``): the graph it draws is the program's.

@@ -128,10 +128,12 @@ class ServedEntry:
 def build_catalogue(family: Family, config, locator: Locator, module_names: list[str]) -> dict[str, Entry]:
     """Every value of the model: the model's, then block by block, then the vision tower's, then ports."""
     placed = []
+    # each host kind's hosts and each dim's size read once (a config attribute read is slow in transformers)
+    hosts, sizes = _Once(lambda kind: family.hosts_of(kind, config)), _Once(lambda dim: _spec_size(family, config, dim))
     for order, spec in enumerate(family.values):
-        for host in family.hosts_of(spec.host, config):
+        for host in hosts(spec.host):
             name = f"{host}.{spec.name}" if host else spec.name
-            shape = tuple(_spec_size(family, config, dim) for dim in spec.dims)
+            shape = tuple(sizes(dim) for dim in spec.dims)
             location = Missing("derived") if spec.rule.derived else locator.locate(host, spec.rule)
             block = re.search(r"layers\.(\d+)", host)
             section = 2 if family.of_images(spec.host) else (1 if block else 0)
@@ -140,6 +142,7 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
     entries = {entry.name: entry for _, entry in sorted(placed, key=lambda item: item[0])}
 
     symbols, whole = _symbol_names(locator), _whole_units(family, config, locator)
+    size_of = _Once(lambda size: port_size(size, symbols, whole))  # by expression: printing one is slow
     for module in module_names:
         for side in ("input", "output"):
             name = f"{module}.{side}"
@@ -149,10 +152,23 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
                     f"module '{module}' is never called as a module in the forward (its weights are used "
                     f"directly), so it has no {side}"))
                 continue
-            shape = tuple(port_size(size, symbols, whole) for size in marker.meta["val"].shape)
+            shape = tuple(size_of(compat.size_expression(size)) for size in marker.meta["val"].shape)
             layout = "[" + " ".join(str(size) for size in shape) + "]"
             entries[name] = Entry(name, module, layout, shape, f"the {side} of {module}", Found(marker))
     return entries
+
+
+class _Once(dict):
+    """``function(key)``, computed once per key."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def __call__(self, key):
+        if key not in self:
+            self[key] = self.function(key)
+        return self[key]
 
 
 def _spec_size(family: Family, config, dim: str) -> int | str:
