@@ -357,6 +357,21 @@ def export_dims(dynamic_shapes, named: bool | None = None):
     return torch.utils._pytree.tree_map(dynamic, dynamic_shapes, is_leaf=lambda dim: isinstance(dim, kind))
 
 
+# torch 2.13 and 2.14 have the switch (2.10 has none: there export records them). Export records each node's Python stack
+# (``node.meta["stack_trace"]``): a captured traceback symbolized per node, about a tenth of a fresh
+# export of the tiny model. qgraph never reads it (nodes are found by module scope), so qgraph's exports
+# skip it through torch.fx's own switch, set while the export runs (under the tracing lock) and put back.
+@contextlib.contextmanager
+def _no_stack_traces():
+    from torch.fx import config
+    before = getattr(config, "do_not_emit_stack_traces", False)
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def export(module: torch.nn.Module, kwargs: dict, dynamic_shapes, named: bool = True) -> ExportedProgram:
     """``torch.export.export(module, (), kwargs, strict=False)`` over ``dynamic_shapes`` (``export_dims``).
     Where named dims fail for another reason the probe cannot see (torch 2.13 with transformers 5.9:
@@ -364,7 +379,7 @@ def export(module: torch.nn.Module, kwargs: dict, dynamic_shapes, named: bool = 
     the export runs once more with ``Dim.DYNAMIC`` dims; if that fails too, the first error is raised.
     ``named=False`` (a family whose named dims are known to fail: ``Family.named_dims``) exports with
     ``Dim.DYNAMIC`` dims at once, the trace that would follow the failed one. One at a time (``tracing``)."""
-    with _TRACING:
+    with _TRACING, _no_stack_traces():
         named = named and _named_dims_solve_repeats()
         try:
             return torch.export.export(module, (), kwargs, dynamic_shapes=export_dims(dynamic_shapes, named),

@@ -16,6 +16,7 @@ exports the whole model.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -267,12 +268,14 @@ class _Repeater:
     def _port_renames(self, seed_index: int, index: int) -> dict[str, str]:
         """Port names of the seed block's modules -> those of block ``index``'s."""
         seed_path, path = f"{self.blocks.path}.{seed_index}", f"{self.blocks.path}.{index}"
-        renames = {}
-        for module_path, _ in self.model.named_modules():
-            if module_path == seed_path or module_path.startswith(seed_path + "."):
-                own = path + module_path[len(seed_path):]
-                renames[self.family.module_name(module_path)] = self.family.module_name(own)
-        return renames
+        return {self.family.module_name(module_path): self.family.module_name(path + module_path[len(seed_path):])
+                for module_path in self._module_paths
+                if module_path == seed_path or module_path.startswith(seed_path + ".")}
+
+    @functools.cached_property
+    def _module_paths(self) -> list[str]:
+        """Every module path of the model (walked once, not once per block)."""
+        return [module_path for module_path, _ in self.model.named_modules()]
 
     def _exported(self, graph: torch.fx.Graph, specs: list[InputSpec], env: dict[Node, Node]) -> ExportedProgram:
         seed = self.seed
