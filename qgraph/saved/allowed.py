@@ -44,7 +44,7 @@ _GROUPS = {
     "reductions and ordering": """
         sum.default sum.dim_IntList mean.default mean.dim amax.default amin.default max.dim min.dim max.default
         min.default argmax.default argmin.default any.default any.dim all.default all.dim topk.default sort.default
-        argsort.default sort.stable cumsum.default cummax.default prod.dim_int var.correction var.dim std.dim
+        argsort.default cumsum.default cummax.default prod.dim_int var.correction var.dim std.dim
         norm.ScalarOpt_dim linalg_vector_norm.default logsumexp.default""",
     "linear algebra, convolution and attention": """
         linear.default matmul.default mm.default bmm.default addmm.default baddbmm.default

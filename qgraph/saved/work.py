@@ -25,7 +25,7 @@ from .fxdata import OP_OVERLOAD
 
 CHUNK = 64  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
 # ops whose work is a sort's: 16 x the elements they read and write
-_ORDERING = ("aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.topk.default",
+_ORDERING = ("aten.sort.default", "aten.argsort.default", "aten.topk.default",
              "qgraph.qsa_select.default", "qgraph.qsa_blocks.default")
 _UNWRITTEN = ("aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default")  # no element touched
 
