@@ -357,10 +357,11 @@ def export_dims(dynamic_shapes, named: bool | None = None):
     return torch.utils._pytree.tree_map(dynamic, dynamic_shapes, is_leaf=lambda dim: isinstance(dim, kind))
 
 
-# torch 2.13 and 2.14 have the switch (2.10 has none: there export records them). Export records each node's Python stack
-# (``node.meta["stack_trace"]``): a captured traceback symbolized per node, about a tenth of a fresh
-# export of the tiny model. qgraph never reads it (nodes are found by module scope), so qgraph's exports
-# skip it through torch.fx's own switch, set while the export runs (under the tracing lock) and put back.
+# torch 2.13 and 2.14 have the switch (2.10 has none: there export records them). Export records each
+# node's Python stack (``node.meta["stack_trace"]``): a captured traceback symbolized per node, about a
+# tenth of a fresh export of the tiny model. qgraph never reads it (nodes are found by module scope), so
+# qgraph's exports skip it through torch.fx's own switch, set while the export runs (under the tracing
+# lock) and put back.
 @contextlib.contextmanager
 def _no_stack_traces():
     from torch.fx import config
