@@ -59,6 +59,16 @@ def test_repeated_seed_is_the_full_export_node_for_node(deep_model, seed_and_ful
     assert all(repeated.state_dict[name] is tensor for name, tensor in full.state_dict.items())
 
 
+def test_exports_record_no_python_stack_and_leave_torchs_switch_as_it_was(seed_and_full):
+    from torch.fx import config
+    _, seed, full, _ = seed_and_full
+    assert getattr(config, "do_not_emit_stack_traces", False) is False  # torch's default, put back after each
+    if hasattr(config, "do_not_emit_stack_traces"):  # torch 2.10 has no switch: there each node has its stack
+        stacks = [node.meta.get("stack_trace") or "" for graph in (seed.graph, full.graph) for node in graph.nodes]
+        assert not [stack for stack in stacks if "modeling_qwen3_5" in stack]  # each op's line in the model's forward
+    assert any(node.meta.get("nn_module_stack") for node in seed.graph.nodes)  # what qgraph finds nodes by
+
+
 @pytest.mark.compat
 def test_instrumented_deep_model_equals_hooks_and_hf(deep_model):
     ig = qgraph.instrument(deep_model, values=["layers.*.layer_output", "layers.5.linear_attn.decays",
