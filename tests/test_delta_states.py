@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qgraph.errors import InvalidArgument
 from qgraph.kernels.delta_states import chunk_gated_delta_rule_with_states
 from qgraph.kernels.ops import STATES_OP
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as _transformers_kernel
@@ -180,10 +181,13 @@ def test_opcheck():
     cases = [
         (q, k, v, g, beta, s0, None, None, True, 64, torch.float32),
         (q, k, v, g, beta, None, torch.tensor([0, seq - 1]), torch.tensor([1]), True, 64, torch.bfloat16),
-        (q, k, v, g, beta, s0, torch.tensor([seq - 1]), None, False, 16, torch.float32),
+        (q, k, v, g, beta, s0, torch.tensor([seq - 1]), None, False, 64, torch.float32),
     ]
     for args in cases:
         torch.library.opcheck(STATES_OP, args)
+    # the op's chunk is the kernel's (the Python function takes any: test_no_l2norm_and_other_chunk_size)
+    with pytest.raises(InvalidArgument, match="takes chunk_size 64, the kernel's chunk, not 16"):
+        STATES_OP(q, k, v, g, beta, s0, None, None, True, 16, torch.float32)
 
 
 class _StatesModule(torch.nn.Module):

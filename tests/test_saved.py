@@ -145,6 +145,35 @@ def test_refusals(saved, tmp_path):
         qgraph.load(bare, weights=tmp_path / "junk.safetensors")
 
 
+STATES_OP = "torch.ops.qgraph.chunk_gated_delta_rule_states.default"
+
+
+def _states_argument(index: int, value):
+    """A change of graph.json setting argument ``index`` of the state-emitting node to ``value`` (or to
+    ``value(data)``)."""
+    def change(data):
+        (node,) = [node for node in data["graph"]["nodes"] if node.get("target") == STATES_OP]
+        node["args"][index] = value(data) if callable(value) else value
+    return change
+
+
+@pytest.mark.parametrize("index, value, message", [
+    (9, 12288, r"takes chunk_size 64, the kernel's chunk, not 12288"),  # 9.8 GB for 20 tokens, were it run
+    (9, 1, r"takes chunk_size 64, the kernel's chunk, not 1"),
+    (7, lambda data: {"node": next(n["name"] for n in data["graph"]["nodes"] if n["op"] == "placeholder")},
+     r"takes heads as 1-d int64 indices, not torch.float32 \[\d+, 64\]"),
+    (10, {"dtype": "int64"}, r"takes a floating-point states_dtype, not torch.int64"),
+], ids=["a chunk of 12288", "a chunk of 1", "a weight as heads", "int states"])
+def test_a_state_emitting_node_qgraph_never_writes_is_refused_at_load(saved, tmp_path, index, value, message):
+    ig, bare = saved
+    assert qgraph.load(bare, weights=ig.model) is not None  # as saved: its chunk is 64, its positions int64
+    hostile = _with_graph(bare, tmp_path / "hostile.qgraph", _states_argument(index, value))
+    with pytest.raises(qgraph.SavedProgramError, match=r"\(qgraph.chunk_gated_delta_rule_states.default\) does not "
+                                                       r"fit its arguments: qgraph::chunk_gated_delta_rule_states "
+                                                       + message):
+        qgraph.load(hostile, weights=ig.model)
+
+
 def _keys(checkpoint) -> set[str]:
     """The tensor names of a checkpoint folder, as safetensors reads them."""
     names = set()

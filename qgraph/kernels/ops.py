@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..errors import InternalError
+from ..errors import InternalError, InvalidArgument
 from .delta_states import chunk_gated_delta_rule_with_states
 
 # The kernels the ops run, by name: each delta-rule node names its kernels in its last argument, so a
@@ -131,6 +131,9 @@ def _(x, name):
     return torch.empty_like(x)
 
 
+CHUNK = 64  # the chunked delta rule's chunk (transformers' kernel's and the state-emitting op's)
+
+
 @torch.library.custom_op("qgraph::chunk_gated_delta_rule_states", mutates_args=())
 def chunk_gated_delta_rule_states(
     query: torch.Tensor,
@@ -142,7 +145,7 @@ def chunk_gated_delta_rule_states(
     positions: torch.Tensor | None = None,
     heads: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = True,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK,
     states_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Opaque op for :func:`chunk_gated_delta_rule_with_states`: ``(output, states, final_state)``.
@@ -150,6 +153,7 @@ def chunk_gated_delta_rule_states(
     One graph node under ``torch.export`` whatever the sequence length; the fake kernel derives
     every output shape from the input shapes (the number of positions from ``positions.shape``).
     """
+    _check_states_arguments(positions, heads, chunk_size, states_dtype)
     output, states, final_state = chunk_gated_delta_rule_with_states(
         query, key, value, g, beta, initial_state=initial_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
@@ -161,7 +165,8 @@ def chunk_gated_delta_rule_states(
 
 @chunk_gated_delta_rule_states.register_fake
 def _(query, key, value, g, beta, initial_state=None, positions=None, heads=None,
-      use_qk_l2norm_in_kernel=True, chunk_size=64, states_dtype=torch.float32):
+      use_qk_l2norm_in_kernel=True, chunk_size=CHUNK, states_dtype=torch.float32):
+    _check_states_arguments(positions, heads, chunk_size, states_dtype)
     # Shape arithmetic only, so batch and seq stay symbolic under torch.export.
     batch, seq = query.shape[:2]
     k_dim = key.shape[-1]
@@ -172,6 +177,22 @@ def _(query, key, value, g, beta, initial_state=None, positions=None, heads=None
     states = query.new_empty(batch, num_states, num_sel, k_dim, v_dim, dtype=states_dtype)
     final_state = query.new_empty(batch, num_v_heads, k_dim, v_dim, dtype=torch.float32)
     return output, states, final_state
+
+
+def _check_states_arguments(positions, heads, chunk_size, states_dtype) -> None:
+    """Refuse what qgraph never writes in a state-emitting node (``InvalidArgument``; the op and its fake check
+    alike, so a saved program is refused at load): a chunk other than ``CHUNK`` (the kernel holds ``chunk x chunk``
+    matrices per chunk and head: a file's chunk of 12,288 took 9.8 GB for 20 tokens), positions or heads
+    that are not 1-d integer indices, states of a dtype that is not floating point."""
+    where = "qgraph::chunk_gated_delta_rule_states"
+    if type(chunk_size) is not int or chunk_size != CHUNK:
+        raise InvalidArgument(f"{where} takes chunk_size {CHUNK}, the kernel's chunk, not {chunk_size!r}")
+    for name, indices in (("positions", positions), ("heads", heads)):
+        if indices is not None and (indices.dim() != 1 or indices.dtype != torch.long):
+            raise InvalidArgument(f"{where} takes {name} as 1-d int64 indices, not {indices.dtype} "
+                                  f"{list(indices.shape)}")
+    if not isinstance(states_dtype, torch.dtype) or not states_dtype.is_floating_point:
+        raise InvalidArgument(f"{where} takes a floating-point states_dtype, not {states_dtype!r}")
 
 
 DELTA_RULE_OPS = (torch.ops.qgraph.chunk_gated_delta_rule.default,

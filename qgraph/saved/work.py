@@ -21,9 +21,9 @@ import torch
 from torch.fx import Node
 
 from .. import compat
+from ..kernels.ops import CHUNK  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
 from .fxdata import OP_OVERLOAD
 
-CHUNK = 64  # the chunked delta rule's chunk: its work within a chunk is quadratic in it
 # ops whose work is a sort's: 16 x the elements they read and write
 _ORDERING = ("aten.sort.default", "aten.argsort.default", "aten.topk.default",
              "qgraph.qsa_select.default", "qgraph.qsa_blocks.default")
