@@ -317,6 +317,43 @@ def test_an_experts_implementation_qgraph_cannot_run_is_refused_and_no_interface
         assert compat.experts_implementation_run(experts) == "eager"
 
 
+def test_a_saved_program_runs_only_the_experts_implementations_it_can_bound(family, eager_twin, tmp_path):
+    """A saved program's experts op runs "eager" or "grouped_mm" alone: "batched_mm" gathers each routed expert's
+    weights per token (memory the loader's fake run cannot see) and "sonicmoe" / "deepgemm" fetch kernels from
+    the Hub. A file naming one is refused at load; a model set to one is refused at save, with the way out."""
+    from hostile import rewrite
+    name, model, _ = family
+    if name != "qwen3_5_moe":
+        pytest.skip("one family is enough: both run the one experts op")
+    path = qgraph.instrument(model, values=["layers.1.layer_output"]).save(tmp_path / "moe.qgraph")
+    ids = random_ids(1, 6)
+    with torch.no_grad():
+        assert torch.equal(qgraph.load(path, weights=model)(ids).logits, model(input_ids=ids).logits)  # grouped_mm
+
+    def implementation(value):
+        def change(data):
+            calls = [node for node in data["graph"]["nodes"] if node.get("target") == "torch.ops.qgraph.moe_experts.default"]
+            assert calls
+            for node in calls:
+                node["args"] = [*node["args"][:6], value]
+        return change
+    for value in ("batched_mm", "sonicmoe"):
+        hostile = rewrite(path, tmp_path / f"{value}.qgraph", graph=implementation(value))
+        with pytest.raises(qgraph.SavedProgramError, match=rf"calls qgraph.moe_experts.default with implementation="
+                                                           rf"'{value}'; a saved program holds it only with "
+                                                           rf"implementation one of 'eager', 'grouped_mm'"):
+            qgraph.load(hostile, weights=model)
+    eager_twin.set_experts_implementation("batched_mm")
+    try:
+        with pytest.raises(qgraph.NotSupported, match=r"b.qgraph cannot be saved: node \w+ calls qgraph.moe_experts."
+                                                      r"default with implementation='batched_mm'.*model.set_experts_"
+                                                      r"implementation\('grouped_mm'\) before qgraph.instrument"):
+            qgraph.instrument(eager_twin, values=["layers.1.layer_output"]).save(tmp_path / "b.qgraph")
+    finally:
+        eager_twin.set_experts_implementation("eager")
+    assert not (tmp_path / "b.qgraph").exists()
+
+
 def image(height, width, seed):
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))

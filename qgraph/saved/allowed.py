@@ -106,5 +106,10 @@ INPLACE = frozenset(("aten.copy_.default", "aten.detach_.default", "aten.index_p
 # argument position -> the one value it may hold (otherwise the op reads the global random generator)
 CONSTANT: dict[str, dict[int, object]] = {"aten.dropout.default": {2: False},
                                           "aten.scaled_dot_product_attention.default": {4: 0.0}}
+# argument position -> the values it may hold, and why no other: the experts op runs the transformers function
+# its argument names. "batched_mm" gathers each routed expert's weights for every token (tokens x top-k
+# experts' weights at once: memory that the fake run, which sees only the op's output, cannot bound), and
+# "deepgemm" and "sonicmoe" fetch their kernels from the Hugging Face Hub.
+CHOICES: dict[str, dict[int, tuple]] = {"qgraph.moe_experts.default": {6: ("eager", "grouped_mm")}}
 
 FUNCTIONS = SIZE_FUNCTIONS  # the size arithmetic export writes between ops (``export.sizes``)

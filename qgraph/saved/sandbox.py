@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 
 import sympy
 import torch
@@ -30,7 +30,7 @@ from torch.fx import GraphModule, Node
 from .. import compat
 from ..errors import InvalidArgument, SavedProgramError
 from . import aliasing, budget
-from .allowed import CONSTANT
+from .allowed import CHOICES, CONSTANT
 from .fxdata import OP_OVERLOAD, device
 from .work import evaluate, graph_work
 
@@ -56,15 +56,35 @@ def check(module: GraphModule, placeholders: list[dict], symbols: dict, weights:
 def _constant_arguments(node: Node, where: str) -> None:
     if node.op != "call_function" or not isinstance(node.target, OP_OVERLOAD):
         return
-    pinned = CONSTANT.get(str(node.target), {})
-    schema = compat.op_schema(node.target)
-    for index, value in pinned.items():
-        name = schema.arguments[index].name
-        given = node.args[index] if index < len(node.args) else \
-            node.kwargs.get(name, schema.arguments[index].default_value)
+    for name, given, value in _arguments(node, CONSTANT.get(str(node.target), {})):
         if given != value or isinstance(given, Node):
             raise SavedProgramError(f"{where}: node {node.name} calls {node.target} with {name}={given!r}; a saved "
                                     f"program holds it only with {name}={value!r} (otherwise it draws random numbers)")
+    refusal = outside_choices(node)
+    if refusal:
+        raise SavedProgramError(f"{where}: node {node.name} {refusal}")
+
+
+def outside_choices(node: Node) -> str | None:
+    """What is wrong with a call whose argument is not one of the values ``allowed.CHOICES`` lets it hold
+    (None if nothing): the loader refuses the node, the writer the program."""
+    if node.op != "call_function" or not isinstance(node.target, OP_OVERLOAD):
+        return None
+    for name, given, choices in _arguments(node, CHOICES.get(str(node.target), {})):
+        if isinstance(given, Node) or given not in choices:
+            return (f"calls {node.target} with {name}={given!r}; a saved program holds it only with {name} one of "
+                    f"{', '.join(map(repr, choices))} (qgraph.saved.allowed.CHOICES says why)")
+    return None
+
+
+def _arguments(node: Node, positions: Mapping[int, object]):
+    """(name, the value given or the default, what ``positions`` holds for it) of each argument at ``positions``."""
+    schema = compat.op_schema(node.target)
+    for index, value in positions.items():
+        name = schema.arguments[index].name
+        given = node.args[index] if index < len(node.args) else \
+            node.kwargs.get(name, schema.arguments[index].default_value)
+        yield name, given, value
 
 
 # -- sizes -------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from ..weights import SHARD_SIZE, size_in_bytes, tensor_names, tied_groups
 from ..weights import write as write_weights
 from .fxdata import graph_data
 from .inline import drop_submodule, free_name, inline_modules
+from .sandbox import outside_choices
 
 FORMAT = 5  # 5: the catalogue's facts of its values and slots
 SUFFIX = ".qgraph"
@@ -107,6 +108,11 @@ def _save(ig, path, weights: bool, max_shard_size, stage) -> Path:
         inputs, reads = _signature(module, program)
         tensors: dict[str, torch.Tensor] = {}
         data = {"graph": graph_data(module, tensors), "inputs": inputs}
+        for node in module.graph.nodes:  # what the loader would refuse (an experts implementation it cannot bound)
+            refusal = outside_choices(node)
+            if refusal:
+                raise NotSupported(f"node {node.name} {refusal}; for the experts, set the model's with "
+                                   f"model.set_experts_implementation('grouped_mm') before qgraph.instrument")
     except NotSupported as error:
         raise NotSupported(f"{path.name} cannot be saved: {error}") from error
     data["tensors"] = {name: {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
