@@ -174,6 +174,47 @@ def test_a_state_emitting_node_qgraph_never_writes_is_refused_at_load(saved, tmp
         qgraph.load(hostile, weights=ig.model)
 
 
+def test_delta_rule_arguments_that_broadcast_are_refused_at_load(saved, tmp_path):
+    """The kernels multiply values by betas before reshaping: betas [64, 1, 1] beside values [b, s, 4, 16]
+    would broadcast into a tensor no output's size shows (torch's own error comes only after it is made)."""
+    ig, bare = saved
+
+    def change(data):
+        nodes = data["graph"]["nodes"]
+        (node,) = [node for node in nodes if node.get("target") == STATES_OP]
+        nodes.insert(nodes.index(node), {"name": "hostile_beta", "op": "call_function",
+                                         "target": "torch.ops.aten.zeros.default", "args": [[64, 1, 1]]})
+        node["args"][4] = {"node": "hostile_beta"}
+    hostile = _with_graph(bare, tmp_path / "hostile.qgraph", change)
+    with pytest.raises(qgraph.SavedProgramError, match=r"does not fit its arguments: qgraph::chunk_gated_delta_rule_"
+                                                       r"states takes beta of shape \[s\d+, s\d+, 4\] beside queries "
+                                                       r"\[s\d+, s\d+, 2, 16\], not \[64, 1, 1\]"):
+        qgraph.load(hostile, weights=ig.model)
+
+
+WRITES_OP = "torch.ops.qgraph.chunk_gated_delta_rule_writes.default"
+
+
+@pytest.mark.parametrize("probe", ["shift", "lift"])
+def test_write_probes_of_another_shape_are_refused_at_load(sdpa_model, tmp_path, probe):
+    """``lift - shift`` inside the writes kernel broadcasts its two probes: probes the graph made of other
+    shapes ([64, 1, 1, 1] beside [1, seq, heads, dim]) would make a tensor no output's size shows."""
+    path = qgraph.instrument(sdpa_model, values=["layers.0.linear_attn.write_values"]).save(tmp_path / "w.qgraph")
+    assert qgraph.load(path, weights=sdpa_model) is not None
+
+    def change(data):
+        nodes = data["graph"]["nodes"]
+        (node,) = [node for node in nodes if node.get("target") == WRITES_OP]
+        nodes.insert(nodes.index(node), {"name": "hostile_probe", "op": "call_function",
+                                         "target": "torch.ops.aten.zeros.default", "args": [[64, 1, 1, 1]]})
+        node["args"][("shift", "lift").index(probe) + 6] = {"node": "hostile_probe"}
+    hostile = _with_graph(path, tmp_path / "hostile.qgraph", change)
+    with pytest.raises(qgraph.SavedProgramError, match=rf"does not fit its arguments: qgraph::chunk_gated_delta_rule_"
+                                                       rf"writes takes its {probe} shaped as its values \[s\d+, s\d+, "
+                                                       rf"4, 16\], not \[64, 1, 1, 1\]"):
+        qgraph.load(hostile, weights=sdpa_model)
+
+
 def _keys(checkpoint) -> set[str]:
     """The tensor names of a checkpoint folder, as safetensors reads them."""
     names = set()

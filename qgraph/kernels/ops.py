@@ -57,7 +57,24 @@ def _own_kernel(query, key, value, g, beta, initial_state, output_final_state, u
     return output, state
 
 
+def check_delta_arguments(where: str, query, key, g, beta, value=None) -> None:
+    """Refuse delta-rule arguments whose shapes a model's call never gives (``InvalidArgument``; each delta-rule
+    op and its fake check alike, so a saved program is refused at load): keys of the queries' shape ``[b s h
+    dk]``, decays and betas ``[b s hv]`` of one shape, values ``[b s hv dv]``, one batch and length throughout.
+    The kernels multiply them before reshaping, so shapes that broadcast into each other would make a tensor as
+    large as their sizes multiplied, which no output's size shows."""
+    decays = (*query.shape[:2], g.shape[-1]) if g.dim() == 3 else query.shape[:2]
+    wanted = [("key", key, query.shape), ("g", g, decays), ("beta", beta, decays)]
+    if value is not None:
+        wanted.append(("value", value, (*decays, value.shape[-1])))
+    for name, tensor, shape in wanted:
+        if tensor.dim() != len(shape) or any(a is not b and a != b for a, b in zip(tensor.shape, shape)):
+            raise InvalidArgument(f"{where} takes {name} of shape {list(shape)} beside queries "
+                                  f"{list(query.shape)}, not {list(tensor.shape)}")
+
+
 def _run_kernel(kind, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kernels=""):
+    check_delta_arguments(f"qgraph::{kind}_gated_delta_rule", query, key, g, beta, value)
     output, state = KERNELS.get(kernels, {}).get(kind, _own_kernel)(
         query, key, value, g=g, beta=beta, initial_state=initial_state,
         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -68,6 +85,7 @@ def _run_kernel(kind, query, key, value, g, beta, initial_state, use_qk_l2norm_i
 
 
 def _fake(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel, kernels=""):
+    check_delta_arguments("qgraph::gated_delta_rule", query, key, g, beta, value)
     batch, seq, heads, value_dim = value.shape
     output = value.new_empty(batch, seq, heads, value_dim)
     state = value.new_empty(batch, heads, key.shape[-1], value_dim, dtype=torch.float32)
@@ -154,6 +172,7 @@ def chunk_gated_delta_rule_states(
     every output shape from the input shapes (the number of positions from ``positions.shape``).
     """
     _check_states_arguments(positions, heads, chunk_size, states_dtype)
+    check_delta_arguments("qgraph::chunk_gated_delta_rule_states", query, key, g, beta, value)
     output, states, final_state = chunk_gated_delta_rule_with_states(
         query, key, value, g, beta, initial_state=initial_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
@@ -167,6 +186,7 @@ def chunk_gated_delta_rule_states(
 def _(query, key, value, g, beta, initial_state=None, positions=None, heads=None,
       use_qk_l2norm_in_kernel=True, chunk_size=CHUNK, states_dtype=torch.float32):
     _check_states_arguments(positions, heads, chunk_size, states_dtype)
+    check_delta_arguments("qgraph::chunk_gated_delta_rule_states", query, key, g, beta, value)
     # Shape arithmetic only, so batch and seq stay symbolic under torch.export.
     batch, seq = query.shape[:2]
     k_dim = key.shape[-1]

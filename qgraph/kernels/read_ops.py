@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidArgument
 from .delta_reads import chunk_gated_delta_rule_writes, effective_attention
 from .grad import recompute_grads
+from .ops import check_delta_arguments
 
 
 @torch.library.custom_op("qgraph::delta_rule_attention", mutates_args=())
@@ -28,12 +30,14 @@ def delta_rule_attention(query: torch.Tensor, key: torch.Tensor, g: torch.Tensor
 
 
 def _attention_read(query, key, g, beta, initial_state, use_qk_l2norm_in_kernel):
+    check_delta_arguments("qgraph::delta_rule_attention", query, key, g, beta)
     attention, initial = effective_attention(query, key, g, beta, initial_state, use_qk_l2norm_in_kernel)
     return attention, initial, attention.clone()
 
 
 @delta_rule_attention.register_fake
 def _(query, key, g, beta, initial_state, use_qk_l2norm_in_kernel):
+    check_delta_arguments("qgraph::delta_rule_attention", query, key, g, beta)
     batch, seq, heads = beta.shape
     attention = beta.new_empty(batch, heads, seq, seq, dtype=torch.float32)
     return attention, beta.new_empty(batch, seq, heads, initial_state.shape[-1], dtype=torch.float32), \
@@ -47,6 +51,8 @@ def chunk_gated_delta_rule_writes_op(query: torch.Tensor, key: torch.Tensor, val
                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(output [b s hv dv], writes [b s hv dv] float32, final state [b hv dk dv] float32)``; each write
     ``(lift - shift) * d_t + shift`` inside the recurrence (``shift`` = 0, ``lift`` = 1: the model's)."""
+    check_delta_arguments("qgraph::chunk_gated_delta_rule_writes", query, key, g, beta, value)
+    _check_probes(value, shift, lift)
     output, writes, state = chunk_gated_delta_rule_writes(query, key, value, g, beta, initial_state, shift, lift,
                                                           use_qk_l2norm_in_kernel)
     return output.clone(), writes, state.contiguous()
@@ -54,10 +60,22 @@ def chunk_gated_delta_rule_writes_op(query: torch.Tensor, key: torch.Tensor, val
 
 @chunk_gated_delta_rule_writes_op.register_fake
 def _(query, key, value, g, beta, initial_state, shift, lift, use_qk_l2norm_in_kernel):
+    check_delta_arguments("qgraph::chunk_gated_delta_rule_writes", query, key, g, beta, value)
+    _check_probes(value, shift, lift)
     batch, seq, heads, value_dim = value.shape
     return (query.new_empty(batch, seq, heads, value_dim),
             value.new_empty(batch, seq, heads, value_dim, dtype=torch.float32),
             value.new_empty(batch, heads, key.shape[-1], value_dim, dtype=torch.float32))
+
+
+def _check_probes(value: torch.Tensor, shift: torch.Tensor, lift: torch.Tensor) -> None:
+    """Refuse probes of another shape than the values' (``InvalidArgument``; the op and its fake check alike,
+    so a saved program is refused at load): ``lift - shift`` would broadcast two tensors the graph made into
+    one as large as their sizes multiplied, which no output's size shows."""
+    for name, probe in (("shift", shift), ("lift", lift)):
+        if probe.dim() != value.dim() or any(a is not b and a != b for a, b in zip(probe.shape, value.shape)):
+            raise InvalidArgument(f"qgraph::chunk_gated_delta_rule_writes takes its {name} shaped as its values "
+                                  f"{list(value.shape)}, not {list(probe.shape)}")
 
 
 def _autograd(op, function, floats: int):
