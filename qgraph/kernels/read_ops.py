@@ -73,7 +73,7 @@ def _check_probes(value: torch.Tensor, shift: torch.Tensor, lift: torch.Tensor) 
     so a saved program is refused at load): ``lift - shift`` would broadcast two tensors the graph made into
     one as large as their sizes multiplied, which no output's size shows."""
     for name, probe in (("shift", shift), ("lift", lift)):
-        if probe.dim() != value.dim() or any(a is not b and a != b for a, b in zip(probe.shape, value.shape)):
+        if probe.shape != value.shape:
             raise InvalidArgument(f"qgraph::chunk_gated_delta_rule_writes takes its {name} shaped as its values "
                                   f"{list(value.shape)}, not {list(probe.shape)}")
 

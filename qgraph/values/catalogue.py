@@ -5,9 +5,9 @@ each with its layout, its shape and where the locator found it (or why it could 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import functools
 import re
+from dataclasses import dataclass
 
 import sympy
 
@@ -129,7 +129,8 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
     """Every value of the model: the model's, then block by block, then the vision tower's, then ports."""
     placed = []
     # each host kind's hosts and each dim's size read once (a config attribute read is slow in transformers)
-    hosts, sizes = _Once(lambda kind: family.hosts_of(kind, config)), _Once(lambda dim: _spec_size(family, config, dim))
+    hosts = functools.cache(lambda kind: family.hosts_of(kind, config))
+    sizes = functools.cache(lambda dim: _spec_size(family, config, dim))
     for order, spec in enumerate(family.values):
         for host in hosts(spec.host):
             name = f"{host}.{spec.name}" if host else spec.name
@@ -142,7 +143,7 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
     entries = {entry.name: entry for _, entry in sorted(placed, key=lambda item: item[0])}
 
     symbols, whole = _symbol_names(locator), _whole_units(family, config, locator)
-    size_of = _Once(lambda size: port_size(size, symbols, whole))  # by expression: printing one is slow
+    size_of = functools.cache(lambda size: port_size(size, symbols, whole))  # by expression: printing one is slow
     for module in module_names:
         for side in ("input", "output"):
             name = f"{module}.{side}"
@@ -156,19 +157,6 @@ def build_catalogue(family: Family, config, locator: Locator, module_names: list
             layout = "[" + " ".join(str(size) for size in shape) + "]"
             entries[name] = Entry(name, module, layout, shape, f"the {side} of {module}", Found(marker))
     return entries
-
-
-class _Once(dict):
-    """``function(key)``, computed once per key."""
-
-    def __init__(self, function):
-        super().__init__()
-        self.function = function
-
-    def __call__(self, key):
-        if key not in self:
-            self[key] = self.function(key)
-        return self[key]
 
 
 def _spec_size(family: Family, config, dim: str) -> int | str:
